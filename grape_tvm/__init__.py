@@ -1,0 +1,37 @@
+"""grape-tvm: dynamic deep neural networks as CUDA graphs, on TVM.
+
+Compile side (needs TVM's compiler)::
+
+    m = grape_tvm.compile_onnx("model.onnx", dims={"seq": (1, 512)}, target="cuda")
+    m.export("model.grape")
+
+Deploy side (the TVM runtime is enough)::
+
+    ex = grape_tvm.load("model.grape", device="cuda")
+    outs = ex.run({"x": x})
+
+Importing this package loads neither: each entry point imports what it needs, so that a
+runtime-only TVM can load artifacts.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+__all__ = ["build", "compile_onnx", "load", "grape_pipeline", "__version__"]
+
+
+def __getattr__(name):
+    if name in ("build", "compile_onnx", "GrapeModule"):
+        from grape_tvm import compiler  # pylint: disable=import-outside-toplevel
+
+        return getattr(compiler, name)
+    if name == "grape_pipeline":
+        from grape_tvm.pipeline import grape_pipeline  # pylint: disable=import-outside-toplevel
+
+        return grape_pipeline
+    if name == "load":
+        from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+        return load
+    raise AttributeError(f"module 'grape_tvm' has no attribute {name!r}")

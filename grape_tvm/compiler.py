@@ -1,0 +1,107 @@
+"""Compile a Relax IRModule or an ONNX model into a grape module and its artifact."""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tvm
+from tvm import relax
+
+import grape_tvm
+from grape_tvm.artifact import Artifact
+from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature
+from grape_tvm.passes import graph_plan
+from grape_tvm.pipeline import grape_pipeline, is_gpu
+from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
+from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
+from grape_tvm.target import parse_target, target_json
+
+
+@dataclass
+class GrapeModule:
+    """A compiled model: TVM's executable, its signature and its graph plan."""
+
+    executable: Any  # relax.VMExecutable
+    signature: Signature
+    plan: dict
+    target: dict
+    cubins: dict[str, bytes] = field(default_factory=dict)
+
+    def manifest(self) -> dict:
+        return {
+            "grape_tvm_version": grape_tvm.__version__,
+            "tvm_version": tvm.__version__,
+            "target": self.target,
+            "signature": self.signature.to_json(),
+            "plan": self.plan,
+            "cubins": sorted(self.cubins),
+        }
+
+    def export(self, path: str | Path) -> Path:
+        """Write the one-file artifact that ``grape_tvm.load`` reads."""
+        with tempfile.TemporaryDirectory(prefix="grape-export-") as tmp:
+            lib = Path(tmp, "model.so")
+            self.executable.export_library(str(lib))
+            sections = {"library": lib.read_bytes()}
+        sections.update({f"cubin/{k}": v for k, v in self.cubins.items()})
+        return Artifact(self.manifest(), sections).save(path)
+
+
+def _relax_signature(func: relax.Function, dims: Mapping[str, ShapeRange],
+                     output_names: list[str] | None) -> Signature:
+    def spec(name: str, ty) -> TensorSpec:
+        if not isinstance(ty, relax.TensorType) or ty.shape is None:
+            raise TypeError(f"{name}: grape-tvm takes and returns tensors of known rank, got {ty}")
+        shape = tuple(int(d) if isinstance(d, tvm.tirx.IntImm) else str(d) for d in ty.shape.values)
+        return TensorSpec(name, str(ty.dtype), shape)
+
+    inputs = tuple(spec(p.name, p.ty) for p in func.params)
+    rets = list(func.ret_ty.fields) if isinstance(func.ret_ty, relax.TupleType) else [func.ret_ty]
+    names = output_names or [f"output_{i}" for i in range(len(rets))]
+    return Signature(inputs, tuple(spec(n, t) for n, t in zip(names, rets)), dict(dims))
+
+
+def _cuda_sources(executable) -> list[str]:
+    sources, stack = [], [executable.mod]
+    while stack:
+        mod = stack.pop()
+        if mod.kind == "cuda":
+            sources.append(mod.inspect_source(""))
+        stack.extend(mod.imports)
+    return sources
+
+
+def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any = "llvm", *,
+          signature: Signature | None = None, output_names: list[str] | None = None,
+          prebuild_cubin: bool = True) -> GrapeModule:
+    """Compile a Relax module whose ``main`` takes tensors with symbolic dimensions.
+
+    ``dims`` maps each symbolic dimension to its declared range ``(lo, hi)``; memory is
+    planned at ``hi``. For a CUDA target the kernels are compiled to cubin here when nvcc is
+    present (else on first load, then cached).
+    """
+    tgt = parse_target(target)
+    ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
+    signature = signature or _relax_signature(mod["main"], ranges, output_names)
+    lowered = grape_pipeline(tgt, ranges)(mod)
+    plan = graph_plan(lowered).to_json()
+    executable = tvm.compile(lowered, target=tgt, relax_pipeline=None)
+    info = target_json(tgt)
+    cubins = {}
+    if is_gpu(tgt) and prebuild_cubin and nvcc_available():
+        cubins = {source_key(code): compile_cubin(code, info.get("arch", "sm_90"))
+                  for code in _cuda_sources(executable)}
+    return GrapeModule(executable, signature, plan, info, cubins)
+
+
+def compile_onnx(model: Any, dims: Mapping[str, Any] | None = None, target: Any = "llvm",
+                 **kwargs) -> GrapeModule:
+    """Import an ONNX model (path or ``ModelProto``) and ``build`` it."""
+    proto = load_onnx(model)
+    signature = onnx_signature(proto, dims or {})
+    mod = import_onnx(proto)
+    return build(mod, signature.dims, target, signature=signature, **kwargs)

@@ -1,0 +1,88 @@
+"""ONNX to Relax with symbolic dimensions, and the signature users call the model with."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import onnx
+import tvm
+from tvm import relax
+
+from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
+
+_ONNX_DTYPES = {
+    onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
+    onnx.TensorProto.DOUBLE: "float64", onnx.TensorProto.INT64: "int64",
+    onnx.TensorProto.INT32: "int32", onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.BOOL: "bool",
+    onnx.TensorProto.BFLOAT16: "bfloat16",
+}
+
+
+class ImportError_(RuntimeError):
+    """TVM's ONNX importer could not import the model."""
+
+
+def load_onnx(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    if isinstance(model, onnx.ModelProto):
+        return model
+    path = Path(model)
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such ONNX file")
+    try:
+        return onnx.load(str(path))
+    except Exception as err:  # pylint: disable=broad-except
+        raise ValueError(f"{path} is not a readable ONNX model: {err}") from None
+
+
+def _value_spec(value: onnx.ValueInfoProto) -> TensorSpec:
+    ttype = value.type.tensor_type
+    dtype = _ONNX_DTYPES.get(ttype.elem_type)
+    if dtype is None:
+        raise ValueError(f"ONNX value {value.name!r} has element type "
+                         f"{onnx.TensorProto.DataType.Name(ttype.elem_type)}, not supported")
+    shape = []
+    for axis, dim in enumerate(ttype.shape.dim):
+        if dim.HasField("dim_value"):
+            shape.append(int(dim.dim_value))
+        elif dim.HasField("dim_param"):
+            shape.append(dim.dim_param)
+        else:
+            raise ValueError(f"ONNX value {value.name!r} axis {axis} has neither a size nor a "
+                             "dim_param name: name it so that a range can be declared")
+    return TensorSpec(value.name, dtype, tuple(shape))
+
+
+def onnx_signature(model: onnx.ModelProto, dims: Mapping[str, Any]) -> Signature:
+    """Inputs and outputs of an ONNX graph, with every symbolic dim's declared range."""
+    initializers = {i.name for i in model.graph.initializer}
+    inputs = tuple(_value_spec(v) for v in model.graph.input if v.name not in initializers)
+    outputs = tuple(_value_spec(v) for v in model.graph.output)
+    ranges = {name: ShapeRange.of(r, name) for name, r in dims.items()}
+    named = {d for t in inputs for d in t.shape if isinstance(d, str)}
+    for spec in inputs:
+        for axis, dim in enumerate(spec.shape):
+            if isinstance(dim, str) and dim not in ranges:
+                raise ValueError(f"dimension {dim!r} of input {spec.name!r} (axis {axis}) has "
+                                 f"no declared range: pass --dim {dim}=LO:HI "
+                                 f"(dims={{'{dim}': (lo, hi)}} from Python)")
+    unknown = sorted(set(ranges) - named)
+    if unknown:
+        raise ValueError(f"declared dimension(s) {unknown} are not dim_param names of any "
+                         f"input; the inputs name {sorted(named) or 'none'}")
+    return Signature(inputs, outputs, ranges)
+
+
+def import_onnx(model: onnx.ModelProto) -> tvm.IRModule:
+    """TVM's Relax ONNX importer, with its failures turned into one clear error."""
+    from tvm.relax.frontend.onnx import from_onnx  # pylint: disable=import-outside-toplevel
+
+    try:
+        mod = from_onnx(model, keep_params_in_input=False)
+    except Exception as err:  # pylint: disable=broad-except
+        first = str(err).strip().splitlines()
+        raise ImportError_(f"TVM's ONNX importer cannot import graph {model.graph.name!r}: "
+                           f"{first[-1] if first else type(err).__name__}") from err
+    return relax.transform.DeadCodeElimination(["main"])(mod)

@@ -1,0 +1,85 @@
+"""Load a ``.grape`` artifact where the model is deployed: the TVM runtime is enough."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+from pathlib import Path
+from typing import Any
+
+import tvm
+
+from grape_tvm.artifact import Artifact, ArtifactError
+from grape_tvm.runtime.cuda_compile import CubinStore, cache_dir
+from grape_tvm.runtime.executor import GraphExecutor
+from grape_tvm.runtime.signature import Signature
+
+
+def _device(device: Any) -> tvm.runtime.Device:
+    if isinstance(device, str):
+        kind, _, index = device.partition(":")
+        if kind not in ("cpu", "cuda"):
+            raise ValueError(f"device must be cpu or cuda[:N], got {device!r}")
+        return tvm.device(kind, int(index or 0))
+    return device
+
+
+def _load_cuda_runtime() -> None:
+    """Runtime-only TVM does not load its CUDA backend by itself (shared/gpu/README.md)."""
+    if tvm.cuda(0).exist:
+        return
+    libs = getattr(tvm.base, "_LOADED_LIBS", {})
+    runtime = libs.get("tvm_runtime") if isinstance(libs, dict) else None
+    if runtime is not None:
+        path = os.path.join(os.path.dirname(runtime._name), "libtvm_runtime_cuda.so")
+        if os.path.exists(path):
+            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+
+
+def _library_path(artifact: Artifact) -> Path:
+    # A .so must be a file to be loaded; one file per artifact content, reused across loads.
+    digest = artifact.manifest["sections"][0]["sha256"]
+    path = cache_dir() / "lib" / f"{digest}.so"
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
+        tmp.write_bytes(artifact.sections["library"])
+        tmp.replace(path)
+    return path
+
+
+def load(path: str | Path, device: Any = "cpu") -> GraphExecutor:
+    """Load an artifact and return an executor on ``device`` (``"cpu"`` or ``"cuda"``)."""
+    artifact = Artifact.load(path)
+    manifest = artifact.manifest
+    kind = manifest["target"]["kind"]
+    dev = _device(device)
+    wanted = "cuda" if kind == "cuda" else "cpu"
+    if dev.dlpack_device_type() != tvm.device(wanted, 0).dlpack_device_type():
+        raise ArtifactError(f"{path} was compiled for {kind} and runs on {wanted}, not on "
+                            f"{device!r}: compile it again with --target "
+                            f"{'cuda' if wanted == 'cpu' else 'llvm'}")
+    if kind == "cuda":
+        _load_cuda_runtime()
+        if not tvm.cuda(dev.index).exist:
+            raise RuntimeError(f"{path} needs a CUDA GPU, and none is visible here")
+        store = CubinStore(manifest["target"].get("arch", "sm_90"))
+        store.add({name.split("/", 1)[1]: blob for name, blob in artifact.sections.items()
+                   if name.startswith("cubin/")})
+        store.install()
+    library = tvm.runtime.load_module(str(_library_path(artifact)))
+    signature = Signature.from_json(manifest["signature"])
+    backend = _backend(kind, dev)
+    executor = GraphExecutor(library, dev, signature, backend)
+    executor.manifest = manifest
+    return executor
+
+
+def _backend(kind: str, dev: tvm.runtime.Device):
+    if kind == "cuda":
+        from grape_tvm.runtime.cuda_graph import CudaGraphBackend  # pylint: disable=import-outside-toplevel
+
+        return CudaGraphBackend(dev)
+    from grape_tvm.runtime.cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
+
+    return CpuReplayBackend(dev)

@@ -1,0 +1,87 @@
+"""The ``grape`` Relax pipeline: TVM's lowering with graph regions in place of TVM's CUDA graphs."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import tvm
+from tvm import relax
+from tvm.ir.transform import PassContext, module_pass
+
+from grape_tvm.passes import BoundShapeRanges, CheckDeviceKernels, LiftGraphRegions
+from grape_tvm.runtime.signature import ShapeRange
+
+
+def _finalize_passes() -> list[tvm.transform.Pass]:
+    # TVM's finalize passes for every target, with RewriteCUDAGraph replaced by
+    # LiftGraphRegions: TVM's pass only captures static regions.
+    t = relax.transform
+    return [
+        t.StaticPlanBlockMemory(),
+        LiftGraphRegions(),
+        t.LowerAllocTensor(),
+        t.KillAfterLastUse(),
+        t.LowerRuntimeBuiltin(),
+        t.ComputePrimValue(),
+        t.VMShapeLower(),
+        t.AttachGlobalSymbol(),
+    ]
+
+
+def is_gpu(target: tvm.target.Target) -> bool:
+    return "gpu" in target.keys
+
+
+def _backend(target: tvm.target.Target):
+    # The per-target pipeline modules themselves: relax.pipeline.dataflow_lower_passes fails
+    # for llvm in TVM 0.27 (cpu_generic's package does not export it).
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+    from tvm.relax.backend.cuda import pipeline as cuda
+    from tvm.relax.backend.gpu_generic import pipeline as gpu
+
+    if target.kind.name == "cuda":
+        return cuda
+    if target.kind.name in ("llvm", "c"):
+        return cpu
+    if is_gpu(target):
+        return gpu
+    raise ValueError(f"grape-tvm has no lowering for target kind {target.kind.name!r}; "
+                     "use llvm or cuda")
+
+
+@module_pass(opt_level=0, name="GrapePipeline")
+class GrapePipeline:
+    """Lower a Relax module for grape: bound shapes, TVM's per-target lowering, regions.
+
+    ``dims`` may be omitted when the functions already carry ``tir_var_upper_bound``. The
+    target is the one given or, as with TVM's own pipelines, the one in scope.
+    """
+
+    def __init__(self, target: tvm.target.Target | None = None,
+                 dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None):
+        self.target = target
+        self.dims = dict(dims or {})
+
+    def transform_module(self, mod: tvm.IRModule, ctx: PassContext) -> tvm.IRModule:
+        target = self.target or tvm.target.Target.current(allow_none=False)
+        lowering = _backend(target)
+        with target:
+            passes = []
+            if self.dims:
+                passes.append(BoundShapeRanges(self.dims))
+            passes += lowering.library_dispatch_passes(target) + lowering.legalize_passes(target)
+            if is_gpu(target):
+                passes.append(CheckDeviceKernels())
+            passes += lowering.dataflow_lower_passes(target) + _finalize_passes()
+            return tvm.transform.Sequential(passes)(mod)
+
+
+def grape_pipeline(target: tvm.target.Target | None = None,
+                   dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None) -> tvm.transform.Pass:
+    """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes."""
+    return GrapePipeline(target, dims)
+
+
+if "grape" not in relax.pipeline.PIPELINE_MAP:
+    # tvm.compile(mod, target, relax_pipeline="grape") looks pipelines up by name.
+    relax.register_pipeline("grape")(grape_pipeline)

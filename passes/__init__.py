@@ -1,0 +1,28 @@
+"""grape-tvm's Relax and TIR passes.
+
+Each pass does one job and composes with ``tvm.transform.Sequential``:
+
+- ``BoundShapeRanges``: declared dimension ranges become ``tir_var_upper_bound``.
+- ``LiftGraphRegions``: runs of kernel launches become region functions; the rest stays on
+  the host. ``graph_plan`` reads the result back for ``inspect``.
+- ``CheckDeviceKernels``: a GPU build with a kernel left on the host is an error.
+
+Passes touch IR only: nothing here launches a kernel or owns a device resource.
+"""
+
+from .bound_shapes import BoundShapeRanges, signature_dims
+from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
+from .lift_regions import REGION_ATTR, REGION_PREFIX, GraphPlan, LiftGraphRegions, graph_plan
+
+__all__ = [
+    "BoundShapeRanges",
+    "CheckDeviceKernels",
+    "GraphPlan",
+    "HostFallbackError",
+    "LiftGraphRegions",
+    "REGION_ATTR",
+    "REGION_PREFIX",
+    "graph_plan",
+    "signature_dims",
+    "unbound_kernels",
+]

@@ -1,0 +1,78 @@
+"""Refuse GPU builds in which a kernel silently stayed on the host."""
+
+from __future__ import annotations
+
+from tvm import IRModule, tirx
+from tvm_ffi.structural import structural_walk
+from tvm.ir.transform import PassContext, module_pass
+
+
+class HostFallbackError(RuntimeError):
+    """A GPU build left kernels without a thread binding: they would run on the CPU."""
+
+
+def _launches_threads(func: tirx.PrimFunc) -> bool:
+    found = []
+
+    def on_for(loop):
+        if loop.thread_binding is not None:
+            found.append(loop)
+
+    def on_attr(stmt):
+        if stmt.attr_key == "thread_extent":
+            found.append(stmt)
+
+    structural_walk(func.body, ((tirx.For, on_for), (tirx.AttrStmt, on_attr)))
+    return bool(found)
+
+
+def _is_host_function(func: tirx.PrimFunc) -> bool:
+    attrs = func.attrs
+    if attrs is None:
+        return False
+    if "target" in attrs and attrs["target"].kind.name in ("llvm", "c"):
+        return True
+    return bool(attrs.get("tirx.is_host_func", False))
+
+
+def _touches_memory(func: tirx.PrimFunc) -> bool:
+    return len(func.params) > 0
+
+
+def unbound_kernels(mod: IRModule) -> list[str]:
+    """Names of PrimFuncs that a GPU target would quietly compile for the host."""
+    names = []
+    for gvar, func in mod.functions.items():
+        if not isinstance(func, tirx.PrimFunc) or _is_host_function(func):
+            continue
+        if _touches_memory(func) and not _launches_threads(func):
+            names.append(gvar.name_hint)
+    return sorted(names)
+
+
+@module_pass(opt_level=0, name="CheckDeviceKernels")
+class CheckDeviceKernels:
+    """Fail a GPU build when a kernel has no ``blockIdx``/``threadIdx`` binding.
+
+    TVM's GPU schedules (dlight) skip a PrimFunc they cannot handle; codegen then quietly
+    compiles it for the host and the build still succeeds, with the model reading device
+    memory from the CPU at run time. This pass makes that an error naming the functions.
+
+    Before (the pass raises)::
+
+        @T.prim_func
+        def softmax(x: T.Buffer((n,), "float32"), y: T.Buffer((n,), "float32")):
+            for i in range(n):          # no thread binding: would run on the host
+                y[i] = ...
+
+    After: a module in which every kernel binds ``blockIdx``/``threadIdx`` is returned as is.
+    """
+
+    def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
+        bad = unbound_kernels(mod)
+        if bad:
+            raise HostFallbackError(
+                "the GPU build left these kernels without a thread binding, so TVM would run "
+                f"them on the host: {', '.join(bad)}. No artifact was produced."
+            )
+        return mod

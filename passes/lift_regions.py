@@ -1,0 +1,295 @@
+"""Split a lowered Relax function into graph regions and host steps."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tvm import IRModule, relax, tirx
+from tvm.ir.transform import PassContext, module_pass
+
+REGION_ATTR = "grape.region"
+REGION_PREFIX = "grape_region_"
+
+# Bindings that do no device work and read no tensor contents: while a region is open they
+# are hoisted in front of it (allocations, views, tuples) or sunk behind it (kills), so that
+# they do not cut the region in two.
+_ALLOC_OPS = {"relax.builtin.alloc_tensor", "relax.memory.alloc_storage", "relax.memory.alloc_tensor",
+              "relax.vm.alloc_storage", "relax.vm.alloc_tensor"}
+_VIEW_OPS = {"relax.memory.view", "relax.memory.ensure_zero_offset", "relax.null_value"}
+_KILL_OPS = {"relax.memory.kill_tensor", "relax.memory.kill_storage", "relax.vm.kill_object"}
+# What VMShapeLower adds to every function: shape checks and shape arithmetic on the host.
+_BOOKKEEPING_OPS = {
+    "vm.builtin.alloc_shape_heap", "vm.builtin.check_tensor_info", "vm.builtin.check_shape_info",
+    "vm.builtin.check_tuple_info", "vm.builtin.check_prim_value_info", "vm.builtin.check_func_info",
+    "vm.builtin.match_shape", "vm.builtin.match_prim_value", "vm.builtin.make_shape",
+    "vm.builtin.make_prim_value", "vm.builtin.null_value",
+}
+
+
+@dataclass
+class HostStep:
+    """A binding that stays on the host, and why."""
+
+    function: str
+    op: str
+    var: str
+    reason: str
+
+
+@dataclass
+class RegionInfo:
+    """One lifted region: its function and the kernels it launches, in order."""
+
+    name: str
+    function: str
+    kernels: list[str]
+    symbolic_vars: list[str]
+    num_params: int
+
+
+@dataclass
+class GraphPlan:
+    """What will run as graphs and what stays on the host, read off a lifted module."""
+
+    regions: list[RegionInfo] = field(default_factory=list)
+    host_steps: list[HostStep] = field(default_factory=list)
+    host_bookkeeping: int = 0
+
+    def to_json(self) -> dict:
+        return {
+            "regions": [vars(r) for r in self.regions],
+            "host_steps": [vars(h) for h in self.host_steps],
+            "host_bookkeeping": self.host_bookkeeping,
+        }
+
+
+def _op_name(call: relax.Call) -> str:
+    op = call.op
+    if isinstance(op, relax.ExternFunc):
+        return op.global_symbol
+    if isinstance(op, relax.GlobalVar):
+        return op.name_hint
+    if hasattr(op, "name"):
+        name = op.name
+        if name in ("relax.call_builtin_with_ctx", "relax.call_pure_packed", "relax.call_packed") and call.args:
+            callee = call.args[0]
+            if isinstance(callee, relax.ExternFunc):
+                return callee.global_symbol
+        return name
+    return type(op).__name__
+
+
+def classify(binding: relax.Binding, mod: IRModule) -> tuple[str, str, str]:
+    """Return ``(kind, op, reason)``.
+
+    kind is one of kernel, alloc, view, kill, region, bookkeeping (VM shape checks) or host.
+    """
+    value = binding.value
+    if isinstance(binding, relax.MatchCast):
+        return "host", "match_cast", "checks a shape on the host"
+    if isinstance(value, relax.If):
+        return "host", "if", "its condition is read on the host"
+    if isinstance(value, relax.Call):
+        op = value.op
+        if isinstance(op, relax.GlobalVar) and op in mod.get_global_vars():
+            callee = mod[op]
+            if isinstance(callee, tirx.PrimFunc):
+                if callee.attrs is not None and callee.attrs.get("tirx.is_host_func", False):
+                    return "bookkeeping", op.name_hint, ""
+                return "kernel", op.name_hint, ""
+            if callee.attrs is not None and REGION_ATTR in callee.attrs:
+                return "region", op.name_hint, ""
+            return "host", op.name_hint, "calls a Relax function"
+        name = _op_name(value)
+        if name in _ALLOC_OPS:
+            return "alloc", name, ""
+        if name in _VIEW_OPS:
+            return "view", name, ""
+        if name in _KILL_OPS:
+            return "kill", name, ""
+        if name in _BOOKKEEPING_OPS:
+            return "bookkeeping", name, ""
+        return "host", name, f"{name} runs on the host"
+    if isinstance(value, (relax.Function, relax.SeqExpr)):
+        return "host", type(value).__name__, "not a kernel launch"
+    # Tuples, tuple items, variables, shapes and constants: values, not work.
+    return "view", type(value).__name__, ""
+
+
+def _tir_vars(exprs) -> list[tirx.Var]:
+    found: dict[str, tirx.Var] = {}
+    for expr in exprs:
+        for var in relax.analysis.tir_vars_in_type(expr.ty):
+            found.setdefault(var.name, var)
+    return list(found.values())
+
+
+class _RegionBuilder:
+    """Accumulates one open region while a function's bindings are scanned."""
+
+    def __init__(self):
+        self.kernels: list[relax.Binding] = []
+        self.hoisted: list[relax.Binding] = []
+        self.sunk: list[relax.Binding] = []
+        self.defined: set = set()
+
+    def __bool__(self) -> bool:
+        return bool(self.kernels)
+
+    def depends_on_region(self, binding: relax.Binding) -> bool:
+        return any(v in self.defined for v in relax.analysis.free_vars(binding.value))
+
+    def add_kernel(self, binding: relax.Binding) -> None:
+        self.kernels.append(binding)
+        self.defined.add(binding.var)
+
+    def lift(self, bb: relax.BlockBuilder, index: int) -> list[relax.Binding]:
+        """Emit the region as a function; return the bindings that replace it in the caller."""
+        block = relax.BindingBlock(self.kernels)
+        params = [v for v in relax.analysis.free_vars(relax.SeqExpr([block], relax.Tuple([])))
+                  if not isinstance(v, relax.GlobalVar)]
+        sym = _tir_vars(params + [a for b in self.kernels for a in b.value.args])
+        shape = relax.Var("shape", relax.ShapeType(sym))
+        name = f"{REGION_PREFIX}{index}"
+        # The region hands its shape back: a call whose result is void crashes TVM 0.27's VM
+        # when it returns from a Relax function into the caller's void register.
+        func = relax.Function(params + [shape], relax.SeqExpr([block], shape), shape.ty,
+                              is_pure=False)
+        func = relax.utils.copy_with_new_vars(func)
+        func = func.with_attr(REGION_ATTR, index).with_attr("relax.force_pure", True)
+        gvar = bb.add_func(func, name)
+        call = relax.Call(gvar, params + [relax.ShapeExpr(sym)])
+        done = relax.VarBinding(relax.Var(f"{name}_done", relax.ShapeType(sym)), call)
+        return [*self.hoisted, done, *self.sunk]
+
+
+def _uses_outside(bindings: list[relax.Binding], body: relax.Expr) -> set:
+    """Variables read by ``bindings`` or the function result (to keep kernel results honest)."""
+    used = set(relax.analysis.free_vars(body))
+    for b in bindings:
+        used.update(relax.analysis.free_vars(b.value))
+    return used
+
+
+@module_pass(opt_level=0, name="LiftGraphRegions")
+class LiftGraphRegions:
+    """Lift each maximal run of kernel launches into its own function: a graph region.
+
+    Runs after memory planning (``StaticPlanBlockMemory``), where every kernel is a direct
+    destination-passing call into a PrimFunc. A region's inputs, outputs and intermediates
+    are all allocated by the caller, so a region function writes into its arguments and
+    returns only its last parameter: a shape holding the symbolic dimensions the region
+    uses, the key under which a runtime records the region's launches per shape.
+    Allocations, views and kills are moved out of the way; anything else (a branch, a shape
+    check, a host builtin) closes the region and stays on the host.
+
+    Before::
+
+        @R.function
+        def main(x: R.Tensor(("n", 16), "float32")):
+            alloc = R.builtin.alloc_tensor(R.shape([n, 16]), "float32", 0)
+            _ = matmul(x, w, alloc)
+            alloc1 = R.builtin.alloc_tensor(R.shape([n, 16]), "float32", 0)
+            _1 = relu(alloc, alloc1)
+            return alloc1
+
+    After::
+
+        @R.function
+        def grape_region_0(x, w, alloc, alloc1, shape: R.Shape(["n"])) -> R.Shape(["n"]):
+            R.func_attr({"grape.region": 0, "relax.force_pure": True})
+            _ = matmul(x, w, alloc)
+            _1 = relu(alloc, alloc1)
+            return shape
+
+        @R.function
+        def main(x: R.Tensor(("n", 16), "float32")):
+            alloc = R.builtin.alloc_tensor(R.shape([n, 16]), "float32", 0)
+            alloc1 = R.builtin.alloc_tensor(R.shape([n, 16]), "float32", 0)
+            grape_region_0_done = grape_region_0(x, w, alloc, alloc1, R.shape([n]))
+            return alloc1
+    """
+
+    def __init__(self, functions: tuple[str, ...] | None = None):
+        self.functions = functions
+
+    def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
+        bb = relax.BlockBuilder(mod)
+        index = 0
+        for gvar, func in list(mod.functions.items()):
+            if not self._wanted(gvar, func):
+                continue
+            new_func, index = self._lift_function(bb, mod, func, index)
+            bb.update_func(gvar, new_func)
+        return relax.transform.Normalize()(bb.get())
+
+    def _wanted(self, gvar: relax.GlobalVar, func) -> bool:
+        if not isinstance(func, relax.Function):
+            return False
+        if func.attrs is not None and REGION_ATTR in func.attrs:
+            return False
+        return self.functions is None or gvar.name_hint in self.functions
+
+    def _lift_function(self, bb, mod, func: relax.Function, index: int):
+        body = func.body
+        if not isinstance(body, relax.SeqExpr):
+            return func, index
+        blocks = []
+        for block in body.blocks:
+            bindings, index = self._lift_block(bb, mod, list(block.bindings), body.body, index)
+            blocks.append(relax.BindingBlock(bindings))
+        new_body = relax.SeqExpr(blocks, body.body)
+        return relax.Function(func.params, new_body, func.ret_ty, func.is_pure, func.attrs), index
+
+    def _lift_block(self, bb, mod, bindings, result, index):
+        out: list[relax.Binding] = []
+        region = _RegionBuilder()
+        for i, binding in enumerate(bindings):
+            kind, _, _ = classify(binding, mod)
+            if kind == "kernel" and binding.var not in _uses_outside(bindings[i + 1:], result):
+                region.add_kernel(binding)
+                continue
+            if region and kind in ("alloc", "view") and not region.depends_on_region(binding):
+                region.hoisted.append(binding)
+                continue
+            if region and kind == "kill":
+                region.sunk.append(binding)
+                continue
+            if region:
+                out += region.lift(bb, index)
+                index += 1
+                region = _RegionBuilder()
+            out.append(binding)
+        if region:
+            out += region.lift(bb, index)
+            index += 1
+        return out, index
+
+
+def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
+    """Describe a lifted module: its regions in call order, and the host steps of ``entry``."""
+    plan = GraphPlan()
+    func = mod[entry]
+    for block in func.body.blocks:
+        for binding in block.bindings:
+            kind, op, reason = classify(binding, mod)
+            if kind == "region":
+                plan.regions.append(_region_info(mod, op))
+            elif kind == "bookkeeping":
+                plan.host_bookkeeping += 1
+            elif kind == "host" or kind == "kernel":
+                plan.host_steps.append(
+                    HostStep(entry, op, binding.var.name, reason or "kernel outside any region")
+                )
+    return plan
+
+
+def _region_info(mod: IRModule, name: str) -> RegionInfo:
+    func = mod[name]
+    kernels = [
+        b.value.op.name_hint for blk in func.body.blocks for b in blk.bindings
+        if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.GlobalVar)
+    ]
+    shape_ty = func.params[-1].ty
+    sym = [str(v) for v in shape_ty.values] if shape_ty.values is not None else []
+    return RegionInfo(name, name, kernels, sym, len(func.params) - 1)

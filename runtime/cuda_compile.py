@@ -1,0 +1,82 @@
+"""CUDA kernels of an artifact: cubins built at compile time, or built once at load and cached.
+
+TVM's CUDA build without a GPU keeps kernels as CUDA source; when such a library is loaded,
+TVM asks the process-wide global function ``tvm_callback_cuda_compile`` for a binary. The
+``CubinStore`` answers from the cubins an artifact carries, else compiles with ``nvcc`` and
+keeps the result on disk, so a kernel is compiled once per machine, not on every load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+
+def source_key(code: str) -> str:
+    return hashlib.sha256(code.encode()).hexdigest()
+
+
+def nvcc_available() -> bool:
+    return shutil.which("nvcc") is not None
+
+
+def compile_cubin(code: str, arch: str) -> bytes:
+    """Compile CUDA source to a cubin for ``arch`` (``sm_90``) with nvcc."""
+    if not nvcc_available():
+        raise RuntimeError("nvcc is not on PATH: cannot compile the model's CUDA kernels")
+    with tempfile.TemporaryDirectory(prefix="grape-nvcc-") as tmp:
+        src, out = Path(tmp, "kernels.cu"), Path(tmp, "kernels.cubin")
+        src.write_text(code)
+        cmd = ["nvcc", "--cubin", f"-arch={arch}", "-O3", "-o", str(out), str(src)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if proc.returncode != 0:
+            raise RuntimeError(f"nvcc failed for {arch}:\n{proc.stderr[-4000:]}")
+        return out.read_bytes()
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GRAPE_TVM_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "grape-tvm")
+    return Path(root)
+
+
+class CubinStore:
+    """Cubins by source hash: from artifacts first, then the disk cache, then nvcc."""
+
+    def __init__(self, arch: str):
+        self.arch = arch
+        self._known: dict[str, bytes] = {}
+        self.compiled = 0
+
+    def add(self, cubins: dict[str, bytes]) -> None:
+        self._known.update(cubins)
+
+    def lookup(self, code: str) -> bytes:
+        key = source_key(code)
+        if key in self._known:
+            return self._known[key]
+        path = cache_dir() / "cubin" / f"{key}-{self.arch}.cubin"
+        if path.exists():
+            return path.read_bytes()
+        cubin = compile_cubin(code, self.arch)
+        self.compiled += 1
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(cubin)
+        tmp.replace(path)
+        self._known[key] = cubin
+        return cubin
+
+    def install(self) -> None:
+        """Answer TVM's ``tvm_callback_cuda_compile`` from this store (process-wide)."""
+        import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+        def tvm_callback_cuda_compile(code, *_):
+            return bytearray(self.lookup(str(code)))
+
+        tvm_ffi.register_global_func("tvm_callback_cuda_compile", tvm_callback_cuda_compile,
+                                     override=True)

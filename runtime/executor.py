@@ -1,0 +1,160 @@
+"""``GraphExecutor``: host steps through TVM's VM, regions through recorded graphs."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import tvm
+from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
+
+from .signature import Signature
+
+REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
+
+
+@dataclass
+class CallStats:
+    """What the executor did, summed over calls."""
+
+    calls: int = 0
+    region_replays: int = 0
+    region_recordings: int = 0
+    recordings_by_region: dict[str, int] = field(default_factory=dict)
+
+
+class GraphExecutor:
+    """Run a grape-compiled module on one device.
+
+    The VM runs the entry function; each call of a region function is intercepted: at a
+    shape seen before its recording is replayed (one graph launch on CUDA) and the VM skips
+    the call, at a new shape the VM runs it while the backend records it. Returned
+    arrays are new numpy arrays, or with ``return_numpy=False`` tensors that the executor's
+    VM allocated for this call.
+
+    Calls are serialized: one executor has one VM and one stream; use one executor per
+    thread for parallel calls.
+    """
+
+    def __init__(self, executable: tvm.runtime.Module, device: tvm.runtime.Device,
+                 signature: Signature, backend, entry: str = "main"):
+        self.device = device
+        self.signature = signature
+        self.backend = backend
+        self.entry = entry
+        self.stats = CallStats()
+        self._vm = VirtualMachine(executable, device)
+        self._vm.set_instrument(self._instrument)
+        self._recordings: dict[tuple[str, tuple[int, ...]], Any] = {}
+        self._open: tuple[str, tuple[int, ...], Any] | None = None
+        self._lock = threading.Lock()
+
+    # -- calls ---------------------------------------------------------------------------
+    def run(self, inputs: Mapping[str, Any], *, return_numpy: bool = True) -> dict[str, Any]:
+        """Run one call; ``inputs`` maps input names to numpy arrays or DLPack tensors."""
+        with self._lock:
+            args = self._prepare(inputs)
+            try:
+                with self.backend.stream_context():
+                    result = self._vm[self.entry](*args)
+                    outputs = self._name_outputs(result)
+                    if return_numpy:
+                        outputs = {k: v.numpy() for k, v in outputs.items()}
+            except BaseException:
+                self._abandon_recording()
+                raise
+            self.stats.calls += 1
+            return outputs
+
+    __call__ = run
+
+    def _prepare(self, inputs: Mapping[str, Any]) -> list[tvm.runtime.Tensor]:
+        if not isinstance(inputs, Mapping):
+            raise TypeError(f"inputs must be a mapping from input name to array, got "
+                            f"{type(inputs).__name__}")
+        tensors = {name: self._as_tensor(name, value) for name, value in inputs.items()}
+        self.signature.bind({k: tuple(t.shape) for k, t in tensors.items()},
+                            {k: str(t.dtype) for k, t in tensors.items()})
+        return [tensors[spec.name] for spec in self.signature.inputs]
+
+    def _as_tensor(self, name: str, value: Any) -> tvm.runtime.Tensor:
+        if isinstance(value, tvm.runtime.Tensor):
+            tensor = value
+        elif isinstance(value, np.ndarray) or np.isscalar(value):
+            return tvm.runtime.tensor(np.ascontiguousarray(value), self.device)
+        elif hasattr(value, "__dlpack__"):
+            tensor = tvm.runtime.from_dlpack(value)
+        else:
+            raise TypeError(f"input {name!r}: expected a numpy array or a DLPack tensor, got "
+                            f"{type(value).__name__}")
+        if tensor.device.dlpack_device_type() != self.device.dlpack_device_type() or \
+                tensor.device.index != self.device.index:
+            raise ValueError(f"input {name!r} is on {tensor.device}, the executor runs on "
+                             f"{self.device}")
+        if not tensor.is_contiguous():
+            raise ValueError(f"input {name!r} is not contiguous (strides {tensor.strides}); "
+                             "the kernels read dense row-major tensors")
+        return tensor
+
+    def _name_outputs(self, result: Any) -> dict[str, tvm.runtime.Tensor]:
+        values = list(result) if not isinstance(result, tvm.runtime.Tensor) else [result]
+        names = [spec.name for spec in self.signature.outputs]
+        if len(values) != len(names):
+            raise RuntimeError(f"the model returned {len(values)} values for outputs {names}")
+        return dict(zip(names, values))
+
+    def _abandon_recording(self) -> None:
+        # A failed call must leave the executor usable: drop a half-made recording.
+        if self._open is not None:
+            self.backend.abort(self._open[2])
+            self._open = None
+
+    # -- region interception -------------------------------------------------------------
+    def _instrument(self, func, symbol: str, before_run: bool, _ret, *args) -> int:
+        if self._open is not None:
+            return self._while_recording(func, symbol, before_run, args)
+        if before_run and symbol.startswith(REGION_PREFIX):
+            key = (symbol, tuple(int(v) for v in args[-1]))
+            recording = self._recordings.get(key)
+            if recording is not None:
+                self.backend.replay(recording, args[:-1])
+                self.stats.region_replays += 1
+                return VMInstrumentReturnKind.SKIP_RUN
+            self._open = (symbol, key[1], self.backend.begin(args[:-1]))
+        return VMInstrumentReturnKind.NO_OP
+
+    def _while_recording(self, func, symbol: str, before_run: bool, args) -> int:
+        region, shape, recorder = self._open
+        if symbol == region and not before_run:
+            self._open = None
+            self._recordings[(region, shape)] = self.backend.end(recorder)
+            self.stats.region_recordings += 1
+            self.stats.recordings_by_region[region] = self.stats.recordings_by_region.get(region, 0) + 1
+        elif before_run:
+            recorder.on_call(func, symbol, args)
+        return VMInstrumentReturnKind.NO_OP
+
+    # -- what is held ----------------------------------------------------------------------
+    @property
+    def recorded_shapes(self) -> dict[str, list[tuple[int, ...]]]:
+        shapes: dict[str, list[tuple[int, ...]]] = {}
+        for region, shape in self._recordings:
+            shapes.setdefault(region, []).append(shape)
+        return shapes
+
+    def close(self) -> None:
+        """Free every graph and stream this executor holds."""
+        for recording in self._recordings.values():
+            if hasattr(recording, "close"):
+                recording.close()
+        self._recordings.clear()
+        self.backend.close()
+
+    def __enter__(self) -> "GraphExecutor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

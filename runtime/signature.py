@@ -1,0 +1,140 @@
+"""What a compiled model takes: `ShapeRange` of each symbolic dimension, `InputSpec` of each input."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ShapeRange:
+    """Inclusive range ``lo..hi`` of a symbolic dimension (``seq=1..1024``)."""
+
+    lo: int
+    hi: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.lo, int) and isinstance(self.hi, int)):
+            raise TypeError(f"a shape range takes integers, got {self.lo!r}..{self.hi!r}")
+        if self.lo < 0 or self.hi < self.lo:
+            raise ValueError(f"a shape range needs 0 <= lo <= hi, got {self.lo}..{self.hi}")
+
+    def __contains__(self, value: int) -> bool:
+        return self.lo <= value <= self.hi
+
+    def __iter__(self):
+        return iter(range(self.lo, self.hi + 1))
+
+    def __len__(self) -> int:
+        return self.hi - self.lo + 1
+
+    def __str__(self) -> str:
+        return f"{self.lo}..{self.hi}"
+
+    @classmethod
+    def of(cls, value: "ShapeRange | tuple[int, int] | str", name: str = "dim") -> "ShapeRange":
+        """Accept ``ShapeRange``, ``(lo, hi)`` or ``"lo:hi"``; anything else names ``name``."""
+        if isinstance(value, ShapeRange):
+            return value
+        if isinstance(value, str):
+            parts = value.split(":")
+            if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+                raise ValueError(f"range of dimension {name!r} must be LO:HI, got {value!r}")
+            return cls(int(parts[0]), int(parts[1]))
+        if isinstance(value, (tuple, list)) and len(value) == 2:
+            try:
+                return cls(int(value[0]), int(value[1]))
+            except (TypeError, ValueError) as err:
+                raise ValueError(f"range of dimension {name!r}: {err}") from None
+        raise ValueError(f"range of dimension {name!r} must be (lo, hi) or 'lo:hi', got {value!r}")
+
+
+class InputError(ValueError):
+    """A call's inputs do not match what the model was compiled for."""
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """Name, dtype and shape of a model input or output; a str in ``shape`` is a symbolic dim."""
+
+    name: str
+    dtype: str
+    shape: tuple[int | str, ...]
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "TensorSpec":
+        return cls(obj["name"], obj["dtype"], tuple(obj["shape"]))
+
+
+@dataclass(frozen=True)
+class Signature:
+    """What a compiled model takes and returns, and the range of each symbolic dimension."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    dims: dict[str, ShapeRange]
+
+    def to_json(self) -> dict:
+        return {
+            "inputs": [t.to_json() for t in self.inputs],
+            "outputs": [t.to_json() for t in self.outputs],
+            "dims": {k: [r.lo, r.hi] for k, r in self.dims.items()},
+        }
+
+    @classmethod
+    def from_json(cls, obj: dict) -> "Signature":
+        return cls(
+            tuple(TensorSpec.from_json(t) for t in obj["inputs"]),
+            tuple(TensorSpec.from_json(t) for t in obj["outputs"]),
+            {k: ShapeRange(int(v[0]), int(v[1])) for k, v in obj["dims"].items()},
+        )
+
+    def bind(self, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]) -> dict[str, int]:
+        """Check one call's input shapes and dtypes; return the value of every symbolic dim.
+
+        Raises ``InputError`` naming the input, the value and what was expected: before any
+        kernel runs, never a silent pad, truncation or cast.
+        """
+        expected = [t.name for t in self.inputs]
+        missing = [n for n in expected if n not in shapes]
+        extra = [n for n in shapes if n not in expected]
+        if missing or extra:
+            parts = []
+            if missing:
+                parts.append(f"missing input(s) {missing}")
+            if extra:
+                parts.append(f"unknown input(s) {extra}")
+            raise InputError(f"{'; '.join(parts)}: the model takes {expected}")
+        values: dict[str, int] = {}
+        for spec in self.inputs:
+            shape, dtype = tuple(shapes[spec.name]), dtypes[spec.name]
+            if dtype != spec.dtype:
+                raise InputError(f"input {spec.name!r} has dtype {dtype}, expected {spec.dtype}")
+            if len(shape) != len(spec.shape):
+                raise InputError(
+                    f"input {spec.name!r} has rank {len(shape)} (shape {shape}), expected rank "
+                    f"{len(spec.shape)} (shape {_fmt(spec.shape)})")
+            for axis, (got, want) in enumerate(zip(shape, spec.shape)):
+                self._bind_axis(spec, axis, got, want, values)
+        return values
+
+    def _bind_axis(self, spec: TensorSpec, axis: int, got: int, want, values: dict) -> None:
+        where = f"input {spec.name!r} axis {axis}"
+        if isinstance(want, int):
+            if got != want:
+                raise InputError(f"{where} is {got}, expected {want} (shape {_fmt(spec.shape)})")
+            return
+        rng = self.dims.get(want)
+        if rng is not None and got not in rng:
+            raise InputError(f"{where} (dimension {want!r}) is {got}, outside its declared "
+                             f"range {rng}")
+        if want in values and values[want] != got:
+            raise InputError(f"{where} (dimension {want!r}) is {got}, but another input set "
+                             f"{want!r} to {values[want]}")
+        values[want] = got
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join(str(s) for s in shape) + ")"

@@ -48,8 +48,8 @@ def _library_path(artifact: Artifact) -> Path:
     return path
 
 
-def load(path: str | Path, device: Any = "cpu") -> GraphExecutor:
-    """Load an artifact and return an executor on ``device`` (``"cpu"`` or ``"cuda"``)."""
+def load_library(path: str | Path, device: Any = "cpu") -> tuple[Any, dict, tvm.runtime.Device]:
+    """The artifact's TVM library, loadable by TVM's own VM, with its manifest and device."""
     artifact = Artifact.load(path)
     manifest = artifact.manifest
     kind = manifest["target"]["kind"]
@@ -67,10 +67,14 @@ def load(path: str | Path, device: Any = "cpu") -> GraphExecutor:
         store.add({name.split("/", 1)[1]: blob for name, blob in artifact.sections.items()
                    if name.startswith("cubin/")})
         store.install()
-    library = tvm.runtime.load_module(str(_library_path(artifact)))
+    return tvm.runtime.load_module(str(_library_path(artifact))), manifest, dev
+
+
+def load(path: str | Path, device: Any = "cpu") -> GraphExecutor:
+    """Load an artifact and return an executor on ``device`` (``"cpu"`` or ``"cuda"``)."""
+    library, manifest, dev = load_library(path, device)
     signature = Signature.from_json(manifest["signature"])
-    backend = _backend(kind, dev)
-    executor = GraphExecutor(library, dev, signature, backend)
+    executor = GraphExecutor(library, dev, signature, _backend(manifest["target"]["kind"], dev))
     executor.manifest = manifest
     return executor
 

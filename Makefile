@@ -1,0 +1,36 @@
+# grape-tvm: `make demo` runs the bundled example, `make test` runs the tests.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+KIT    ?= ../shared/gpu
+
+.PHONY: setup demo test gpu-artifacts gpu clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[test,cuda]'
+	touch $@
+
+demo: setup
+	$(BIN)/python examples/demo.py
+
+test: setup
+	$(BIN)/python -m pytest -q
+
+# Build everything a GPU host needs, here (no GPU, no TVM compiler needed there):
+# the grape-tvm wheel, the CUDA artifacts (cubins compiled with nvcc), the runtime-only TVM kit.
+gpu-artifacts: setup
+	rm -rf build/gpu && mkdir -p build/gpu .gpu-kit
+	cp $(KIT)/* .gpu-kit/
+	$(BIN)/pip wheel -q --no-deps -w build/gpu .
+	$(BIN)/python bench/gpu/build_artifacts.py build/gpu
+
+# On the GPU host, after gpu-artifacts (see README, "GPU"):
+gpu:
+	bash bench/gpu/run_all.sh
+
+clean:
+	rm -rf build .pytest_cache examples/*.grape

@@ -1,0 +1,149 @@
+"""``grape-tvm``: compile, run and inspect models from the command line.
+
+    grape-tvm compile MODEL.onnx -o MODEL.grape [--target llvm|cuda|JSON] [--dim NAME=LO:HI ...]
+    grape-tvm run MODEL.grape --inputs IN.npz --outputs OUT.npz [--device cpu|cuda]
+    grape-tvm inspect MODEL.grape [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+
+def _parse_dims(items: list[str]) -> dict[str, str]:
+    dims = {}
+    for item in items:
+        name, sep, rng = item.partition("=")
+        if not sep or not name:
+            raise ValueError(f"--dim takes NAME=LO:HI, got {item!r}")
+        dims[name.strip()] = rng.strip()
+    return dims
+
+
+def cmd_compile(args: argparse.Namespace) -> int:
+    from grape_tvm.compiler import compile_onnx  # pylint: disable=import-outside-toplevel
+
+    start = time.perf_counter()
+    print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
+    module = compile_onnx(args.model, _parse_dims(args.dim), args.target)
+    path = module.export(args.output)
+    regions = module.plan["regions"]
+    print(f"wrote {path} ({path.stat().st_size} bytes) in {time.perf_counter() - start:.1f} s: "
+          f"{len(regions)} graph region(s), {len(module.plan['host_steps'])} host step(s)")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    with np.load(args.inputs) as npz:
+        inputs = {k: npz[k] for k in npz.files}
+    executor = load(args.model, device=args.device)
+    try:
+        outputs = executor.run(inputs)
+    finally:
+        executor.close()
+    np.savez(args.outputs, **outputs)
+    shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
+    print(f"wrote {args.outputs}: {shapes}")
+    return 0
+
+
+def describe(manifest: dict) -> dict:
+    """The ``inspect --json`` object: dims, inputs, outputs, regions, host steps."""
+    sig, plan = manifest["signature"], manifest["plan"]
+    return {
+        "target": manifest["target"],
+        "dims": {k: {"lo": v[0], "hi": v[1]} for k, v in sig["dims"].items()},
+        "inputs": sig["inputs"],
+        "outputs": sig["outputs"],
+        "regions": plan["regions"],
+        "host_steps": plan["host_steps"],
+        "host_bookkeeping": plan.get("host_bookkeeping", 0),
+        "executor": ("one CUDA graph per region and shape, captured on first sight"
+                     if manifest["target"]["kind"] == "cuda"
+                     else "CPU replay of each region's recorded kernel calls, per shape"),
+        "cubins_prebuilt": len(manifest.get("cubins", [])),
+        "versions": {"grape_tvm": manifest.get("grape_tvm_version"),
+                     "tvm": manifest.get("tvm_version")},
+        "sections": manifest.get("sections", []),
+    }
+
+
+def _shape(spec: dict) -> str:
+    return "(" + ", ".join(str(d) for d in spec["shape"]) + ")"
+
+
+def _print_description(d: dict) -> None:
+    print(f"target: {json.dumps(d['target'])}   executor: {d['executor']}")
+    print("dims:")
+    for name, r in d["dims"].items():
+        print(f"  {name} = {r['lo']}..{r['hi']}")
+    for key in ("inputs", "outputs"):
+        print(f"{key}:")
+        for spec in d[key]:
+            print(f"  {spec['name']}: {spec['dtype']}{_shape(spec)}")
+    print(f"regions (run as graphs): {len(d['regions'])}")
+    for r in d["regions"]:
+        print(f"  {r['name']}: {len(r['kernels'])} kernel(s), keyed by "
+              f"{r['symbolic_vars'] or 'nothing (static)'}: {', '.join(r['kernels'])}")
+    print(f"host steps: {len(d['host_steps'])} (plus {d['host_bookkeeping']} VM shape checks)")
+    for h in d["host_steps"]:
+        print(f"  {h['function']}.{h['var']} = {h['op']}: {h['reason']}")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from grape_tvm.artifact import Artifact  # pylint: disable=import-outside-toplevel
+
+    description = describe(Artifact.load(args.model).manifest)
+    if args.json:
+        print(json.dumps(description, indent=2))
+    else:
+        _print_description(description)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="grape-tvm", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("compile", help="compile an ONNX model into a .grape artifact")
+    p.add_argument("model", type=Path, help="the ONNX model")
+    p.add_argument("-o", "--output", type=Path, required=True, help="the artifact to write")
+    p.add_argument("--target", default="llvm",
+                   help='llvm, cuda (sm_90) or a TVM target JSON, e.g. \'{"kind": "cuda", "arch": "sm_80"}\'')
+    p.add_argument("--dim", action="append", default=[], metavar="NAME=LO:HI",
+                   help="range of a symbolic dimension (an ONNX dim_param); repeat per dimension")
+    p.set_defaults(func=cmd_compile)
+
+    p = sub.add_parser("run", help="run an artifact on inputs from an .npz file")
+    p.add_argument("model", type=Path)
+    p.add_argument("--inputs", type=Path, required=True, help=".npz with one array per input name")
+    p.add_argument("--outputs", type=Path, required=True, help=".npz to write, one array per output")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.set_defaults(func=cmd_run)
+
+    p = sub.add_parser("inspect", help="show dims, inputs, outputs, graph regions and host steps")
+    p.add_argument("model", type=Path)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=cmd_inspect)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError, KeyError) as err:
+        print(f"grape-tvm {args.command}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

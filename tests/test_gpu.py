@@ -1,0 +1,161 @@
+"""GPU tests: CPU-built artifacts run as CUDA graphs, checked against TVM's VM on the GPU.
+
+Run on a GPU host with ``bash bench/gpu/run_all.sh`` (after ``make gpu-artifacts`` on the
+build machine). They need only the TVM runtime, numpy, cuda-python, onnxruntime and pytest.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ARTIFACTS = Path(os.environ.get("GRAPE_GPU_ARTIFACTS", Path(__file__).parents[1] / "build" / "gpu"))
+
+
+def _has_gpu() -> bool:
+    try:
+        from cuda.bindings import driver  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return False
+    if driver.cuInit(0)[0] != driver.CUresult.CUDA_SUCCESS:
+        return False
+    err, count = driver.cuDeviceGetCount()
+    return err == driver.CUresult.CUDA_SUCCESS and count > 0
+
+
+if not _has_gpu():
+    pytest.skip("no CUDA GPU here", allow_module_level=True)
+
+
+def _artifact(name: str) -> Path:
+    path = ARTIFACTS / name
+    if not path.exists():
+        pytest.fail(f"{path} is missing: run `make gpu-artifacts` on the build machine")
+    return path
+
+
+@pytest.fixture(scope="module")
+def blocks():
+    """(grape executor, TVM VM on the same library, cuda device) for the bundled example."""
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
+
+    path = _artifact("blocks.cuda.grape")
+    library, manifest, dev = load_library(path, "cuda")
+    executor = load(path, "cuda")
+    yield executor, VirtualMachine(library, dev), dev, manifest
+    executor.close()
+
+
+def _vm_reference(vm, dev, x):
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    return vm["main"](tvm.runtime.tensor(x, dev)).numpy()
+
+
+def test_every_shape_in_range_equals_tvm_vm(blocks):
+    executor, vm, dev, manifest = blocks
+    lo, hi = manifest["signature"]["dims"]["n"]
+    rng = np.random.default_rng(0)
+    order = rng.permutation(np.arange(lo, hi + 1))
+    worst = 0.0
+    for n in order:
+        x = rng.standard_normal((int(n), 64)).astype(np.float32)
+        got = executor.run({"x": x})["y"]
+        want = _vm_reference(vm, dev, x)
+        worst = max(worst, float(np.abs(got - want).max()))
+    print(f"{len(order)} shapes, max |grape - TVM VM| = {worst:.3e}; stats {executor.stats}")
+    assert worst <= 1e-5
+    assert executor.stats.region_recordings >= hi - lo + 1
+    assert executor.backend.graphs_captured >= hi - lo + 1
+
+
+def test_replays_in_random_order_with_new_inputs(blocks):
+    executor, vm, dev, _ = blocks
+    rng = np.random.default_rng(1)
+    before = executor.stats.region_replays
+    for n in rng.integers(1, 257, size=200):
+        x = rng.standard_normal((int(n), 64)).astype(np.float32)
+        np.testing.assert_allclose(executor.run({"x": x})["y"], _vm_reference(vm, dev, x),
+                                   rtol=1e-5, atol=1e-5)
+    assert executor.stats.region_replays - before == 200  # every shape was recorded before
+
+
+def test_matches_onnxruntime(blocks):
+    ort = pytest.importorskip("onnxruntime")
+    import onnx  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    from blocks import make_blocks  # pylint: disable=import-outside-toplevel
+
+    executor = blocks[0]
+    session = ort.InferenceSession(make_blocks().SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(2)
+    for n in (1, 2, 128, 255, 256):
+        x = rng.standard_normal((n, 64)).astype(np.float32)
+        np.testing.assert_allclose(executor.run({"x": x})["y"], session.run(None, {"x": x})[0],
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_device_inputs_at_new_addresses_are_repointed(blocks):
+    """A replay reads the call's own input, wherever it lives (graph parameters repointed)."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    executor, vm, dev, _ = blocks
+    rng = np.random.default_rng(3)
+    keep = []  # keep old inputs alive so that new ones get new addresses
+    for _ in range(4):
+        x = rng.standard_normal((33, 64)).astype(np.float32)
+        xd = tvm.runtime.tensor(x, dev)
+        keep.append(xd)
+        got = executor.run({"x": xd})["y"]
+        np.testing.assert_allclose(got, _vm_reference(vm, dev, x), rtol=1e-5, atol=1e-5)
+
+
+def test_first_launch_after_instantiation_is_fresh(blocks):
+    """Each new shape is captured, instantiated, uploaded and launched at once: check it."""
+    executor, vm, dev, manifest = blocks
+    # A fresh executor: every call below is a first launch after instantiation.
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    fresh = load(_artifact("blocks.cuda.grape"), "cuda")
+    try:
+        rng = np.random.default_rng(4)
+        for n in (5, 200, 6, 199):
+            x = rng.standard_normal((n, 64)).astype(np.float32)
+            np.testing.assert_allclose(fresh.run({"x": x})["y"], _vm_reference(vm, dev, x),
+                                       rtol=1e-5, atol=1e-5)
+        assert fresh.stats.region_recordings == 4
+    finally:
+        fresh.close()
+
+
+def test_bad_inputs_fail_before_any_kernel(blocks):
+    from grape_tvm.runtime.signature import InputError  # pylint: disable=import-outside-toplevel
+
+    executor = blocks[0]
+    calls = executor.stats.calls
+    with pytest.raises(InputError, match="outside its declared range 1..256"):
+        executor.run({"x": np.zeros((257, 64), np.float32)})
+    with pytest.raises(InputError, match="dtype float64, expected float32"):
+        executor.run({"x": np.zeros((4, 64), np.float64)})
+    with pytest.raises(InputError, match="missing input"):
+        executor.run({})
+    assert executor.stats.calls == calls
+    x = np.ones((4, 64), np.float32)
+    assert executor.run({"x": x})["y"].shape == (4, 64)  # still usable
+
+
+def test_cuda_artifact_built_on_cpu_carries_cubins(blocks):
+    manifest = blocks[3]
+    assert manifest["target"] == {"kind": "cuda", "arch": "sm_90"}
+    assert len(manifest["cubins"]) >= 1

@@ -55,8 +55,11 @@ class Artifact:
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str = "artifact") -> "Artifact":
-        if len(data) < _HEADER.size + _DIGEST or data[:8] != MAGIC:
+        if data[:len(MAGIC)] != MAGIC:
             raise ArtifactError(f"{name} is not a grape-tvm artifact (no GRAPETVM header)")
+        if len(data) < _HEADER.size + _DIGEST:
+            raise ArtifactError(f"{name} is damaged: truncated to {len(data)} bytes, shorter "
+                                "than an artifact's header and checksum")
         _, version, manifest_len = _HEADER.unpack_from(data)
         if version != FORMAT_VERSION:
             raise ArtifactError(

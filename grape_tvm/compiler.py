@@ -14,7 +14,7 @@ from tvm import relax
 import grape_tvm
 from grape_tvm.artifact import Artifact
 from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature
-from grape_tvm.passes import graph_plan
+from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.pipeline import grape_pipeline, is_gpu
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
@@ -75,6 +75,18 @@ def _cuda_sources(executable) -> list[str]:
     return sources
 
 
+def _lower(mod: tvm.IRModule, tgt, ranges) -> tvm.IRModule:
+    try:
+        return grape_pipeline(tgt, ranges)(mod)
+    except Exception as err:  # pylint: disable=broad-except
+        # A Python pass's exception crosses TVM's FFI as a plain error carrying the text:
+        # give the kernel check its own type back, so callers can catch it.
+        text = str(err)
+        if HostFallbackError.MARK in text:
+            raise HostFallbackError(text[text.index(HostFallbackError.MARK):].splitlines()[0]) from None
+        raise
+
+
 def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any = "llvm", *,
           signature: Signature | None = None, output_names: list[str] | None = None,
           prebuild_cubin: bool = True) -> GrapeModule:
@@ -87,7 +99,7 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
     signature = signature or _relax_signature(mod["main"], ranges, output_names)
-    lowered = grape_pipeline(tgt, ranges)(mod)
+    lowered = _lower(mod, tgt, ranges)
     plan = graph_plan(lowered).to_json()
     executable = tvm.compile(lowered, target=tgt, relax_pipeline=None)
     info = target_json(tgt)

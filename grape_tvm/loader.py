@@ -74,16 +74,6 @@ def load(path: str | Path, device: Any = "cpu") -> GraphExecutor:
     """Load an artifact and return an executor on ``device`` (``"cpu"`` or ``"cuda"``)."""
     library, manifest, dev = load_library(path, device)
     signature = Signature.from_json(manifest["signature"])
-    executor = GraphExecutor(library, dev, signature, _backend(manifest["target"]["kind"], dev))
+    executor = GraphExecutor(library, dev, signature)
     executor.manifest = manifest
     return executor
-
-
-def _backend(kind: str, dev: tvm.runtime.Device):
-    if kind == "cuda":
-        from grape_tvm.runtime.cuda_graph import CudaGraphBackend  # pylint: disable=import-outside-toplevel
-
-        return CudaGraphBackend(dev)
-    from grape_tvm.runtime.cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
-
-    return CpuReplayBackend(dev)

@@ -46,6 +46,7 @@ class BoundShapeRanges:
         self.ranges = {name: ShapeRange.of(r, name) for name, r in ranges.items()}
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
+        mod = mod.clone()  # a Python module pass gets the caller's module itself
         seen: set[str] = set()
         for gvar, func in list(mod.functions.items()):
             if not isinstance(func, relax.Function):

@@ -8,7 +8,13 @@ from tvm.ir.transform import PassContext, module_pass
 
 
 class HostFallbackError(RuntimeError):
-    """A GPU build left kernels without a thread binding: they would run on the CPU."""
+    """A GPU build left kernels without a thread binding: they would run on the CPU.
+
+    Raised inside a pass, it reaches Python through TVM's FFI as a plain error with the
+    same text; ``grape_tvm.build`` gives it back its type.
+    """
+
+    MARK = "the GPU build left these kernels without a thread binding"
 
 
 def _launches_threads(func: tirx.PrimFunc) -> bool:
@@ -72,7 +78,7 @@ class CheckDeviceKernels:
         bad = unbound_kernels(mod)
         if bad:
             raise HostFallbackError(
-                "the GPU build left these kernels without a thread binding, so TVM would run "
-                f"them on the host: {', '.join(bad)}. No artifact was produced."
+                f"{HostFallbackError.MARK}, so TVM would run them on the host: "
+                f"{', '.join(bad)}. No artifact was produced."
             )
         return mod

@@ -277,19 +277,34 @@ def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
                 plan.regions.append(_region_info(mod, op))
             elif kind == "bookkeeping":
                 plan.host_bookkeeping += 1
-            elif kind == "host" or kind == "kernel":
+            elif kind in ("host", "kernel"):
+                if isinstance(binding.value, relax.If):
+                    launched = _branch_kernels(binding.value, mod)
+                    reason += (f"; its branches launch {launched} kernel(s) one by one "
+                               "through the VM, outside any graph")
                 plan.host_steps.append(
-                    HostStep(entry, op, binding.var.name, reason or "kernel outside any region")
-                )
+                    HostStep(entry, op, binding.var.name, reason or "kernel outside any region"))
     return plan
 
 
 def _region_info(mod: IRModule, name: str) -> RegionInfo:
     func = mod[name]
-    kernels = [
-        b.value.op.name_hint for blk in func.body.blocks for b in blk.bindings
-        if isinstance(b.value, relax.Call) and isinstance(b.value.op, relax.GlobalVar)
-    ]
+    kernels = [op for blk in func.body.blocks for b in blk.bindings
+               for kind, op, _ in [classify(b, mod)] if kind == "kernel"]
     shape_ty = func.params[-1].ty
     sym = [str(v) for v in shape_ty.values] if shape_ty.values is not None else []
     return RegionInfo(name, name, kernels, sym, len(func.params) - 1)
+
+
+def _branch_kernels(expr: relax.Expr, mod: IRModule) -> int:
+    """Kernel launches inside an If's branches (nested branches included)."""
+    count = 0
+    if isinstance(expr, relax.If):
+        return _branch_kernels(expr.true_branch, mod) + _branch_kernels(expr.false_branch, mod)
+    if isinstance(expr, relax.SeqExpr):
+        for block in expr.blocks:
+            for binding in block.bindings:
+                kind, _, _ = classify(binding, mod)
+                count += kind == "kernel"
+                count += _branch_kernels(binding.value, mod)
+    return count

@@ -6,6 +6,8 @@
 - ``Signature``/``ShapeRange``: what a call may pass, checked before any kernel runs.
 """
 
+from .executor import CallStats, GraphExecutor, default_backend
 from .signature import InputError, ShapeRange, Signature, TensorSpec
 
-__all__ = ["InputError", "ShapeRange", "Signature", "TensorSpec"]
+__all__ = ["CallStats", "GraphExecutor", "InputError", "ShapeRange", "Signature", "TensorSpec",
+           "default_backend"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,10 +40,10 @@ class GraphExecutor:
     """
 
     def __init__(self, executable: tvm.runtime.Module, device: tvm.runtime.Device,
-                 signature: Signature, backend, entry: str = "main"):
+                 signature: Signature | None = None, backend=None, entry: str = "main"):
         self.device = device
         self.signature = signature
-        self.backend = backend
+        self.backend = backend if backend is not None else default_backend(device)
         self.entry = entry
         self.stats = CallStats()
         self._vm = VirtualMachine(executable, device)
@@ -53,8 +53,13 @@ class GraphExecutor:
         self._lock = threading.Lock()
 
     # -- calls ---------------------------------------------------------------------------
-    def run(self, inputs: Mapping[str, Any], *, return_numpy: bool = True) -> dict[str, Any]:
-        """Run one call; ``inputs`` maps input names to numpy arrays or DLPack tensors."""
+    def run(self, inputs: Mapping[str, Any] | Sequence[Any], *,
+            return_numpy: bool = True) -> dict[str, Any] | list[Any]:
+        """Run one call; ``inputs`` maps input names to numpy arrays or DLPack tensors.
+
+        Without a signature (an executable straight from ``tvm.compile``) inputs are
+        positional and outputs come back as a list.
+        """
         with self._lock:
             args = self._prepare(inputs)
             try:
@@ -62,7 +67,7 @@ class GraphExecutor:
                     result = self._vm[self.entry](*args)
                     outputs = self._name_outputs(result)
                     if return_numpy:
-                        outputs = {k: v.numpy() for k, v in outputs.items()}
+                        outputs = _to_numpy(outputs)
             except BaseException:
                 self._abandon_recording()
                 raise
@@ -71,7 +76,9 @@ class GraphExecutor:
 
     __call__ = run
 
-    def _prepare(self, inputs: Mapping[str, Any]) -> list[tvm.runtime.Tensor]:
+    def _prepare(self, inputs) -> list[tvm.runtime.Tensor]:
+        if self.signature is None:
+            return [self._as_tensor(f"#{i}", v) for i, v in enumerate(inputs)]
         if not isinstance(inputs, Mapping):
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
@@ -99,8 +106,10 @@ class GraphExecutor:
                              "the kernels read dense row-major tensors")
         return tensor
 
-    def _name_outputs(self, result: Any) -> dict[str, tvm.runtime.Tensor]:
+    def _name_outputs(self, result: Any) -> dict[str, tvm.runtime.Tensor] | list:
         values = list(result) if not isinstance(result, tvm.runtime.Tensor) else [result]
+        if self.signature is None:
+            return values
         names = [spec.name for spec in self.signature.outputs]
         if len(values) != len(names):
             raise RuntimeError(f"the model returned {len(values)} values for outputs {names}")
@@ -158,3 +167,20 @@ class GraphExecutor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _to_numpy(outputs):
+    if isinstance(outputs, dict):
+        return {k: v.numpy() for k, v in outputs.items()}
+    return [v.numpy() for v in outputs]
+
+
+def default_backend(device: tvm.runtime.Device):
+    """CUDA graphs on a CUDA device, CPU replay on the CPU."""
+    if device.dlpack_device_type() == tvm.cuda(0).dlpack_device_type():
+        from .cuda_graph import CudaGraphBackend  # pylint: disable=import-outside-toplevel
+
+        return CudaGraphBackend(device)
+    from .cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
+
+    return CpuReplayBackend(device)

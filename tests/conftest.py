@@ -1,0 +1,82 @@
+"""Shared ONNX models for the CPU tests: small, seeded, with symbolic dimensions."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+
+from blocks import make_blocks  # noqa: E402  pylint: disable=wrong-import-position
+
+
+def make_if_model() -> onnx.ModelProto:
+    """``y = x * 2 + 1`` when ``sum(x) > 0`` else ``relu(x) - 3``: a data-dependent branch."""
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w")
+    two = numpy_helper.from_array(np.array(2.0, np.float32), "two")
+    one = numpy_helper.from_array(np.array(1.0, np.float32), "one")
+    three = numpy_helper.from_array(np.array(3.0, np.float32), "three")
+    zero = numpy_helper.from_array(np.array(0.0, np.float32), "zero")
+    out_info = helper.make_tensor_value_info
+    then_graph = helper.make_graph(
+        [helper.make_node("Mul", ["h", "two"], ["t0"]), helper.make_node("Add", ["t0", "one"], ["t"])],
+        "then", [], [out_info("t", TensorProto.FLOAT, ["n", 8])])
+    else_graph = helper.make_graph(
+        [helper.make_node("Relu", ["h"], ["e0"]), helper.make_node("Sub", ["e0", "three"], ["e"])],
+        "else", [], [out_info("e", TensorProto.FLOAT, ["n", 8])])
+    nodes = [
+        helper.make_node("MatMul", ["x", "w"], ["h"]),
+        helper.make_node("ReduceSum", ["h"], ["s"], keepdims=0),
+        helper.make_node("Greater", ["s", "zero"], ["cond"]),
+        helper.make_node("If", ["cond"], ["y0"], then_branch=then_graph, else_branch=else_graph),
+        helper.make_node("Tanh", ["y0"], ["y"]),
+    ]
+    graph = helper.make_graph(nodes, "if_model", [out_info("x", TensorProto.FLOAT, ["n", 8])],
+                              [out_info("y", TensorProto.FLOAT, ["n", 8])], [w, two, one, three, zero])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def make_two_input_model() -> onnx.ModelProto:
+    """``y = x * mask[..., None]`` with x: (b, n, 8) and mask: (b, n): two inputs share dims."""
+    nodes = [
+        helper.make_node("Unsqueeze", ["mask", "axes"], ["m3"]),
+        helper.make_node("Mul", ["x", "m3"], ["y"]),
+    ]
+    axes = numpy_helper.from_array(np.array([2], np.int64), "axes")
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        nodes, "masked",
+        [info("x", TensorProto.FLOAT, ["b", "n", 8]), info("mask", TensorProto.FLOAT, ["b", "n"])],
+        [info("y", TensorProto.FLOAT, ["b", "n", 8])], [axes])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _save(model: onnx.ModelProto, path: Path) -> Path:
+    onnx.save(model, str(path))
+    return path
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    return {
+        "blocks": _save(make_blocks(width=64, blocks=2), root / "blocks.onnx"),
+        "if": _save(make_if_model(), root / "if_model.onnx"),
+        "two_inputs": _save(make_two_input_model(), root / "two_inputs.onnx"),
+    }
+
+
+def onnxruntime_outputs(path: Path, inputs: dict[str, np.ndarray]) -> list[np.ndarray]:
+    ort = pytest.importorskip("onnxruntime")
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return session.run(None, inputs)

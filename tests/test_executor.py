@@ -1,0 +1,112 @@
+"""The executor on the CPU: region recordings replayed instead of the VM, checked against it."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm.runtime.vm import VirtualMachine
+
+import grape_tvm
+from grape_tvm.loader import load, load_library
+from grape_tvm.runtime import GraphExecutor, InputError
+
+
+@pytest.fixture(scope="module")
+def blocks_artifact(models, tmp_path_factory):
+    path = tmp_path_factory.mktemp("art") / "blocks.grape"
+    grape_tvm.compile_onnx(models["blocks"], dims={"n": (1, 64)}, target="llvm").export(path)
+    return path
+
+
+def test_replay_equals_vm_for_many_shapes_in_random_order(blocks_artifact):
+    library, _, dev = load_library(blocks_artifact, "cpu")
+    vm = VirtualMachine(library, dev)
+    executor = load(blocks_artifact, "cpu")
+    rng = np.random.default_rng(0)
+    shapes = rng.integers(1, 65, size=120)
+    for n in shapes:
+        x = rng.standard_normal((int(n), 64)).astype(np.float32)
+        got = executor.run({"x": x})["y"]
+        want = vm["main"](tvm.runtime.tensor(x, dev)).numpy()
+        np.testing.assert_array_equal(got, want)  # same kernels, same order: bit-equal
+    distinct = len(set(shapes.tolist()))
+    assert executor.stats.region_recordings == distinct
+    assert executor.stats.region_replays == len(shapes) - distinct
+    assert sorted(executor.recorded_shapes["grape_region_0"]) == sorted((int(n),) for n in set(shapes.tolist()))
+
+
+def test_replay_runs_the_recorded_kernels_not_the_vm(blocks_artifact):
+    executor = load(blocks_artifact, "cpu")
+    x = np.ones((5, 64), np.float32)
+    first = executor.run({"x": x})["y"]
+    recording = executor._recordings[("grape_region_0", (5,))]  # pylint: disable=protected-access
+    assert recording.kernel_names == executor.manifest["plan"]["regions"][0]["kernels"]
+    seen = []
+    executor._vm.set_instrument(  # pylint: disable=protected-access
+        lambda f, sym, before, ret, *a: seen.append(sym) or executor._instrument(f, sym, before, ret, *a))
+    np.testing.assert_array_equal(executor.run({"x": x})["y"], first)
+    kernels = set(recording.kernel_names)
+    assert not kernels & set(seen), "the VM launched region kernels on a replay"
+    assert "grape_region_0" in seen
+
+
+def test_bad_inputs_fail_before_any_kernel_and_leave_the_executor_usable(blocks_artifact):
+    executor = load(blocks_artifact, "cpu")
+    cases = [
+        ({"x": np.zeros((65, 64), np.float32)}, "input 'x' axis 0 (dimension 'n') is 65, outside its declared range 1..64"),
+        ({"x": np.zeros((0, 64), np.float32)}, "is 0, outside its declared range 1..64"),
+        ({"x": np.zeros((4, 63), np.float32)}, "input 'x' axis 1 is 63, expected 64"),
+        ({"x": np.zeros((4, 64), np.float16)}, "input 'x' has dtype float16, expected float32"),
+        ({"x": np.zeros((4, 64, 1), np.float32)}, "input 'x' has rank 3"),
+        ({}, "missing input(s) ['x']"),
+        ({"x": np.zeros((4, 64), np.float32), "z": np.zeros(1)}, "unknown input(s) ['z']"),
+    ]
+    for inputs, message in cases:
+        with pytest.raises(InputError) as err:
+            executor.run(inputs)
+        assert message in str(err.value)
+    assert executor.stats.calls == 0 and executor.stats.region_recordings == 0
+    assert executor.run({"x": np.ones((4, 64), np.float32)})["y"].shape == (4, 64)
+
+
+def test_dims_shared_by_two_inputs_must_agree(models, tmp_path):
+    path = tmp_path / "two.grape"
+    grape_tvm.compile_onnx(models["two_inputs"], dims={"b": (1, 4), "n": (1, 32)}).export(path)
+    executor = load(path, "cpu")
+    with pytest.raises(InputError, match="dimension 'n'.* is 5, but another input set 'n' to 6"):
+        executor.run({"x": np.zeros((2, 6, 8), np.float32), "mask": np.zeros((2, 5), np.float32)})
+
+
+def test_input_that_is_not_an_array_is_refused(blocks_artifact):
+    executor = load(blocks_artifact, "cpu")
+    x = tvm.runtime.tensor(np.ones((4, 64), np.float32))
+    ok = executor.run({"x": x})["y"]
+    assert ok.shape == (4, 64)
+    with pytest.raises(TypeError, match="input 'x': expected a numpy array or a DLPack tensor"):
+        executor.run({"x": [[1.0] * 64]})
+
+
+def test_tvm_compile_with_the_grape_pipeline_runs_in_the_executor():
+    import grape_tvm.pipeline  # noqa: F401  registers "grape"  pylint: disable=import-outside-toplevel
+    from tvm.script import ir as I  # pylint: disable=import-outside-toplevel
+    from tvm.script import relax as R  # pylint: disable=import-outside-toplevel
+
+    @I.ir_module
+    class Model:
+        @R.function
+        def main(x: R.Tensor(("n", 8), "float32"), w: R.Tensor((8, 8), "float32")):
+            R.func_attr({"tir_var_upper_bound": {"n": 32}})
+            with R.dataflow():
+                y = R.nn.relu(R.matmul(x, w))
+                R.output(y)
+            return y
+
+    ex = tvm.compile(Model, target=tvm.target.Target({"kind": "llvm"}), relax_pipeline="grape")
+    executor = GraphExecutor(ex, tvm.cpu())
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((8, 8)).astype(np.float32)
+    for n in (3, 32, 3, 1):
+        x = rng.standard_normal((n, 8)).astype(np.float32)
+        np.testing.assert_allclose(executor.run([x, w])[0], np.maximum(x @ w, 0), rtol=1e-5, atol=1e-5)
+    assert executor.stats.region_replays == 1 and executor.stats.region_recordings == 3

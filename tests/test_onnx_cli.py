@@ -1,0 +1,130 @@
+"""The command line end to end on ONNX models, against onnxruntime."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import onnxruntime_outputs
+from grape_tvm.cli import main
+
+
+def _compile(model, out, *dims, target="llvm") -> int:
+    return main(["compile", str(model), "-o", str(out), "--target", target,
+                 *[a for d in dims for a in ("--dim", d)]])
+
+
+def _run(artifact, inputs: dict, tmp_path) -> dict:
+    np.savez(tmp_path / "in.npz", **inputs)
+    assert main(["run", str(artifact), "--inputs", str(tmp_path / "in.npz"),
+                 "--outputs", str(tmp_path / "out.npz"), "--device", "cpu"]) == 0
+    with np.load(tmp_path / "out.npz") as npz:
+        return {k: npz[k] for k in npz.files}
+
+
+@pytest.mark.parametrize("n", [1, 37, 96])  # lower bound, between, upper bound
+def test_blocks_equal_onnxruntime_at_bounds_and_between(models, tmp_path, n):
+    artifact = tmp_path / "blocks.grape"
+    assert _compile(models["blocks"], artifact, "n=1:96") == 0
+    x = np.random.default_rng(n).standard_normal((n, 64)).astype(np.float32)
+    got = _run(artifact, {"x": x}, tmp_path)
+    assert list(got) == ["y"]
+    np.testing.assert_allclose(got["y"], onnxruntime_outputs(models["blocks"], {"x": x})[0],
+                               rtol=1e-4, atol=1e-4)
+
+
+def test_if_model_takes_both_branches_like_onnxruntime(models, tmp_path):
+    import onnx  # pylint: disable=import-outside-toplevel
+    from onnx import numpy_helper  # pylint: disable=import-outside-toplevel
+
+    artifact = tmp_path / "if.grape"
+    assert _compile(models["if"], artifact, "n=1:16") == 0
+    w = numpy_helper.to_array(onnx.load(str(models["if"])).graph.initializer[0])
+    rng = np.random.default_rng(0)
+    branches = []
+    for n in (1, 16, 7):
+        u = rng.standard_normal((n, 8)).astype(np.float32)
+        for x in (u, -u):  # sum(x @ w) changes sign: one call per branch
+            branches.append(bool((x @ w).sum() > 0))
+            got = _run(artifact, {"x": x}, tmp_path)["y"]
+            np.testing.assert_allclose(got, onnxruntime_outputs(models["if"], {"x": x})[0],
+                                       rtol=1e-4, atol=1e-4)
+    assert set(branches) == {True, False}
+    description = _inspect_json(artifact)
+    assert any(h["op"] == "if" for h in description["host_steps"])
+
+
+def test_two_inputs_share_dims(models, tmp_path):
+    artifact = tmp_path / "two.grape"
+    assert _compile(models["two_inputs"], artifact, "b=1:4", "n=1:32") == 0
+    rng = np.random.default_rng(0)
+    for b, n in [(1, 1), (4, 32), (2, 9)]:
+        inputs = {"x": rng.standard_normal((b, n, 8)).astype(np.float32),
+                  "mask": (rng.random((b, n)) > 0.5).astype(np.float32)}
+        got = _run(artifact, inputs, tmp_path)["y"]
+        np.testing.assert_allclose(got, onnxruntime_outputs(models["two_inputs"], inputs)[0],
+                                   rtol=1e-6, atol=1e-6)
+
+
+def _inspect_json(artifact) -> dict:
+    proc = subprocess.run([sys.executable, "-m", "grape_tvm.cli", "inspect", str(artifact), "--json"],
+                          capture_output=True, text=True, check=True)
+    return json.loads(proc.stdout)
+
+
+def test_inspect_reports_dims_io_regions_and_host_steps(models, tmp_path, capsys):
+    artifact = tmp_path / "blocks.grape"
+    assert _compile(models["blocks"], artifact, "n=2:50") == 0
+    d = _inspect_json(artifact)
+    assert {"dims", "inputs", "outputs", "regions", "host_steps"} <= set(d)
+    assert d["dims"] == {"n": {"lo": 2, "hi": 50}}
+    assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["n", 64]}]
+    assert d["outputs"][0]["name"] == "y"
+    assert len(d["regions"]) == 1 and d["regions"][0]["symbolic_vars"] == ["n"]
+    assert len(d["regions"][0]["kernels"]) >= 2 and d["host_steps"] == []
+    capsys.readouterr()
+    assert main(["inspect", str(artifact)]) == 0
+    text = capsys.readouterr().out
+    assert "n = 2..50" in text and "grape_region_0" in text
+
+
+def test_console_script_compiles(models, tmp_path):
+    exe = Path(sys.executable).with_name("grape-tvm")
+    if not exe.exists():
+        exe = shutil.which("grape-tvm") or pytest.skip("the grape-tvm script is not installed")
+    proc = subprocess.run([exe, "compile", str(models["blocks"]), "-o", str(tmp_path / "b.grape"),
+                           "--dim", "n=1:8"], capture_output=True, text=True, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert "1 graph region(s)" in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    ([], "dimension 'n' of input 'x' (axis 0) has no declared range: pass --dim n=LO:HI"),
+    (["--dim", "n=1-8"], "range of dimension 'n' must be LO:HI, got '1-8'"),
+    (["--dim", "n=1:8", "--dim", "seq=1:8"], "declared dimension(s) ['seq'] are not dim_param names"),
+    (["--dim", "n=9:8"], "needs 0 <= lo <= hi, got 9..8"),
+    (["--dim", "n=1:8", "--target", "metal"], "unknown target 'metal'"),
+])
+def test_compile_errors_are_one_clear_line(models, tmp_path, capsys, args, message):
+    code = main(["compile", str(models["blocks"]), "-o", str(tmp_path / "x.grape"), *args])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert message in err, err
+    assert not (tmp_path / "x.grape").exists()
+
+
+def test_run_error_names_the_input(models, tmp_path, capsys):
+    artifact = tmp_path / "blocks.grape"
+    assert _compile(models["blocks"], artifact, "n=1:8") == 0
+    np.savez(tmp_path / "in.npz", x=np.zeros((9, 64), np.float32))
+    code = main(["run", str(artifact), "--inputs", str(tmp_path / "in.npz"),
+                 "--outputs", str(tmp_path / "out.npz")])
+    assert code == 2
+    assert "input 'x' axis 0 (dimension 'n') is 9, outside its declared range 1..8" in capsys.readouterr().err
+    assert not (tmp_path / "out.npz").exists()

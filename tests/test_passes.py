@@ -1,0 +1,407 @@
+"""Tests of grape-tvm's Relax/TIR passes on tiny IRModules.
+
+Covers ``BoundShapeRanges``, ``LiftGraphRegions`` (through ``grape_pipeline`` and
+``graph_plan``) and ``CheckDeviceKernels`` / ``unbound_kernels``. Nothing here needs a GPU:
+CUDA modules are only lowered and built, never run.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm.script import tirx as T
+
+from grape_tvm.passes import (
+    REGION_ATTR,
+    REGION_PREFIX,
+    BoundShapeRanges,
+    CheckDeviceKernels,
+    HostFallbackError,
+    LiftGraphRegions,
+    graph_plan,
+    unbound_kernels,
+)
+from grape_tvm.passes.lift_regions import classify
+from grape_tvm.pipeline import grape_pipeline
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+DIMS = {"n": (1, 64)}
+D = 16
+
+
+# -- tiny models -------------------------------------------------------------------------
+
+@I.ir_module
+class _MLP:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), w: R.Tensor((16, 16), "float32"),
+             b: R.Tensor((16,), "float32")):
+        with R.dataflow():
+            h = R.matmul(x, w)
+            h2 = R.add(h, b)
+            y = R.nn.relu(h2)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class _Branchy:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), w: R.Tensor((16, 16), "float32"),
+             cond: R.Tensor((), "bool")):
+        h = R.matmul(x, w)
+        if cond:
+            r = R.nn.relu(h)
+        else:
+            r = R.multiply(h, h)
+        y = R.add(r, x)
+        return y
+
+
+@I.ir_module
+class _TwoFuncs:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32")):
+        y = R.nn.relu(x)
+        return y
+
+    @R.function
+    def static(x: R.Tensor((4, 16), "float32")):
+        y = R.nn.relu(x)
+        return y
+
+
+@I.ir_module
+class _Concat:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), y: R.Tensor(("m", 16), "float32")):
+        c = R.concat([x, y], axis=0)
+        r = R.nn.relu(c)
+        return r
+
+
+def fresh(mod: tvm.IRModule) -> tvm.IRModule:
+    """A new IRModule holding the same functions: a pass that edits it leaves ``mod`` alone."""
+    return tvm.IRModule(dict(mod.functions))
+
+
+def attr_dict(func, key: str) -> dict[str, int]:
+    return {str(k): int(v) for k, v in func.attrs[key].items()}
+
+
+def has_attr(func, key: str) -> bool:
+    return func.attrs is not None and key in func.attrs
+
+
+# -- BoundShapeRanges --------------------------------------------------------------------
+
+def test_bound_shape_ranges_sets_upper_and_lower_bound():
+    out = BoundShapeRanges({"n": (1, 64)})(fresh(_TwoFuncs))
+    main = out["main"]
+    assert attr_dict(main, "tir_var_upper_bound") == {"n": 64}
+    assert attr_dict(main, "tir_var_lower_bound") == {"n": 1}
+    # A function that does not take n is left without bounds.
+    assert not has_attr(out["static"], "tir_var_upper_bound")
+    assert not has_attr(out["static"], "tir_var_lower_bound")
+
+
+def test_bound_shape_ranges_accepts_lo_hi_string_and_keeps_other_bounds():
+    func = _MLP["main"].with_attr("tir_var_upper_bound", {"k": 5})
+    out = BoundShapeRanges({"n": "2:8"})(tvm.IRModule({"main": func}))
+    assert attr_dict(out["main"], "tir_var_upper_bound") == {"k": 5, "n": 8}
+    assert attr_dict(out["main"], "tir_var_lower_bound") == {"n": 2}
+
+
+def test_bound_shape_ranges_unknown_dim_is_an_error_naming_it():
+    with pytest.raises(ValueError) as err:
+        BoundShapeRanges({"n": (1, 64), "seq": (1, 8)})(fresh(_MLP))
+    msg = str(err.value)
+    assert "'seq'" in msg
+    assert "['n']" in msg  # the dimensions the module does have
+    assert "'n'" not in msg.split("the symbolic dimensions")[0]  # n itself is fine
+
+
+def test_bound_shape_ranges_rejects_an_empty_range():
+    with pytest.raises(ValueError, match="'n'"):
+        BoundShapeRanges({"n": (8, 2)})
+
+
+def test_bound_shape_ranges_leaves_its_input_module_unchanged():
+    mod = fresh(_MLP)
+    out = BoundShapeRanges({"n": (1, 64)})(mod)
+    assert attr_dict(out["main"], "tir_var_upper_bound") == {"n": 64}
+    assert not has_attr(mod["main"], "tir_var_upper_bound")
+    assert not out.same_as(mod)
+
+
+def test_grape_pipeline_leaves_its_input_module_unchanged():
+    mod = fresh(_MLP)
+    grape_pipeline(LLVM, DIMS)(mod)
+    assert not has_attr(mod["main"], "tir_var_upper_bound")
+
+
+# -- LiftGraphRegions through the grape pipeline -----------------------------------------
+
+@pytest.fixture(scope="module")
+def mlp_lowered():
+    return grape_pipeline(LLVM, DIMS)(fresh(_MLP))
+
+
+@pytest.fixture(scope="module")
+def branchy_lowered():
+    return grape_pipeline(LLVM, DIMS)(fresh(_Branchy))
+
+
+def region_functions(mod: tvm.IRModule) -> dict[str, relax.Function]:
+    return {gv.name_hint: f for gv, f in mod.functions.items()
+            if isinstance(f, relax.Function) and has_attr(f, REGION_ATTR)}
+
+
+def test_straight_line_model_is_one_region(mlp_lowered):
+    plan = graph_plan(mlp_lowered)
+    assert plan.host_steps == []
+    assert len(plan.regions) == 1
+    region = plan.regions[0]
+    assert region.name == f"{REGION_PREFIX}0"
+    assert region.kernels == ["fused_matmul_add_relu"]
+    assert region.symbolic_vars == ["n"]
+    assert set(region_functions(mlp_lowered)) == {region.name}
+    # The plan is JSON-ready and says the same.
+    js = plan.to_json()
+    assert [r["name"] for r in js["regions"]] == [region.name]
+    assert js["host_steps"] == []
+
+
+def test_region_function_is_marked_and_takes_its_shape_last(mlp_lowered):
+    func = mlp_lowered[f"{REGION_PREFIX}0"]
+    assert int(func.attrs[REGION_ATTR]) == 0
+    last = func.params[-1]
+    assert isinstance(last.ty, relax.ShapeType)
+    assert [str(v) for v in last.ty.values] == ["n"]
+    # It hands that shape back (see LiftGraphRegions: a void return crashes TVM's VM).
+    assert isinstance(func.ret_ty, relax.ShapeType)
+    # Every tensor the region touches is a parameter: x, w, b and the output buffer.
+    tensors = [p for p in func.params[:-1] if isinstance(p.ty, relax.TensorType)]
+    assert len(tensors) == len(func.params) - 1 == 4
+
+
+def test_branch_is_a_host_step_between_two_regions(branchy_lowered):
+    plan = graph_plan(branchy_lowered)
+    assert [(h.op, h.function) for h in plan.host_steps] == [("if", "main")]
+    assert plan.host_steps[0].var == "r"
+    assert "host" in plan.host_steps[0].reason
+    assert [r.kernels for r in plan.regions] == [["matmul"], ["add"]]
+    for i, region in enumerate(plan.regions):
+        assert region.name == f"{REGION_PREFIX}{i}"
+        func = branchy_lowered[region.name]
+        assert int(func.attrs[REGION_ATTR]) == i
+        assert isinstance(func.params[-1].ty, relax.ShapeType)
+
+    # In main: region 0, then the branch, then region 1.
+    order = []
+    for block in branchy_lowered["main"].body.blocks:
+        for binding in block.bindings:
+            kind, op, _ = classify(binding, branchy_lowered)
+            if kind == "region" or op == "if":
+                order.append(op)
+    assert order == [f"{REGION_PREFIX}0", "if", f"{REGION_PREFIX}1"]
+
+
+def test_static_model_region_takes_an_empty_shape():
+    @I.ir_module
+    class Static:
+        @R.function
+        def main(x: R.Tensor((4, 16), "float32")):
+            r = R.nn.relu(x)
+            s = R.add(r, x)
+            return s
+
+    lowered = grape_pipeline(LLVM)(Static)
+    plan = graph_plan(lowered)
+    assert [r.kernels for r in plan.regions] == [["relu", "add"]]
+    assert plan.regions[0].symbolic_vars == []
+    assert plan.host_steps == []
+    assert list(lowered[f"{REGION_PREFIX}0"].params[-1].ty.values) == []
+
+
+def test_lift_graph_regions_again_changes_nothing(mlp_lowered):
+    again = LiftGraphRegions()(mlp_lowered)
+    assert set(region_functions(again)) == set(region_functions(mlp_lowered))
+    tvm.ir.assert_structural_equal(again["main"], mlp_lowered["main"])
+
+
+def test_region_kernels_are_device_kernels_only():
+    lowered = grape_pipeline(LLVM, {"n": (1, 64), "m": (1, 8)})(fresh(_Concat))
+    plan = graph_plan(lowered)
+    assert len(plan.regions) == 1
+    for name in plan.regions[0].kernels:
+        func = lowered[name]
+        assert isinstance(func, tvm.tirx.PrimFunc)
+        assert not (func.attrs is not None and func.attrs.get("tirx.is_host_func", False)), name
+    assert plan.regions[0].kernels == ["concatenate", "relu"]
+
+
+# -- the lifted module computes what TVM's own build computes -----------------------------
+
+def _vm(ex) -> relax.VirtualMachine:
+    return relax.VirtualMachine(ex, tvm.cpu())
+
+
+def _run(vm, *arrays) -> np.ndarray:
+    return vm["main"](*[tvm.runtime.tensor(a) for a in arrays]).numpy()
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_lifted_mlp_matches_plain_vm(n, mlp_lowered, mlp_plain_vm, mlp_lifted_vm):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, D)).astype("float32")
+    w = rng.standard_normal((D, D)).astype("float32")
+    b = rng.standard_normal((D,)).astype("float32")
+    got = _run(mlp_lifted_vm, x, w, b)
+    want = _run(mlp_plain_vm, x, w, b)
+    assert got.shape == (n, D)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, np.maximum(x @ w + b, 0), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+@pytest.mark.parametrize("cond", [True, False])
+def test_lifted_branch_matches_plain_vm(n, cond, branchy_plain_vm, branchy_lifted_vm):
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((n, D)).astype("float32")
+    w = rng.standard_normal((D, D)).astype("float32")
+    c = np.array(cond)
+    got = _run(branchy_lifted_vm, x, w, c)
+    want = _run(branchy_plain_vm, x, w, c)
+    assert got.shape == (n, D)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    h = x @ w
+    ref = (np.maximum(h, 0) if cond else h * h) + x
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def mlp_plain_vm():
+    return _vm(tvm.compile(fresh(_MLP), target=LLVM))
+
+
+@pytest.fixture(scope="module")
+def mlp_lifted_vm(mlp_lowered):
+    return _vm(tvm.compile(mlp_lowered, target=LLVM, relax_pipeline=None))
+
+
+@pytest.fixture(scope="module")
+def branchy_plain_vm():
+    return _vm(tvm.compile(fresh(_Branchy), target=LLVM))
+
+
+@pytest.fixture(scope="module")
+def branchy_lifted_vm(branchy_lowered):
+    return _vm(tvm.compile(branchy_lowered, target=LLVM, relax_pipeline=None))
+
+
+# -- CheckDeviceKernels / unbound_kernels ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def cuda_legalized():
+    """PrimFuncs straight out of LegalizeOps: loops, no blockIdx/threadIdx."""
+    with CUDA:
+        return relax.transform.LegalizeOps()(fresh(_MLP))
+
+
+def test_unbound_kernels_lists_legalized_primfuncs(cuda_legalized):
+    assert unbound_kernels(cuda_legalized) == ["add", "matmul", "relu"]
+
+
+def test_check_device_kernels_names_the_unbound_functions(cuda_legalized):
+    # Through TVM's FFI the error arrives as a RuntimeError (see the xfail test below).
+    with pytest.raises(RuntimeError) as err:
+        CheckDeviceKernels()(cuda_legalized)
+    msg = str(err.value)
+    assert "without a thread binding" in msg
+    assert "add, matmul, relu" in msg
+
+
+@I.ir_module
+class _Unscheduled:
+    """A kernel that claims to be scheduled, so dlight leaves it alone: no thread binding."""
+
+    @T.prim_func
+    def copy_serial(a: T.Buffer((16,), "float32"), b: T.Buffer((16,), "float32")):
+        T.func_attr({"tirx.is_scheduled": True})
+        for i in range(16):
+            b[i] = a[i]
+
+    @R.function
+    def main(x: R.Tensor((16,), "float32")):
+        cls = _Unscheduled
+        y = R.call_tir(cls.copy_serial, (x,), out_ty=R.Tensor((16,), "float32"))
+        return y
+
+
+def test_grape_build_raises_host_fallback_error_naming_the_kernel():
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(HostFallbackError, match="copy_serial"):
+        grape_tvm.build(fresh(_Unscheduled), target=CUDA, prebuild_cubin=False)
+    # The same module is fine for the CPU: nothing is checked there.
+    grape_tvm.build(fresh(_Unscheduled), target=LLVM)
+
+
+def test_grape_pipeline_on_cuda_binds_every_kernel():
+    lowered = grape_pipeline(CUDA, DIMS)(fresh(_MLP))  # CheckDeviceKernels runs inside
+    assert unbound_kernels(lowered) == []
+    kernels = [gv.name_hint for gv, f in lowered.functions.items()
+               if isinstance(f, tvm.tirx.PrimFunc)
+               and not (f.attrs is not None and f.attrs.get("tirx.is_host_func", False))]
+    assert kernels == ["fused_matmul_add_relu"]
+    assert CheckDeviceKernels()(lowered).same_as(lowered)
+    plan = graph_plan(lowered)
+    assert [r.kernels for r in plan.regions] == [["fused_matmul_add_relu"]]
+    assert plan.host_steps == []
+
+
+@I.ir_module
+class _Kernels:
+    @T.prim_func
+    def bound_loop(a: T.Buffer((16,), "float32"), b: T.Buffer((16,), "float32")):
+        for i in T.thread_binding(16, thread="threadIdx.x"):
+            b[i] = a[i]
+
+    @T.prim_func
+    def launched(a: T.Buffer((16,), "float32"), b: T.Buffer((16,), "float32")):
+        tx = T.launch_thread("threadIdx.x", 16)
+        b[tx] = a[tx]
+
+    @T.prim_func
+    def serial(a: T.Buffer((16,), "float32"), b: T.Buffer((16,), "float32")):
+        for i in range(16):
+            b[i] = a[i]
+
+    @T.prim_func
+    def host_helper(a: T.Buffer((16,), "float32"), b: T.Buffer((16,), "float32")):
+        T.func_attr({"tirx.is_host_func": True})
+        for i in range(16):
+            b[i] = a[i]
+
+    @T.prim_func
+    def no_params():
+        T.evaluate(0)
+
+
+def test_unbound_kernels_on_handwritten_primfuncs():
+    assert unbound_kernels(_Kernels) == ["serial"]
+    with pytest.raises(RuntimeError, match="serial"):
+        CheckDeviceKernels()(_Kernels)
+    # The same loop explicitly compiled for the host is not a device kernel.
+    funcs = dict(_Kernels.functions)
+    gv = next(g for g in funcs if g.name_hint == "serial")
+    funcs[gv] = funcs[gv].with_attr("target", tvm.target.Target({"kind": "llvm"}))
+    mod = tvm.IRModule(funcs)
+    assert unbound_kernels(mod) == []
+    assert CheckDeviceKernels()(mod).same_as(mod)

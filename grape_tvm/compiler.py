@@ -17,6 +17,7 @@ from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature
 from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.pipeline import grape_pipeline, is_gpu
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
+from grape_tvm.runtime.topology_graph import PATCH_SOURCE
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 from grape_tvm.target import parse_target, target_json
 
@@ -105,8 +106,10 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     info = target_json(tgt)
     cubins = {}
     if is_gpu(tgt) and prebuild_cubin and nvcc_available():
+        # The model's kernels and the runtime's patch kernel, for the target's arch.
+        sources = _cuda_sources(executable) + [PATCH_SOURCE.read_text()]
         cubins = {source_key(code): compile_cubin(code, info.get("arch", "sm_90"))
-                  for code in _cuda_sources(executable)}
+                  for code in sources}
     return GrapeModule(executable, signature, plan, info, cubins)
 
 

@@ -50,6 +50,11 @@ def _library_path(artifact: Artifact) -> Path:
 
 def load_library(path: str | Path, device: Any = "cpu") -> tuple[Any, dict, tvm.runtime.Device]:
     """The artifact's TVM library, loadable by TVM's own VM, with its manifest and device."""
+    library, manifest, dev, _ = _open(path, device)
+    return library, manifest, dev
+
+
+def _open(path: str | Path, device: Any):
     artifact = Artifact.load(path)
     manifest = artifact.manifest
     kind = manifest["target"]["kind"]
@@ -67,13 +72,27 @@ def load_library(path: str | Path, device: Any = "cpu") -> tuple[Any, dict, tvm.
         store.add({name.split("/", 1)[1]: blob for name, blob in artifact.sections.items()
                    if name.startswith("cubin/")})
         store.install()
-    return tvm.runtime.load_module(str(_library_path(artifact))), manifest, dev
+    else:
+        store = None
+    return tvm.runtime.load_module(str(_library_path(artifact))), manifest, dev, store
 
 
-def load(path: str | Path, device: Any = "cpu") -> GraphExecutor:
-    """Load an artifact and return an executor on ``device`` (``"cpu"`` or ``"cuda"``)."""
-    library, manifest, dev = load_library(path, device)
+def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
+         max_graphs: int = 4096) -> GraphExecutor:
+    """Load an artifact and return an executor on ``device`` (``"cpu"`` or ``"cuda"``).
+
+    On CUDA, ``graph_mode="topology"`` keeps one graph per topology with per-shape argument
+    tables applied on the device; ``"per-shape"`` keeps one graph per shape, at most
+    ``max_graphs`` (least recently used evicted).
+    """
+    library, manifest, dev, cubins = _open(path, device)
     signature = Signature.from_json(manifest["signature"])
-    executor = GraphExecutor(library, dev, signature)
+    backend = None
+    if manifest["target"]["kind"] == "cuda":
+        from grape_tvm.runtime.cuda_backend import CudaGraphBackend  # pylint: disable=import-outside-toplevel
+
+        backend = CudaGraphBackend(dev, graph_mode, max_graphs, manifest["target"].get("arch"),
+                                   cubins)
+    executor = GraphExecutor(library, dev, signature, backend)
     executor.manifest = manifest
     return executor

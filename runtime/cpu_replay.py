@@ -1,89 +1,126 @@
-"""CPU replay: a region's kernel launches recorded from TVM's VM, replayed without it.
+"""CPU replay: a region's kernel calls recorded from TVM's VM, replayed without it.
 
-The CPU counterpart of a CUDA graph, and the reference the GPU path is checked against:
-the same regions, the same per-shape recordings, TVM's CPU kernels.
+The CPU counterpart of the CUDA graphs and the reference they are checked against: the same
+regions, the same per-shape argument tables grouped by topology, TVM's CPU kernels. A
+group keeps the kernels once; a shape is a row of its argument table.
 """
 
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
 from typing import Any, Sequence
 
 import tvm
 
-from .region import ArgSlot, bind_slots, slots_for
+from .argument_table import ArgumentTable, NodeRecord, TopologyGroups
 
 
-@dataclass
-class KernelCall:
-    """One recorded launch: the kernel and where each argument comes from."""
-
-    kernel: Any  # tvm.runtime function
-    name: str
-    slots: tuple[ArgSlot, ...]
-
-
-class CallRecording:
-    """The kernels one region launched at one shape, replayable with new region arguments."""
-
-    def __init__(self, calls: list[KernelCall]):
-        self.calls = calls
-
-    def replay(self, region_args: Sequence[Any]) -> None:
-        for call in self.calls:
-            call.kernel(*bind_slots(call.slots, region_args))
-
-    @property
-    def kernel_names(self) -> list[str]:
-        return [c.name for c in self.calls]
+def _slot(arg: Any, region_args: Sequence[Any]) -> tuple:
+    """Where an argument comes from: ("param", i), ("const", address) or ("value",)."""
+    if isinstance(arg, tvm.runtime.Tensor):
+        for i, t in enumerate(region_args):
+            if (isinstance(t, tvm.runtime.Tensor) and t.data_ptr() == arg.data_ptr()
+                    and tuple(t.shape) == tuple(arg.shape) and str(t.dtype) == str(arg.dtype)):
+                return ("param", i)
+        return ("const", arg.data_ptr(), tuple(arg.shape), str(arg.dtype))
+    return ("value",)
 
 
 class CallRecorder:
     """Collects the kernel calls TVM's VM makes inside one region call (VM instrumentation)."""
 
-    def __init__(self, region_args: Sequence[Any]):
+    def __init__(self, region: str, shape: tuple, region_args: Sequence[Any]):
+        self.region = region
+        self.shape = shape
         self.region_args = list(region_args)
-        self.calls: list[KernelCall] = []
+        self.calls: list[tuple[Any, str, tuple]] = []
 
     def on_call(self, func, symbol: str, args: Sequence[Any]) -> None:
         if symbol.startswith("vm.builtin."):
             return  # shape checks of the region function itself: host bookkeeping
-        self.calls.append(KernelCall(func, symbol, slots_for(args, self.region_args)))
+        self.calls.append((func, symbol, tuple(args)))
 
-    def finish(self) -> CallRecording:
-        return CallRecording(self.calls)
+    def records(self) -> tuple[list[NodeRecord], dict]:
+        records, constants = [], {}
+        for _, symbol, args in self.calls:
+            slots = tuple(_slot(a, self.region_args) for a in args)
+            for a, s in zip(args, slots):
+                if s[0] == "const":
+                    constants[s] = a  # weights: the group keeps them alive
+            fields = tuple(a for a, s in zip(args, slots) if s[0] == "value")
+            records.append(NodeRecord(symbol, slots, fields))
+        return records, constants
+
+
+class CpuGroup:
+    """The kernels of one topology and the argument table of its shapes."""
+
+    def __init__(self, recorder: CallRecorder, table: ArgumentTable, constants: dict):
+        self.kernels = [func for func, _, _ in recorder.calls]
+        self.names = [symbol for _, symbol, _ in recorder.calls]
+        self.slots = [fixed for _, fixed in table.topology]
+        self.table = table
+        self.constants = constants
+
+    def replay(self, row: int, region_args: Sequence[Any]) -> None:
+        for kernel, slots, fields in zip(self.kernels, self.slots, self.table.fields(row)):
+            values = iter(fields)
+            args = [region_args[s[1]] if s[0] == "param" else
+                    self.constants[s] if s[0] == "const" else next(values) for s in slots]
+            kernel(*args)
 
 
 class CpuReplayBackend:
-    """Records each region per shape on first sight and replays the recording afterwards."""
+    """Records each region per shape on first sight; replays its topology group's kernels."""
 
     name = "cpu-replay"
 
     def __init__(self, device: tvm.runtime.Device):
         self.device = device
+        self._groups: dict[str, TopologyGroups] = {}
+        self._kernels: dict[str, list[CpuGroup]] = {}
 
-    def begin(self, region_args: Sequence[Any]) -> CallRecorder:
-        return CallRecorder(region_args)
+    def stream_context(self):
+        return contextlib.nullcontext()
 
-    def end(self, recorder: CallRecorder) -> CallRecording:
+    def replay(self, region: str, shape: tuple, region_args: Sequence[Any]) -> bool:
+        groups = self._groups.get(region)
+        where = groups.where.get(shape) if groups else None
+        if where is None:
+            return False
+        self._kernels[region][where[0]].replay(where[1], region_args)
+        return True
+
+    def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> CallRecorder:
+        return CallRecorder(region, shape, region_args)
+
+    def end(self, recorder: CallRecorder) -> None:
         # The VM ran the kernels while they were recorded: the call's results are in place.
-        return recorder.finish()
-
-    def replay(self, recording: CallRecording, region_args: Sequence[Any]) -> None:
-        recording.replay(region_args)
+        records, constants = recorder.records()
+        groups = self._groups.setdefault(recorder.region, TopologyGroups())
+        index, _, new = groups.add(recorder.shape, records)
+        if new:
+            self._kernels.setdefault(recorder.region, []).append(
+                CpuGroup(recorder, groups.tables[index], constants))
+        else:
+            self._kernels[recorder.region][index].constants.update(constants)
 
     def abort(self, recorder: CallRecorder) -> None:
         pass
 
-    def stream_context(self):
-        return contextlib.nullcontext()
+    def recorded_shapes(self) -> dict[str, list[tuple]]:
+        return {region: list(groups.where) for region, groups in self._groups.items()}
+
+    def group(self, region: str, shape: tuple) -> CpuGroup:
+        return self._kernels[region][self._groups[region].where[shape][0]]
 
     def synchronize(self) -> None:
         pass
 
     def describe(self) -> dict:
-        return {"backend": self.name}
+        return {"backend": self.name, "mode": "topology",
+                "topology_groups": {r: g.describe() for r, g in self._groups.items()}}
 
     def close(self) -> None:
-        pass
+        self._groups.clear()
+        self._kernels.clear()

@@ -1,15 +1,14 @@
-"""CUDA backend: each region captured per shape into a CUDA graph, replayed with one launch.
+"""Stream capture of one region call, and what is read back from the captured graph.
 
-Ownership: ``CudaGraphBackend`` owns its two streams and its context reference;
-``CapturedGraph`` owns its ``CUgraph`` and ``CUgraphExec``. Each frees what it owns in
-``close()`` (and, as a last resort, when collected).
+Also ``CapturedGraph``: one region at one shape instantiated as it was captured, the
+per-shape fallback where device-updatable graph nodes are not available. It owns its
+``CUgraph`` and ``CUgraphExec`` and frees them in ``close()``.
 
 A region's kernels read and write the region's arguments, which TVM's VM allocates on every
-call: the captured graph keeps the addresses of capture time. Kernel parameters that point
+call: a captured graph keeps the addresses of capture time. Kernel parameters that point
 into a region argument are found once, after capture (``cuFuncGetParamInfo`` gives each
-parameter's size), and re-pointed from the host when a later call's arguments live
-elsewhere (``cuGraphExecKernelNodeSetParams``). With memory planned at the upper bound and
-the VM's pooled allocator this is rare: the same storage comes back call after call.
+parameter's size); ``CapturedGraph`` re-points them from the host when a later call's
+arguments live elsewhere (``cuGraphExecKernelNodeSetParams``).
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import tvm
 
+from .argument_table import NodeRecord
 from .cuda_driver import check, driver
 
 
@@ -53,7 +53,7 @@ def _param_layout(func) -> list[tuple[int, int]]:
         layout.append((int(offset), int(size)))
 
 
-def _read_kernel_nodes(graph) -> list[KernelNode]:
+def read_kernel_nodes(graph) -> list[KernelNode]:
     _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
     nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
     kernels = []
@@ -161,10 +161,12 @@ class CapturedGraph:
             pass  # interpreter shutdown: the driver may already be gone
 
 
-class _Capture:
+class Capture:
     """An open stream capture of one region call."""
 
-    def __init__(self, region_args: Sequence[Any], stream_context):
+    def __init__(self, region: str, shape: tuple, region_args: Sequence[Any], stream_context):
+        self.region = region
+        self.shape = shape
         self.region_args = list(region_args)
         self.stream_context = stream_context
 
@@ -172,72 +174,25 @@ class _Capture:
         pass  # stream capture sees the launches itself
 
 
-class CudaGraphBackend:
-    """Captures regions with CUDA stream capture and replays them as graphs."""
 
-    name = "cuda-graph"
 
-    def __init__(self, device: tvm.runtime.Device):
-        import tvm_ffi  # pylint: disable=import-outside-toplevel
+def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> list[NodeRecord]:
+    """Argument-table records of a captured region.
 
-        self.device = device
-        self._use_stream = tvm_ffi.use_raw_stream
-        check(driver.cuInit(0), "cuInit")
-        self._cu_device = check(driver.cuDeviceGet(device.index), "cuDeviceGet")
-        self._context = check(driver.cuDevicePrimaryCtxRetain(self._cu_device),
-                              "cuDevicePrimaryCtxRetain")
-        check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
-        # Calls run on a blocking stream, so they order with TVM's copies on the legacy
-        # default stream; captures happen on a stream of their own that never runs work.
-        self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
-        self.capture_stream = check(
-            driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        self.graphs_captured = 0
-
-    def stream_context(self):
-        """TVM launches everything of a call on the backend's stream."""
-        return self._use_stream(self.device, int(self.stream))
-
-    def begin(self, region_args: Sequence[Any]) -> _Capture:
-        ctx = self._use_stream(self.device, int(self.capture_stream))
-        check(driver.cuStreamBeginCapture(
-            self.capture_stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
-            "cuStreamBeginCapture")
-        ctx.__enter__()
-        return _Capture(region_args, ctx)
-
-    def end(self, capture: _Capture) -> CapturedGraph:
-        capture.stream_context.__exit__(None, None, None)
-        graph = check(driver.cuStreamEndCapture(self.capture_stream), "cuStreamEndCapture")
-        nodes = _read_kernel_nodes(graph)
-        slots = find_pointer_slots(nodes, capture.region_args)
-        captured = CapturedGraph(graph, nodes, slots, capture.region_args, self.stream)
-        self.graphs_captured += 1
-        # Capture recorded the launches without running them: run them now.
-        captured.replay(capture.region_args, self.stream)
-        return captured
-
-    def replay(self, graph: CapturedGraph, region_args: Sequence[Any]) -> None:
-        graph.replay(region_args, self.stream)
-
-    def abort(self, capture: _Capture) -> None:
-        capture.stream_context.__exit__(None, None, None)
-        err, graph = driver.cuStreamEndCapture(self.capture_stream)
-        if err == driver.CUresult.CUDA_SUCCESS and graph is not None:
-            driver.cuGraphDestroy(graph)
-
-    def synchronize(self) -> None:
-        check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
-
-    def describe(self) -> dict:
-        return {"backend": self.name, "graphs_captured": self.graphs_captured}
-
-    def close(self) -> None:
-        for attr in ("stream", "capture_stream"):
-            stream = getattr(self, attr, None)
-            if stream is not None:
-                driver.cuStreamDestroy(stream)
-                setattr(self, attr, None)
-        if getattr(self, "_context", None) is not None:
-            driver.cuDevicePrimaryCtxRelease(self._cu_device)
-            self._context = None
+    Parameters that point into a region argument are part of the topology (which argument,
+    at which offset) and carry no bytes: their value is the call's, not the shape's.
+    """
+    by_node: dict[int, dict[int, PointerSlot]] = {}
+    for s in slots:
+        by_node.setdefault(s.node, {})[s.param] = s
+    records = []
+    for n, node in enumerate(nodes):
+        p = node.params
+        pointers = by_node.get(n, {})
+        fixed = ((p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes,
+                 tuple(size for _, size in node.layout),
+                 tuple(sorted((i, s.arg, s.delta) for i, s in pointers.items())))
+        fields = ((p.gridDimX, p.gridDimY, p.gridDimZ),) + tuple(
+            b"" if i in pointers else v for i, v in enumerate(node.values))
+        records.append(NodeRecord(int(p.func), fixed, fields))
+    return records

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -11,6 +12,7 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
+from .progress import Progress
 from .signature import Signature
 
 REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
@@ -30,8 +32,8 @@ class GraphExecutor:
     """Run a grape-compiled module on one device.
 
     The VM runs the entry function; each call of a region function is intercepted: at a
-    shape seen before its recording is replayed (one graph launch on CUDA) and the VM skips
-    the call, at a new shape the VM runs it while the backend records it. Returned
+    shape seen before the backend replays it (one graph launch on CUDA) and the VM skips the
+    call; at a new shape the VM runs it while the backend records it. Returned
     arrays are new numpy arrays, or with ``return_numpy=False`` tensors that the executor's
     VM allocated for this call.
 
@@ -48,8 +50,7 @@ class GraphExecutor:
         self.stats = CallStats()
         self._vm = VirtualMachine(executable, device)
         self._vm.set_instrument(self._instrument)
-        self._recordings: dict[tuple[str, tuple[int, ...]], Any] = {}
-        self._open: tuple[str, tuple[int, ...], Any] | None = None
+        self._open: tuple[str, Any] | None = None  # (region, recorder) while recording
         self._lock = threading.Lock()
 
     # -- calls ---------------------------------------------------------------------------
@@ -118,7 +119,7 @@ class GraphExecutor:
     def _abandon_recording(self) -> None:
         # A failed call must leave the executor usable: drop a half-made recording.
         if self._open is not None:
-            self.backend.abort(self._open[2])
+            self.backend.abort(self._open[1])
             self._open = None
 
     # -- region interception -------------------------------------------------------------
@@ -126,40 +127,55 @@ class GraphExecutor:
         if self._open is not None:
             return self._while_recording(func, symbol, before_run, args)
         if before_run and symbol.startswith(REGION_PREFIX):
-            key = (symbol, tuple(int(v) for v in args[-1]))
-            recording = self._recordings.get(key)
-            if recording is not None:
-                self.backend.replay(recording, args[:-1])
+            shape = tuple(int(v) for v in args[-1])
+            if self.backend.replay(symbol, shape, args[:-1]):
                 self.stats.region_replays += 1
                 return VMInstrumentReturnKind.SKIP_RUN
-            self._open = (symbol, key[1], self.backend.begin(args[:-1]))
+            self._open = (symbol, self.backend.begin(symbol, shape, args[:-1]))
         return VMInstrumentReturnKind.NO_OP
 
     def _while_recording(self, func, symbol: str, before_run: bool, args) -> int:
-        region, shape, recorder = self._open
+        region, recorder = self._open
         if symbol == region and not before_run:
             self._open = None
-            self._recordings[(region, shape)] = self.backend.end(recorder)
+            self.backend.end(recorder)
             self.stats.region_recordings += 1
             self.stats.recordings_by_region[region] = self.stats.recordings_by_region.get(region, 0) + 1
         elif before_run:
             recorder.on_call(func, symbol, args)
         return VMInstrumentReturnKind.NO_OP
 
+    # -- recording ahead of time ----------------------------------------------------------
+    def record_all(self, dims: Mapping[str, Sequence[int]] | None = None, *,
+                   progress: bool = True) -> float:
+        """Record every shape of the declared ranges now, instead of on first sight.
+
+        Runs the model once per combination of dim values (``dims`` narrows them) on zero
+        inputs; returns the seconds it took. Shapes already recorded are replayed, not
+        recorded again.
+        """
+        if self.signature is None:
+            raise ValueError("record_all needs the model's signature (load it from an artifact)")
+        values = {name: list(dims[name]) if dims and name in dims else list(rng)
+                  for name, rng in self.signature.dims.items()}
+        combos = list(itertools.product(*values.values()))
+        bar = Progress(len(combos), "grape-tvm: recording shapes", enabled=progress)
+        for combo in combos:
+            bound = dict(zip(values, combo))
+            self.run({spec.name: np.zeros([bound[d] if isinstance(d, str) else d
+                                           for d in spec.shape], spec.dtype)
+                      for spec in self.signature.inputs}, return_numpy=False)
+            bar.step()
+        self.backend.synchronize()
+        return bar.close()
+
     # -- what is held ----------------------------------------------------------------------
     @property
     def recorded_shapes(self) -> dict[str, list[tuple[int, ...]]]:
-        shapes: dict[str, list[tuple[int, ...]]] = {}
-        for region, shape in self._recordings:
-            shapes.setdefault(region, []).append(shape)
-        return shapes
+        return self.backend.recorded_shapes()
 
     def close(self) -> None:
         """Free every graph and stream this executor holds."""
-        for recording in self._recordings.values():
-            if hasattr(recording, "close"):
-                recording.close()
-        self._recordings.clear()
         self.backend.close()
 
     def __enter__(self) -> "GraphExecutor":
@@ -178,7 +194,7 @@ def _to_numpy(outputs):
 def default_backend(device: tvm.runtime.Device):
     """CUDA graphs on a CUDA device, CPU replay on the CPU."""
     if device.dlpack_device_type() == tvm.cuda(0).dlpack_device_type():
-        from .cuda_graph import CudaGraphBackend  # pylint: disable=import-outside-toplevel
+        from .cuda_backend import CudaGraphBackend  # pylint: disable=import-outside-toplevel
 
         return CudaGraphBackend(device)
     from .cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel

@@ -40,13 +40,13 @@ def test_replay_runs_the_recorded_kernels_not_the_vm(blocks_artifact):
     executor = load(blocks_artifact, "cpu")
     x = np.ones((5, 64), np.float32)
     first = executor.run({"x": x})["y"]
-    recording = executor._recordings[("grape_region_0", (5,))]  # pylint: disable=protected-access
-    assert recording.kernel_names == executor.manifest["plan"]["regions"][0]["kernels"]
+    group = executor.backend.group("grape_region_0", (5,))
+    assert group.names == executor.manifest["plan"]["regions"][0]["kernels"]
     seen = []
     executor._vm.set_instrument(  # pylint: disable=protected-access
         lambda f, sym, before, ret, *a: seen.append(sym) or executor._instrument(f, sym, before, ret, *a))
     np.testing.assert_array_equal(executor.run({"x": x})["y"], first)
-    kernels = set(recording.kernel_names)
+    kernels = set(group.names)
     assert not kernels & set(seen), "the VM launched region kernels on a replay"
     assert "grape_region_0" in seen
 

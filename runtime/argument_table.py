@@ -1,0 +1,144 @@
+"""Per-shape argument tables, grouped by topology and compressed against a base.
+
+A region recorded at one shape is a list of ``NodeRecord``: which kernel, what must not
+change for a graph to be reused (block dims, shared memory, parameter sizes) and the fields
+a patch may change (grid dims, each parameter's bytes). Shapes whose records agree on
+everything but the fields share a topology, hence one graph. Their ``ArgumentTable`` keeps
+one base and, per shape, only the columns that vary anywhere in the group: a row of a few
+values where a full table (or another instantiated graph) would repeat everything.
+
+    table = ArgumentTable(records_at_n1)      # base, row 0
+    row = table.add(records_at_n300)          # row 1: values of the varying columns only
+    table.columns                              # [(node, field), ...] that differ somewhere
+    table.fields(row)                          # the full fields of n=300, rebuilt
+
+Pure Python: used by the CUDA backend (bytes of kernel parameters) and the CPU replay
+(Python values of kernel arguments) alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Hashable, Sequence
+
+
+@dataclass(frozen=True)
+class NodeRecord:
+    """One kernel launch of a recorded region."""
+
+    kernel: Hashable  # the kernel's identity (CUfunction handle, or PrimFunc name)
+    fixed: tuple  # must match for two shapes to share a graph
+    fields: tuple  # what a patch may change per shape
+
+
+Topology = tuple  # tuple of (kernel, fixed) per node, in launch order
+
+
+def topology_of(records: Sequence[NodeRecord]) -> Topology:
+    return tuple((r.kernel, r.fixed) for r in records)
+
+
+def field_size(value: Any) -> int:
+    """Bytes a field takes in an uncompressed table: raw bytes as they are, a tuple of
+    ints as dims (4 bytes each, like a grid's uint3), any other scalar 8 bytes."""
+    if isinstance(value, (bytes, bytearray)):
+        return len(value)
+    if isinstance(value, tuple):
+        return 4 * len(value)
+    return 8
+
+
+class ArgumentTable:
+    """The argument table of one topology: a base and the varying columns of every shape."""
+
+    def __init__(self, base: Sequence[NodeRecord]):
+        self.topology = topology_of(base)
+        self.base: list[tuple] = [r.fields for r in base]
+        self.columns: list[tuple[int, int]] = []  # (node, field index)
+        self._rows: list[list[Any]] = [[]]  # row 0 is the base itself
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def matches(self, records: Sequence[NodeRecord]) -> bool:
+        return topology_of(records) == self.topology
+
+    def add(self, records: Sequence[NodeRecord]) -> int:
+        """Add one shape's records; return its row. Columns grow as new fields vary."""
+        if not self.matches(records):
+            raise ValueError("records of another topology: they need a graph of their own")
+        for node, record in enumerate(records):
+            for i, value in enumerate(record.fields):
+                if value != self.base[node][i] and (node, i) not in self._column_index:
+                    self._add_column(node, i)
+        self._rows.append([records[n].fields[i] for n, i in self.columns])
+        return len(self._rows) - 1
+
+    @property
+    def _column_index(self) -> dict[tuple[int, int], int]:
+        return {c: k for k, c in enumerate(self.columns)}
+
+    def _add_column(self, node: int, index: int) -> None:
+        # Rows recorded before this column existed had the base value in it.
+        self.columns.append((node, index))
+        base = self.base[node][index]
+        for row in self._rows:
+            row.append(base)
+
+    def row(self, row: int) -> list[Any]:
+        """Values of the varying columns at ``row``, in column order."""
+        return list(self._rows[row])
+
+    def fields(self, row: int) -> list[tuple]:
+        """The full fields of every node at ``row``: base patched with the row."""
+        nodes = [list(f) for f in self.base]
+        for (node, i), value in zip(self.columns, self._rows[row]):
+            nodes[node][i] = value
+        return [tuple(f) for f in nodes]
+
+    # -- sizes -------------------------------------------------------------------------
+    def uncompressed_bytes(self) -> int:
+        """One full table per shape: what per-shape graphs would each hold."""
+        per_shape = sum(field_size(v) for fields in self.base for v in fields)
+        return per_shape * len(self._rows)
+
+    def compressed_bytes(self, slot_bytes: int | None = None) -> int:
+        """The base once, plus each shape's row of varying columns."""
+        base = sum(field_size(v) for fields in self.base for v in fields)
+        if slot_bytes is None:
+            row = sum(field_size(self.base[n][i]) for n, i in self.columns)
+        else:
+            row = slot_bytes * len(self.columns)
+        return base + row * len(self._rows)
+
+
+class TopologyGroups:
+    """Shapes grouped by topology: one ``ArgumentTable`` (and one graph) per group."""
+
+    def __init__(self):
+        self.tables: list[ArgumentTable] = []
+        self.where: dict[Hashable, tuple[int, int]] = {}  # shape key -> (table, row)
+
+    def add(self, shape: Hashable, records: Sequence[NodeRecord]) -> tuple[int, int, bool]:
+        """Return ``(table index, row, new_table)`` for a shape's records."""
+        topology = topology_of(records)
+        for t, table in enumerate(self.tables):
+            if table.topology == topology:
+                row = table.add(records)
+                self.where[shape] = (t, row)
+                return t, row, False
+        self.tables.append(ArgumentTable(records))
+        self.where[shape] = (len(self.tables) - 1, 0)
+        return len(self.tables) - 1, 0, True
+
+    def describe(self) -> list[dict]:
+        shapes_of: dict[int, list] = {}
+        for shape, (t, _) in self.where.items():
+            shapes_of.setdefault(t, []).append(shape)
+        return [
+            {"nodes": len(table.base), "shapes": len(table), "columns": len(table.columns),
+             "table_bytes_uncompressed": table.uncompressed_bytes(),
+             "table_bytes_compressed": table.compressed_bytes(),
+             "shape_keys": sorted(shapes_of.get(t, []))[:8]}
+            for t, table in enumerate(self.tables)
+        ]

@@ -1,0 +1,211 @@
+"""``CudaGraphBackend``: regions captured with CUDA stream capture, replayed as CUDA graphs.
+
+Two modes:
+
+- ``topology`` (default): one graph per region and topology; shapes of a topology share it
+  through an argument table applied on the device by the patch kernel (``TopologyGraph``).
+- ``per-shape``: one instantiated graph per region and shape (``CapturedGraph``), at most
+  ``max_graphs`` of them (least recently used go first). The fallback where nodes cannot be
+  made device-updatable (drivers before CUDA 12.4), and a baseline for the benchmarks.
+
+The backend owns its streams, its context reference, the patch kernel and every graph.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import tvm
+
+from .argument_table import TopologyGroups
+from .cuda_compile import CubinStore
+from .cuda_driver import check, driver
+from .cuda_graph import (Capture, CapturedGraph, find_pointer_slots, node_records,
+                         read_kernel_nodes)
+from .topology_graph import PatchKernel, TopologyGraph
+
+MODES = ("topology", "per-shape")
+DEVICE_UPDATE_DRIVER = 12040  # CUDA 12.4: device-updatable kernel nodes
+
+
+@dataclass
+class _RegionGraphs:
+    """The topology groups of one region and the graph of each."""
+
+    groups: TopologyGroups
+    graphs: list[TopologyGraph]
+
+
+class CudaGraphBackend:
+    """Captures regions with stream capture and replays them as CUDA graphs."""
+
+    name = "cuda-graph"
+
+    def __init__(self, device: tvm.runtime.Device, mode: str = "topology",
+                 max_graphs: int = 4096, arch: str | None = None,
+                 cubins: CubinStore | None = None):
+        import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+        if mode not in MODES:
+            raise ValueError(f"graph mode must be one of {MODES}, got {mode!r}")
+        self.device = device
+        self.mode = mode
+        self.max_graphs = max_graphs
+        self.fallback_reason: str | None = None
+        self._use_stream = tvm_ffi.use_raw_stream
+        check(driver.cuInit(0), "cuInit")
+        self._cu_device = check(driver.cuDeviceGet(device.index), "cuDeviceGet")
+        self._context = check(driver.cuDevicePrimaryCtxRetain(self._cu_device),
+                              "cuDevicePrimaryCtxRetain")
+        check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")
+        major = check(driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+            self._cu_device), "cuDeviceGetAttribute")
+        minor = check(driver.cuDeviceGetAttribute(
+            driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+            self._cu_device), "cuDeviceGetAttribute")
+        self.arch = arch or f"sm_{major}{minor}"
+        self.cubins = cubins or CubinStore(self.arch)
+        version = check(driver.cuDriverGetVersion(), "cuDriverGetVersion")
+        if mode == "topology" and version < DEVICE_UPDATE_DRIVER:
+            self.mode = "per-shape"
+            self.fallback_reason = (f"the driver supports CUDA {version // 1000}.{version % 1000 // 10}; "
+                                    "device-updatable graph nodes need 12.4: one graph per shape")
+        # Calls run on a blocking stream, so they order with TVM's copies on the legacy
+        # default stream; captures happen on a stream of their own that never runs work.
+        self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
+        self.capture_stream = check(
+            driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        self._patch: PatchKernel | None = None
+        self._regions: dict[str, _RegionGraphs] = {}
+        self._per_shape: OrderedDict[tuple, CapturedGraph] = OrderedDict()
+        self._rows: dict[tuple, tuple[TopologyGraph, int]] = {}
+        self.graphs_captured = 0
+        self.graphs_instantiated = 0
+        self.evicted = 0
+
+    # -- the executor's interface --------------------------------------------------------
+    def stream_context(self):
+        """TVM launches everything of a call on the backend's stream."""
+        return self._use_stream(self.device, int(self.stream))
+
+    def replay(self, region: str, shape: tuple, region_args: Sequence[Any]) -> bool:
+        """Launch the recording of ``region`` at ``shape``; False if there is none."""
+        found = self._rows.get((region, shape))
+        if found is not None:
+            graph, row = found
+            graph.replay(row, region_args, self.stream)
+            return True
+        captured = self._per_shape.get((region, shape))
+        if captured is None:
+            return False
+        self._per_shape.move_to_end((region, shape))
+        captured.replay(region_args, self.stream)
+        return True
+
+    def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> Capture:
+        ctx = self._use_stream(self.device, int(self.capture_stream))
+        check(driver.cuStreamBeginCapture(
+            self.capture_stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+            "cuStreamBeginCapture")
+        ctx.__enter__()
+        return Capture(region, shape, region_args, ctx)
+
+    def end(self, capture: Capture) -> None:
+        """Finish a capture, keep what it recorded, and run it (capture runs nothing)."""
+        capture.stream_context.__exit__(None, None, None)
+        graph = check(driver.cuStreamEndCapture(self.capture_stream), "cuStreamEndCapture")
+        self.graphs_captured += 1
+        if self.mode == "topology":
+            self._keep_in_topology(capture, graph)
+        else:
+            self._keep_per_shape(capture, graph)
+
+    def abort(self, capture: Capture) -> None:
+        capture.stream_context.__exit__(None, None, None)
+        err, graph = driver.cuStreamEndCapture(self.capture_stream)
+        if err == driver.CUresult.CUDA_SUCCESS and graph is not None:
+            driver.cuGraphDestroy(graph)
+
+    # -- topology mode -------------------------------------------------------------------
+    def _patch_kernel(self) -> PatchKernel:
+        if self._patch is None:
+            self._patch = PatchKernel(self.cubins)
+        return self._patch
+
+    def _keep_in_topology(self, capture: Capture, graph) -> None:
+        nodes = read_kernel_nodes(graph)
+        slots = find_pointer_slots(nodes, capture.region_args)
+        records = node_records(nodes, slots)
+        region = self._regions.setdefault(capture.region, _RegionGraphs(TopologyGroups(), []))
+        table_index, row, new = region.groups.add(capture.shape, records)
+        if new:
+            pointer_map = [(s.node, s.param, s.arg, s.delta) for s in slots]
+            topology_graph = TopologyGraph(
+                graph, nodes, [n.layout for n in nodes], pointer_map,
+                region.groups.tables[table_index], len(capture.region_args),
+                self._patch_kernel(), self.stream)
+            region.graphs.append(topology_graph)
+            self.graphs_instantiated += 1
+        else:
+            driver.cuGraphDestroy(graph)  # the group's graph serves this shape too
+            topology_graph = region.graphs[table_index]
+            topology_graph.refresh()
+        self._rows[(capture.region, capture.shape)] = (topology_graph, row)
+        topology_graph.replay(row, capture.region_args, self.stream)
+
+    # -- per-shape mode ------------------------------------------------------------------
+    def _keep_per_shape(self, capture: Capture, graph) -> None:
+        nodes = read_kernel_nodes(graph)
+        slots = find_pointer_slots(nodes, capture.region_args)
+        captured = CapturedGraph(graph, nodes, slots, capture.region_args, self.stream)
+        self.graphs_instantiated += 1
+        self._per_shape[(capture.region, capture.shape)] = captured
+        while len(self._per_shape) > self.max_graphs:
+            _, old = self._per_shape.popitem(last=False)
+            old.close()
+            self.evicted += 1
+        captured.replay(capture.region_args, self.stream)
+
+    # -- what is held ----------------------------------------------------------------------
+    def recorded_shapes(self) -> dict[str, list[tuple]]:
+        shapes: dict[str, list[tuple]] = {}
+        for region, shape in list(self._rows) + list(self._per_shape):
+            shapes.setdefault(region, []).append(shape)
+        return shapes
+
+    def synchronize(self) -> None:
+        check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+
+    def describe(self) -> dict:
+        regions = {name: [dict(g, graph_table_device_bytes=r.graphs[i].device_bytes())
+                          for i, g in enumerate(r.groups.describe())]
+                   for name, r in self._regions.items()}
+        return {"backend": self.name, "mode": self.mode, "fallback_reason": self.fallback_reason,
+                "graphs_captured": self.graphs_captured,
+                "graphs_instantiated": self.graphs_instantiated,
+                "per_shape_graphs": len(self._per_shape), "evicted": self.evicted,
+                "topology_groups": regions}
+
+    def close(self) -> None:
+        for region in self._regions.values():
+            for graph in region.graphs:
+                graph.close()
+        self._regions.clear()
+        self._rows.clear()
+        for graph in self._per_shape.values():
+            graph.close()
+        self._per_shape.clear()
+        if self._patch is not None:
+            self._patch.close()
+            self._patch = None
+        for attr in ("stream", "capture_stream"):
+            stream = getattr(self, attr, None)
+            if stream is not None:
+                driver.cuStreamDestroy(stream)
+                setattr(self, attr, None)
+        if getattr(self, "_context", None) is not None:
+            driver.cuDevicePrimaryCtxRelease(self._cu_device)
+            self._context = None

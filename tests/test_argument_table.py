@@ -1,0 +1,123 @@
+"""Argument tables: grouping by topology, compression, and the patch kernel's encoding.
+
+The records imitate what a CUDA capture of TVM kernels gives: per node a grid, block dims
+and parameter bytes (pointers, then int32 shape scalars). ``apply_patch`` is a line-by-line
+Python model of ``runtime/kernels/patch.cu``, run on the bytes ``encode_table`` produces.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+
+from grape_tvm.runtime.argument_table import ArgumentTable, NodeRecord, TopologyGroups
+from grape_tvm.runtime.topology_graph import SLOT_BYTES, encode_pointers, encode_table
+
+LAYOUT = [(0, 8), (8, 8), (16, 4)]  # two pointers and one int32, as cuFuncGetParamInfo gives
+
+
+def records(n: int, block: int = 128, kernels=("ln", "mm", "gelu")) -> list[NodeRecord]:
+    out = []
+    for k, name in enumerate(kernels):
+        m = 64 if name.startswith("static") else n  # static kernels (weight layout) ignore n
+        grid = ((m + block - 1) // block, 1 if name != "mm" else 12, 1)
+        params = (struct.pack("<Q", 0x7F0000000000 + 4096 * k),  # a buffer planned at the bound
+                  struct.pack("<Q", 0x7F0000100000 + 4096 * k),
+                  struct.pack("<i", m))  # the dynamic length, a scalar argument
+        out.append(NodeRecord(name, ((block, 1, 1), 0, (8, 8, 4), ()), (grid,) + params))
+    return out
+
+
+def test_shapes_of_one_topology_share_a_table_with_only_varying_columns():
+    table = ArgumentTable(records(1))
+    rows = {n: table.add(records(n)) for n in range(2, 301)}
+    # Only the grid x of each node and the int32 n vary: 2 columns per node.
+    assert len(table.columns) == 2 * 3
+    assert all(field in (0, 3) for _, field in table.columns)
+    for n in (2, 129, 300):
+        assert table.fields(rows[n]) == [r.fields for r in records(n)]
+    assert table.fields(0) == [r.fields for r in records(1)]
+
+
+def test_a_column_that_starts_varying_late_is_back_filled_with_the_base():
+    table = ArgumentTable(records(1))
+    assert table.add(records(1)) == 1 and table.columns == []
+    row = table.add(records(200))
+    assert len(table.columns) == 6
+    assert table.fields(1) == [r.fields for r in records(1)]  # back-filled
+    assert table.fields(row) == [r.fields for r in records(200)]
+
+
+def test_compression_against_full_tables():
+    kernels = ("ln", "mm", "gelu") + tuple(f"static{i}" for i in range(9))
+    table = ArgumentTable(records(1, kernels=kernels))
+    for n in range(2, 1025):
+        table.add(records(n, kernels=kernels))
+    full = table.uncompressed_bytes()
+    packed = table.compressed_bytes(slot_bytes=SLOT_BYTES)
+    per_shape = (12 + 8 + 8 + 4) * len(kernels)
+    assert full == per_shape * 1024
+    assert packed == per_shape + 6 * SLOT_BYTES * 1024
+    assert packed < full / 3.5
+
+
+def test_other_block_dims_or_kernels_make_another_group():
+    groups = TopologyGroups()
+    assert groups.add((1,), records(1))[2] is True
+    assert groups.add((2,), records(2)) == (0, 1, False)
+    assert groups.add((3,), records(3, block=256))[:1] == (1,)  # block dims differ
+    assert groups.add((4,), records(4, kernels=("ln", "mm")))[:1] == (2,)  # fewer kernels
+    assert groups.where[(2,)] == (0, 1)
+    with pytest.raises(ValueError, match="another topology"):
+        groups.tables[0].add(records(5, block=256))
+    described = groups.describe()
+    assert [d["shapes"] for d in described] == [2, 1, 1]
+
+
+def apply_patch(columns: bytes, rows: bytes, pointers: bytes, args: list[int], shape_row: int,
+                params: list[bytearray], grids: list[list[int]]) -> None:
+    """What patch.cu does, on host memory: one line here per statement there."""
+    num_columns = len(columns) // 16
+    row = rows[shape_row * num_columns * 16:]
+    for c in range(num_columns):
+        node, kind, offset, size = struct.unpack_from("<IIII", columns, 16 * c)
+        value = row[16 * c:16 * c + 16]
+        if kind == 0:
+            params[node][offset:offset + size] = value[:size]
+        else:
+            grids[node] = list(struct.unpack_from("<III", value))
+    for p in range(len(pointers) // 24):
+        node, offset, arg, _, delta = struct.unpack_from("<IIIIQ", pointers, 24 * p)
+        params[node][offset:offset + 8] = struct.pack("<Q", args[arg] + delta)
+
+
+def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
+    table = ArgumentTable(records(1))
+    rows = {1: 0}
+    for n in np.random.default_rng(0).permutation(np.arange(2, 400))[:120]:
+        rows[int(n)] = table.add(records(int(n)))
+    columns, packed = encode_table(table, [LAYOUT] * 3)
+    # Node 1's second pointer is a region argument (an input): re-pointed on every call.
+    pointers = encode_pointers([(1, 1, 0, 64)], [LAYOUT] * 3)
+    base = records(1)
+    params = [bytearray(b"".join(r.fields[1:])) for r in base]
+    grids = [list(r.fields[0]) for r in base]
+    for n, row in rows.items():  # in any order: rows overwrite every varying column
+        apply_patch(columns, packed, pointers, [0x5000_0000 + n], row, params, grids)
+        want = records(n)
+        for node in range(3):
+            expect = bytearray(b"".join(want[node].fields[1:]))
+            if node == 1:
+                expect[8:16] = struct.pack("<Q", 0x5000_0000 + n + 64)
+            assert params[node] == expect, (n, node)
+            assert tuple(grids[node]) == want[node].fields[0]
+
+
+def test_oversized_varying_parameter_is_refused():
+    big = [NodeRecord("k", ((1, 1, 1), 0, (32,), ()), ((1, 1, 1), bytes(32)))]
+    table = ArgumentTable(big)
+    table.add([NodeRecord("k", ((1, 1, 1), 0, (32,), ()), ((1, 1, 1), bytes([1]) * 32))])
+    with pytest.raises(ValueError, match="32-byte kernel parameter varies"):
+        encode_table(table, [[(0, 32)]])

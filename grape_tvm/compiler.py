@@ -103,6 +103,17 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     lowered = _lower(mod, tgt, ranges)
     plan = graph_plan(lowered).to_json()
     executable = tvm.compile(lowered, target=tgt, relax_pipeline=None)
+    return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)
+
+
+def package(executable, signature: Signature, target: Any, plan: dict | None = None, *,
+            prebuild_cubin: bool = True) -> GrapeModule:
+    """A compiled executable as a ``GrapeModule``: with cubins for a CUDA target.
+
+    Also packages executables built by TVM's own pipelines (the benchmarks' baselines):
+    their plan has no regions, so grape's executor runs them exactly as TVM's VM would.
+    """
+    tgt = parse_target(target)
     info = target_json(tgt)
     cubins = {}
     if is_gpu(tgt) and prebuild_cubin and nvcc_available():
@@ -110,6 +121,7 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
         sources = _cuda_sources(executable) + [PATCH_SOURCE.read_text()]
         cubins = {source_key(code): compile_cubin(code, info.get("arch", "sm_90"))
                   for code in sources}
+    plan = plan if plan is not None else {"regions": [], "host_steps": [], "host_bookkeeping": 0}
     return GrapeModule(executable, signature, plan, info, cubins)
 
 

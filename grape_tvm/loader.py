@@ -93,6 +93,8 @@ def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
 
         backend = CudaGraphBackend(dev, graph_mode, max_graphs, manifest["target"].get("arch"),
                                    cubins)
-    executor = GraphExecutor(library, dev, signature, backend)
+    # Without host steps a call is only region launches: run such calls without the VM.
+    plan_calls = not manifest["plan"]["host_steps"] and bool(manifest["plan"]["regions"])
+    executor = GraphExecutor(library, dev, signature, backend, plan_calls=plan_calls)
     executor.manifest = manifest
     return executor

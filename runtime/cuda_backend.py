@@ -30,6 +30,11 @@ MODES = ("topology", "per-shape")
 DEVICE_UPDATE_DRIVER = 12040  # CUDA 12.4: device-updatable kernel nodes
 
 
+def _free_bytes() -> int:
+    free, _ = check(driver.cuMemGetInfo(), "cuMemGetInfo")
+    return int(free)
+
+
 @dataclass
 class _RegionGraphs:
     """The topology groups of one region and the graph of each."""
@@ -85,6 +90,9 @@ class CudaGraphBackend:
         self.graphs_captured = 0
         self.graphs_instantiated = 0
         self.evicted = 0
+        # Device memory taken by graphs and their tables: free memory read just before and
+        # after each instantiation, table write and release (nothing else allocates there).
+        self.graph_device_bytes = 0
 
     # -- the executor's interface --------------------------------------------------------
     def stream_context(self):
@@ -141,18 +149,20 @@ class CudaGraphBackend:
         records = node_records(nodes, slots)
         region = self._regions.setdefault(capture.region, _RegionGraphs(TopologyGroups(), []))
         table_index, row, new = region.groups.add(capture.shape, records)
+        patch = self._patch_kernel()
+        free = _free_bytes()
         if new:
             pointer_map = [(s.node, s.param, s.arg, s.delta) for s in slots]
             topology_graph = TopologyGraph(
                 graph, nodes, [n.layout for n in nodes], pointer_map,
-                region.groups.tables[table_index], len(capture.region_args),
-                self._patch_kernel(), self.stream)
+                region.groups.tables[table_index], len(capture.region_args), patch, self.stream)
             region.graphs.append(topology_graph)
             self.graphs_instantiated += 1
         else:
             driver.cuGraphDestroy(graph)  # the group's graph serves this shape too
             topology_graph = region.graphs[table_index]
             topology_graph.refresh()
+        self.graph_device_bytes += free - _free_bytes()
         self._rows[(capture.region, capture.shape)] = (topology_graph, row)
         topology_graph.replay(row, capture.region_args, self.stream)
 
@@ -160,12 +170,16 @@ class CudaGraphBackend:
     def _keep_per_shape(self, capture: Capture, graph) -> None:
         nodes = read_kernel_nodes(graph)
         slots = find_pointer_slots(nodes, capture.region_args)
+        free = _free_bytes()
         captured = CapturedGraph(graph, nodes, slots, capture.region_args, self.stream)
+        self.graph_device_bytes += free - _free_bytes()
         self.graphs_instantiated += 1
         self._per_shape[(capture.region, capture.shape)] = captured
         while len(self._per_shape) > self.max_graphs:
             _, old = self._per_shape.popitem(last=False)
+            free = _free_bytes()
             old.close()
+            self.graph_device_bytes -= _free_bytes() - free
             self.evicted += 1
         captured.replay(capture.region_args, self.stream)
 
@@ -187,6 +201,7 @@ class CudaGraphBackend:
                 "graphs_captured": self.graphs_captured,
                 "graphs_instantiated": self.graphs_instantiated,
                 "per_shape_graphs": len(self._per_shape), "evicted": self.evicted,
+                "graph_device_bytes": self.graph_device_bytes,
                 "topology_groups": regions}
 
     def close(self) -> None:

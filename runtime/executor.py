@@ -12,8 +12,9 @@ import numpy as np
 import tvm
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
+from .call_plan import BufferPool, CallPlan, CallPlanRecorder
 from .progress import Progress
-from .signature import Signature
+from .signature import InputError, Signature
 
 REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
 
@@ -25,6 +26,7 @@ class CallStats:
     calls: int = 0
     region_replays: int = 0
     region_recordings: int = 0
+    planned_calls: int = 0  # calls that ran without the VM
     recordings_by_region: dict[str, int] = field(default_factory=dict)
 
 
@@ -42,7 +44,8 @@ class GraphExecutor:
     """
 
     def __init__(self, executable: tvm.runtime.Module, device: tvm.runtime.Device,
-                 signature: Signature | None = None, backend=None, entry: str = "main"):
+                 signature: Signature | None = None, backend=None, entry: str = "main",
+                 plan_calls: bool = False):
         self.device = device
         self.signature = signature
         self.backend = backend if backend is not None else default_backend(device)
@@ -52,21 +55,49 @@ class GraphExecutor:
         self._vm.set_instrument(self._instrument)
         self._open: tuple[str, Any] | None = None  # (region, recorder) while recording
         self._lock = threading.Lock()
+        # Calls without the VM: only for an entry function with no host step (see call_plan).
+        self._plan_calls = plan_calls and signature is not None
+        self._plans: dict[tuple, CallPlan | None] = {}
+        self._watch: CallPlanRecorder | None = None
+        self._pool = BufferPool(device)
+        self._buffer_of: dict[tuple, int] = {}
+        self._bound: dict[str, tvm.runtime.Tensor] = {}
+        self._bound_dims: dict[str, int] = {}
+        self._bound_ids: set[int] = set()
 
     # -- calls ---------------------------------------------------------------------------
+    def bind_inputs(self, inputs: Mapping[str, Any]) -> None:
+        """Fix inputs that do not change from call to call (weights): checked and moved to
+        the device once, then left out of ``run``'s inputs."""
+        if self.signature is None:
+            raise ValueError("bind_inputs needs the model's signature (load it from an artifact)")
+        with self._lock:
+            tensors = {name: self._as_tensor(name, value) for name, value in inputs.items()}
+            specs = {t.name for t in self.signature.inputs}
+            unknown = sorted(set(tensors) - specs)
+            if unknown:
+                raise InputError(f"unknown input(s) {unknown}: the model takes {sorted(specs)}")
+            dims = self.signature.bind({k: tuple(t.shape) for k, t in tensors.items()},
+                                       {k: str(t.dtype) for k, t in tensors.items()},
+                                       partial=True)
+            self._bound.update(tensors)
+            self._bound_dims.update(dims)
+            self._bound_ids = {id(t) for t in self._bound.values()}
+            self._plans.clear()
+
     def run(self, inputs: Mapping[str, Any] | Sequence[Any], *,
             return_numpy: bool = True) -> dict[str, Any] | list[Any]:
         """Run one call; ``inputs`` maps input names to numpy arrays or DLPack tensors.
 
-        Without a signature (an executable straight from ``tvm.compile``) inputs are
-        positional and outputs come back as a list.
+        Returned tensors (``return_numpy=False``) belong to the executor and stay valid until
+        its next call. Without a signature (an executable straight from ``tvm.compile``)
+        inputs are positional and outputs come back as a list.
         """
         with self._lock:
-            args = self._prepare(inputs)
+            args, key = self._prepare(inputs)
             try:
                 with self.backend.stream_context():
-                    result = self._vm[self.entry](*args)
-                    outputs = self._name_outputs(result)
+                    outputs = self._call(args, key)
                     if return_numpy:
                         outputs = _to_numpy(outputs)
             except BaseException:
@@ -77,16 +108,45 @@ class GraphExecutor:
 
     __call__ = run
 
-    def _prepare(self, inputs) -> list[tvm.runtime.Tensor]:
+    def _call(self, args: list, key: tuple | None):
+        plan = self._plans.get(key) if key is not None else None
+        if plan is not None and not self._aliases_pool(args):
+            self.stats.planned_calls += 1
+            self.stats.region_replays += len(plan.regions)
+            return self._name_outputs(plan.run(args, self._pool, self.backend))
+        watch = self._plan_calls and key is not None and key not in self._plans
+        self._watch = CallPlanRecorder(args) if watch else None
+        try:
+            result = self._vm[self.entry](*args)
+        finally:
+            recorder, self._watch = self._watch, None
+        outputs = self._name_outputs(result)
+        if recorder is not None:
+            values = list(outputs.values()) if isinstance(outputs, dict) else outputs
+            self._plans[key] = recorder.finish(values, self._pool, self._buffer_of)
+        return outputs
+
+    def _aliases_pool(self, args: list) -> bool:
+        """An input living in the executor's buffers (last call's output fed back) would be
+        overwritten while read: such a call takes the VM."""
+        spans = self._pool.spans()
+        bound = self._bound_ids
+        return any(start <= a.data_ptr() < start + size
+                   for a in args if id(a) not in bound for start, size in spans)
+
+    def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None]:
         if self.signature is None:
-            return [self._as_tensor(f"#{i}", v) for i, v in enumerate(inputs)]
+            return [self._as_tensor(f"#{i}", v) for i, v in enumerate(inputs)], None
         if not isinstance(inputs, Mapping):
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
         tensors = {name: self._as_tensor(name, value) for name, value in inputs.items()}
-        self.signature.bind({k: tuple(t.shape) for k, t in tensors.items()},
-                            {k: str(t.dtype) for k, t in tensors.items()})
-        return [tensors[spec.name] for spec in self.signature.inputs]
+        dims = self.signature.bind({k: tuple(t.shape) for k, t in tensors.items()},
+                                   {k: str(t.dtype) for k, t in tensors.items()},
+                                   bound=self._bound_dims, skip=self._bound)
+        tensors.update({k: v for k, v in self._bound.items() if k not in tensors})
+        key = tuple(sorted(dims.items()))
+        return [tensors[spec.name] for spec in self.signature.inputs], key
 
     def _as_tensor(self, name: str, value: Any) -> tvm.runtime.Tensor:
         if isinstance(value, tvm.runtime.Tensor):
@@ -128,6 +188,8 @@ class GraphExecutor:
             return self._while_recording(func, symbol, before_run, args)
         if before_run and symbol.startswith(REGION_PREFIX):
             shape = tuple(int(v) for v in args[-1])
+            if self._watch is not None:
+                self._watch.on_region(symbol, shape, args[:-1])
             if self.backend.replay(symbol, shape, args[:-1]):
                 self.stats.region_replays += 1
                 return VMInstrumentReturnKind.SKIP_RUN
@@ -147,12 +209,12 @@ class GraphExecutor:
 
     # -- recording ahead of time ----------------------------------------------------------
     def record_all(self, dims: Mapping[str, Sequence[int]] | None = None, *,
-                   progress: bool = True) -> float:
+                   fixed: Mapping[str, Any] | None = None, progress: bool = True) -> float:
         """Record every shape of the declared ranges now, instead of on first sight.
 
         Runs the model once per combination of dim values (``dims`` narrows them) on zero
-        inputs; returns the seconds it took. Shapes already recorded are replayed, not
-        recorded again.
+        inputs, or on ``fixed`` ones for inputs whose shape never changes (weights); returns
+        the seconds it took. Shapes already recorded are replayed, not recorded again.
         """
         if self.signature is None:
             raise ValueError("record_all needs the model's signature (load it from an artifact)")
@@ -162,9 +224,11 @@ class GraphExecutor:
         bar = Progress(len(combos), "grape-tvm: recording shapes", enabled=progress)
         for combo in combos:
             bound = dict(zip(values, combo))
-            self.run({spec.name: np.zeros([bound[d] if isinstance(d, str) else d
-                                           for d in spec.shape], spec.dtype)
-                      for spec in self.signature.inputs}, return_numpy=False)
+            self.run({spec.name: fixed[spec.name] if fixed and spec.name in fixed else
+                      np.zeros([bound[d] if isinstance(d, str) else d for d in spec.shape],
+                               spec.dtype)
+                      for spec in self.signature.inputs if spec.name not in self._bound},
+                     return_numpy=False)
             bar.step()
         self.backend.synchronize()
         return bar.close()

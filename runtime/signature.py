@@ -91,14 +91,17 @@ class Signature:
             {k: ShapeRange(int(v[0]), int(v[1])) for k, v in obj["dims"].items()},
         )
 
-    def bind(self, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str]) -> dict[str, int]:
+    def bind(self, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, str], *,
+             bound: dict[str, int] | None = None, skip=(), partial: bool = False) -> dict[str, int]:
         """Check one call's input shapes and dtypes; return the value of every symbolic dim.
 
-        Raises ``InputError`` naming the input, the value and what was expected: before any
-        kernel runs, never a silent pad, truncation or cast.
+        ``skip`` names inputs checked before (bound once), whose dims ``bound`` holds;
+        ``partial`` checks only the inputs given. Raises ``InputError`` naming the input, the
+        value and what was expected: before any kernel runs, never a silent pad, truncation
+        or cast.
         """
         expected = [t.name for t in self.inputs]
-        missing = [n for n in expected if n not in shapes]
+        missing = [] if partial else [n for n in expected if n not in shapes and n not in skip]
         extra = [n for n in shapes if n not in expected]
         if missing or extra:
             parts = []
@@ -107,8 +110,10 @@ class Signature:
             if extra:
                 parts.append(f"unknown input(s) {extra}")
             raise InputError(f"{'; '.join(parts)}: the model takes {expected}")
-        values: dict[str, int] = {}
+        values: dict[str, int] = dict(bound or {})
         for spec in self.inputs:
+            if spec.name not in shapes:
+                continue
             shape, dtype = tuple(shapes[spec.name]), dtypes[spec.name]
             if dtype != spec.dtype:
                 raise InputError(f"input {spec.name!r} has dtype {dtype}, expected {spec.dtype}")

@@ -36,7 +36,8 @@ def test_replay_equals_vm_for_many_shapes_in_random_order(blocks_artifact):
     assert sorted(executor.recorded_shapes["grape_region_0"]) == sorted((int(n),) for n in set(shapes.tolist()))
 
 
-def test_replay_runs_the_recorded_kernels_not_the_vm(blocks_artifact):
+def test_a_seen_shape_runs_without_the_vm(blocks_artifact):
+    """No host step in this model: a call at a recorded shape is planned, VM untouched."""
     executor = load(blocks_artifact, "cpu")
     x = np.ones((5, 64), np.float32)
     first = executor.run({"x": x})["y"]
@@ -45,10 +46,28 @@ def test_replay_runs_the_recorded_kernels_not_the_vm(blocks_artifact):
     seen = []
     executor._vm.set_instrument(  # pylint: disable=protected-access
         lambda f, sym, before, ret, *a: seen.append(sym) or executor._instrument(f, sym, before, ret, *a))
-    np.testing.assert_array_equal(executor.run({"x": x})["y"], first)
-    kernels = set(group.names)
-    assert not kernels & set(seen), "the VM launched region kernels on a replay"
-    assert "grape_region_0" in seen
+    np.testing.assert_array_equal(executor.run({"x": x * 2})["y"],
+                                  load(blocks_artifact, "cpu").run({"x": x * 2})["y"])
+    assert seen == [] and executor.stats.planned_calls == 1
+    assert not np.array_equal(first, executor.run({"x": x * 3})["y"])
+
+
+def test_outputs_fed_back_as_inputs_take_the_vm(blocks_artifact):
+    """The last call's output lives in the executor's buffers: reading it while writing
+    them would be wrong, so such a call runs on the VM."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    executor = load(blocks_artifact, "cpu")
+    reference = load(blocks_artifact, "cpu")
+    x = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
+    y = executor.run({"x": x}, return_numpy=False)["y"]
+    y = executor.run({"x": x}, return_numpy=False)["y"]  # planned: y is a pool buffer now
+    planned = executor.stats.planned_calls
+    z = executor.run({"x": y})["y"]
+    assert executor.stats.planned_calls == planned  # fell back to the VM
+    want = reference.run({"x": reference.run({"x": x})["y"]})["y"]
+    np.testing.assert_allclose(z, want, rtol=1e-6, atol=1e-6)
+    assert isinstance(y, tvm.runtime.Tensor)
 
 
 def test_bad_inputs_fail_before_any_kernel_and_leave_the_executor_usable(blocks_artifact):
@@ -110,3 +129,29 @@ def test_tvm_compile_with_the_grape_pipeline_runs_in_the_executor():
         x = rng.standard_normal((n, 8)).astype(np.float32)
         np.testing.assert_allclose(executor.run([x, w])[0], np.maximum(x @ w, 0), rtol=1e-5, atol=1e-5)
     assert executor.stats.region_replays == 1 and executor.stats.region_recordings == 3
+
+
+def test_bound_inputs_are_checked_once_and_left_out_of_calls(tmp_path):
+    import sys  # pylint: disable=import-outside-toplevel
+    from pathlib import Path  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from models import block_weights, blocks_numpy, blocks_relax  # pylint: disable=import-outside-toplevel
+
+    path = tmp_path / "b.grape"
+    grape_tvm.build(blocks_relax(32, 2), {"n": (1, 16)}, "llvm", output_names=["y"]).export(path)
+    weights = block_weights(32, 2)
+    executor = load(path, "cpu")
+    with pytest.raises(InputError, match="input 'w0' axis 0 is 31, expected 32"):
+        executor.bind_inputs({"w0": np.zeros((31, 32), np.float32)})
+    with pytest.raises(InputError, match="unknown input"):
+        executor.bind_inputs({"nope": np.zeros(1, np.float32)})
+    executor.bind_inputs(weights)
+    rng = np.random.default_rng(0)
+    for n in (3, 16, 3, 1, 16):
+        x = rng.standard_normal((n, 32)).astype(np.float32)
+        np.testing.assert_allclose(executor.run({"x": x})["y"], blocks_numpy(x, weights, 2),
+                                   rtol=1e-4, atol=1e-4)
+    assert executor.stats.planned_calls == 2
+    with pytest.raises(InputError, match="missing input"):
+        executor.run({})

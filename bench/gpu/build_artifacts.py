@@ -1,6 +1,12 @@
 """Compile the artifacts the GPU tests and benchmarks load, on a machine without a GPU.
 
     python bench/gpu/build_artifacts.py build/gpu
+
+- ``blocks.cuda.grape``: the bundled example (tests, demo).
+- ``blocks24.{grape,tvm_vm,tvm_cuda_graph}.cuda.grape``: the argument-table benchmark's
+  model (24 blocks, width 768, n = 1..1024; weights are inputs, made on the GPU from a seed)
+  built by grape, by TVM's default pipeline, and by TVM's default pipeline with its own
+  CUDA graph option (``relax.backend.use_cuda_graph``).
 """
 
 from __future__ import annotations
@@ -10,24 +16,60 @@ import time
 from pathlib import Path
 
 import onnx
+import tvm
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "examples"))
+sys.path.insert(0, str(ROOT / "bench"))
 
 from blocks import make_blocks  # noqa: E402  pylint: disable=wrong-import-position
+from models import blocks_relax  # noqa: E402  pylint: disable=wrong-import-position
 
 import grape_tvm  # noqa: E402  pylint: disable=wrong-import-position
+from grape_tvm.compiler import _relax_signature, package  # noqa: E402  pylint: disable=wrong-import-position
+from grape_tvm.runtime.signature import ShapeRange  # noqa: E402  pylint: disable=wrong-import-position
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+BENCH_DIMS = {"n": (1, 1024)}
+
+
+def _timed(label: str, fn):
+    t0 = time.perf_counter()
+    out = fn()
+    print(f"{label}: {time.perf_counter() - t0:.1f} s", flush=True)
+    return out
+
+
+def build_example(out: Path) -> None:
+    model = out / "blocks.onnx"
+    onnx.save(make_blocks(), str(model))
+    module = _timed("blocks.cuda.grape", lambda: grape_tvm.compile_onnx(
+        model, dims={"n": (1, 256)}, target="cuda"))
+    module.export(out / "blocks.cuda.grape")
+
+
+def build_bench(out: Path, width: int = 768, depth: int = 24) -> None:
+    mod = blocks_relax(width, depth)
+    ranges = {k: ShapeRange.of(v, k) for k, v in BENCH_DIMS.items()}
+    signature = _relax_signature(mod["main"], ranges, ["y"])
+    grape = _timed("blocks24.grape", lambda: grape_tvm.build(mod, BENCH_DIMS, CUDA, output_names=["y"]))
+    grape.export(out / "blocks24.grape.cuda.grape")
+    # TVM as a TVM user runs it: its default CUDA pipeline, memory planned at the same bound.
+    bounded = mod.clone()
+    bounded["main"] = bounded["main"].with_attr("tir_var_upper_bound", {"n": BENCH_DIMS["n"][1]})
+    vm = _timed("blocks24.tvm_vm", lambda: tvm.compile(bounded, target=CUDA))
+    package(vm, signature, CUDA).export(out / "blocks24.tvm_vm.cuda.grape")
+    with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
+        graph = _timed("blocks24.tvm_cuda_graph", lambda: tvm.compile(bounded, target=CUDA))
+    package(graph, signature, CUDA).export(out / "blocks24.tvm_cuda_graph.cuda.grape")
 
 
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
-    model = out / "blocks.onnx"
-    onnx.save(make_blocks(), str(model))
-    t0 = time.perf_counter()
-    module = grape_tvm.compile_onnx(model, dims={"n": (1, 256)}, target="cuda")
-    path = module.export(out / "blocks.cuda.grape")
-    print(f"{path}: {path.stat().st_size} bytes, {len(module.cubins)} cubin(s), "
-          f"{time.perf_counter() - t0:.1f} s")
+    build_example(out)
+    build_bench(out)
+    for path in sorted(out.glob("*.grape")):
+        print(f"{path}: {path.stat().st_size} bytes")
 
 
 if __name__ == "__main__":

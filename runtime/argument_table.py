@@ -102,13 +102,10 @@ class ArgumentTable:
         per_shape = sum(field_size(v) for fields in self.base for v in fields)
         return per_shape * len(self._rows)
 
-    def compressed_bytes(self, slot_bytes: int | None = None) -> int:
-        """The base once, plus each shape's row of varying columns."""
+    def compressed_bytes(self) -> int:
+        """The base once, plus each shape's row of varying columns (4-byte aligned)."""
         base = sum(field_size(v) for fields in self.base for v in fields)
-        if slot_bytes is None:
-            row = sum(field_size(self.base[n][i]) for n, i in self.columns)
-        else:
-            row = slot_bytes * len(self.columns)
+        row = sum((field_size(self.base[n][i]) + 3) // 4 * 4 for n, i in self.columns)
         return base + row * len(self._rows)
 
 

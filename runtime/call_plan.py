@@ -70,7 +70,7 @@ class CallPlan:
         self.regions = regions
         self.outputs = outputs
         self._generation = -1
-        self._args: list[tuple[str, tuple, list[Any], list[tuple[int, int]]]] = []
+        self._args: list[tuple] = []  # (region, shape, fixed values, inputs, their positions)
         self._outs: list[Any] = []
 
     def _materialize(self, pool: BufferPool) -> None:
@@ -84,19 +84,22 @@ class CallPlan:
         for region, shape, slots in self.regions:
             values = [None if s.kind == "input" else fixed(s) for s in slots]
             inputs = [(i, s.index) for i, s in enumerate(slots) if s.kind == "input"]
-            self._args.append((region, shape, values, inputs))
+            self._args.append((region, shape, values, inputs, [i for i, _ in inputs]))
         self._outs = [None if s.kind == "input" else fixed(s) for s in self.outputs]
         self._generation = pool.generation
 
-    def run(self, inputs: Sequence[Any], pool: BufferPool, backend) -> list[Any]:
+    def run(self, inputs: Sequence[Any], pool: BufferPool, backend) -> list[Any] | None:
+        """Launch every region; None (nothing launched) if one lost its recording."""
+        if not all(backend.has(region, shape) for region, shape, _ in self.regions):
+            return None  # evicted by a bounded per-shape cache: the VM records it again
         if self._generation != pool.generation:
             self._materialize(pool)
-        for region, shape, values, from_inputs in self._args:
+        caller = (id(self), pool.generation)  # pool buffers stay put: only inputs move
+        for region, shape, values, from_inputs, moving in self._args:
             args = list(values)
             for position, index in from_inputs:
                 args[position] = inputs[index]
-            if not backend.replay(region, shape, args):
-                raise RuntimeError(f"{region} at {shape} has no recording")
+            backend.replay(region, shape, args, caller, moving)
         return [inputs[s.index] if s.kind == "input" else out
                 for s, out in zip(self.outputs, self._outs)]
 

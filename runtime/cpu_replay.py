@@ -83,7 +83,12 @@ class CpuReplayBackend:
     def stream_context(self):
         return contextlib.nullcontext()
 
-    def replay(self, region: str, shape: tuple, region_args: Sequence[Any]) -> bool:
+    def has(self, region: str, shape: tuple) -> bool:
+        groups = self._groups.get(region)
+        return groups is not None and shape in groups.where
+
+    def replay(self, region: str, shape: tuple, region_args: Sequence[Any],
+               caller: Any = None, moving: Sequence[int] | None = None) -> bool:
         groups = self._groups.get(region)
         where = groups.where.get(shape) if groups else None
         if where is None:

@@ -87,6 +87,7 @@ class CudaGraphBackend:
         self._regions: dict[str, _RegionGraphs] = {}
         self._per_shape: OrderedDict[tuple, CapturedGraph] = OrderedDict()
         self._rows: dict[tuple, tuple[TopologyGraph, int]] = {}
+        self._layouts: dict[int, list[tuple[int, int]]] = {}  # CUfunction -> parameter layout
         self.graphs_captured = 0
         self.graphs_instantiated = 0
         self.evicted = 0
@@ -99,12 +100,19 @@ class CudaGraphBackend:
         """TVM launches everything of a call on the backend's stream."""
         return self._use_stream(self.device, int(self.stream))
 
-    def replay(self, region: str, shape: tuple, region_args: Sequence[Any]) -> bool:
-        """Launch the recording of ``region`` at ``shape``; False if there is none."""
+    def has(self, region: str, shape: tuple) -> bool:
+        return (region, shape) in self._rows or (region, shape) in self._per_shape
+
+    def replay(self, region: str, shape: tuple, region_args: Sequence[Any],
+               caller: Any = None, moving: Sequence[int] | None = None) -> bool:
+        """Launch the recording of ``region`` at ``shape``; False if there is none.
+
+        ``caller``/``moving``: see ``TopologyGraph.replay`` (a planned call passes them).
+        """
         found = self._rows.get((region, shape))
         if found is not None:
             graph, row = found
-            graph.replay(row, region_args, self.stream)
+            graph.replay(row, region_args, self.stream, caller, moving)
             return True
         captured = self._per_shape.get((region, shape))
         if captured is None:
@@ -144,7 +152,7 @@ class CudaGraphBackend:
         return self._patch
 
     def _keep_in_topology(self, capture: Capture, graph) -> None:
-        nodes = read_kernel_nodes(graph)
+        nodes = read_kernel_nodes(graph, self._layouts)
         slots = find_pointer_slots(nodes, capture.region_args)
         records = node_records(nodes, slots)
         region = self._regions.setdefault(capture.region, _RegionGraphs(TopologyGroups(), []))
@@ -168,7 +176,7 @@ class CudaGraphBackend:
 
     # -- per-shape mode ------------------------------------------------------------------
     def _keep_per_shape(self, capture: Capture, graph) -> None:
-        nodes = read_kernel_nodes(graph)
+        nodes = read_kernel_nodes(graph, self._layouts)
         slots = find_pointer_slots(nodes, capture.region_args)
         free = _free_bytes()
         captured = CapturedGraph(graph, nodes, slots, capture.region_args, self.stream)

@@ -53,7 +53,10 @@ def _param_layout(func) -> list[tuple[int, int]]:
         layout.append((int(offset), int(size)))
 
 
-def read_kernel_nodes(graph) -> list[KernelNode]:
+def read_kernel_nodes(graph, layouts: dict | None = None) -> list[KernelNode]:
+    """Kernel nodes of a captured graph with their parameters; ``layouts`` caches each
+    function's parameter layout across captures."""
+    layouts = {} if layouts is None else layouts
     _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
     nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
     kernels = []
@@ -62,7 +65,10 @@ def read_kernel_nodes(graph) -> list[KernelNode]:
         if kind != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
             continue
         params = check(driver.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
-        layout = _param_layout(params.func)
+        key = int(params.func)
+        layout = layouts.get(key)
+        if layout is None:
+            layout = layouts[key] = _param_layout(params.func)
         base = int(params.kernelParams)
         values = []
         for i, (_, size) in enumerate(layout):

@@ -111,9 +111,11 @@ class GraphExecutor:
     def _call(self, args: list, key: tuple | None):
         plan = self._plans.get(key) if key is not None else None
         if plan is not None and not self._aliases_pool(args):
-            self.stats.planned_calls += 1
-            self.stats.region_replays += len(plan.regions)
-            return self._name_outputs(plan.run(args, self._pool, self.backend))
+            outputs = plan.run(args, self._pool, self.backend)
+            if outputs is not None:
+                self.stats.planned_calls += 1
+                self.stats.region_replays += len(plan.regions)
+                return self._name_outputs(outputs)
         watch = self._plan_calls and key is not None and key not in self._plans
         self._watch = CallPlanRecorder(args) if watch else None
         try:
@@ -131,8 +133,12 @@ class GraphExecutor:
         overwritten while read: such a call takes the VM."""
         spans = self._pool.spans()
         bound = self._bound_ids
-        return any(start <= a.data_ptr() < start + size
-                   for a in args if id(a) not in bound for start, size in spans)
+        for a in args:
+            if id(a) not in bound:
+                address = a.data_ptr()
+                if any(start <= address < start + size for start, size in spans):
+                    return True
+        return False
 
     def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None]:
         if self.signature is None:

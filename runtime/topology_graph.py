@@ -6,7 +6,7 @@ buffers of its argument table. Its kernel nodes are device-updatable; a ``PatchK
 at the head applies the current shape's row (grid dims, scalar parameters) and the current
 call's argument addresses. A call writes the row index and any argument address that moved
 (``cuStreamWriteValue32/64``, stream-ordered) and launches: no capture, no instantiation, no
-host-side node update.
+host-side node update. The patch kernel applies only what differs from the launch before.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from .argument_table import ArgumentTable
 from .cuda_compile import CubinStore
 from .cuda_driver import check, driver
 
-SLOT_BYTES = 16  # bytes per column value in a row
+MAX_PARAM_BYTES = 16  # the widest kernel parameter a column may patch
+NO_ROW = 0xFFFFFFFF  # state.applied_row before anything was applied
 PATCH_SOURCE = Path(__file__).with_name("kernels") / "patch.cu"
 
 
@@ -62,6 +63,11 @@ class DeviceBuffer:
             check(driver.cuMemcpyHtoD(self.ptr, data, len(data)), "cuMemcpyHtoD")
         return moved
 
+    def write_at(self, offset: int, data: bytes) -> None:
+        """Copy ``data`` in at ``offset``; the caller made sure it fits."""
+        if data:
+            check(driver.cuMemcpyHtoD(int(self.ptr) + offset, data, len(data)), "cuMemcpyHtoD")
+
     @property
     def address(self) -> int:
         return int(self.ptr)
@@ -72,29 +78,41 @@ class DeviceBuffer:
             self.ptr = None
 
 
-def encode_table(table: ArgumentTable, layouts: Sequence[Sequence[tuple[int, int]]]) -> tuple[bytes, bytes]:
-    """The patch kernel's ``columns`` and ``rows`` (layout in kernels/patch.cu).
+def encode_table(table: ArgumentTable,
+                 layouts: Sequence[Sequence[tuple[int, int]]]) -> tuple[bytes, bytes, int]:
+    """The patch kernel's ``columns``, ``rows`` and row size (layout in kernels/patch.cu).
 
-    Field 0 of a node is its grid (kind 1); field i > 0 is kernel parameter i - 1 (kind 0),
-    patched at its offset in the parameter buffer (``cuFuncGetParamInfo``).
+    Field 0 of a node is its grid (kind 1, 12 bytes); field i > 0 is kernel parameter i - 1
+    (kind 0), patched at its offset in the parameter buffer (``cuFuncGetParamInfo``). A row
+    packs each column's value at a 4-byte aligned offset.
     """
-    columns, fields = [], []
+    columns, widths = [], []
+    value_offset = 0
     for node, field in table.columns:
         if field == 0:
-            columns.append(struct.pack("<IIII", node, 1, 0, 12))
+            kind, offset, size = 1, 0, 12
         else:
             offset, size = layouts[node][field - 1]
-            if size > SLOT_BYTES:
+            if size > MAX_PARAM_BYTES:
                 raise ValueError(f"a {size}-byte kernel parameter varies across shapes; the "
-                                 f"patch kernel patches up to {SLOT_BYTES} bytes")
-            columns.append(struct.pack("<IIII", node, 0, offset, size))
-        fields.append(field)
+                                 f"patch kernel patches up to {MAX_PARAM_BYTES} bytes")
+            kind = 0
+        columns.append(struct.pack("<8I", node, kind, offset, size, value_offset, 0, 0, 0))
+        widths.append((field, size))
+        value_offset += (size + 3) // 4 * 4
+    row_bytes = max(value_offset, 4)
     rows = bytearray()
     for r in range(len(table)):
-        for field, value in zip(fields, table.row(r)):
-            raw = struct.pack("<III", *value) if field == 0 else bytes(value)
-            rows += raw.ljust(SLOT_BYTES, b"\0")
-    return b"".join(columns), bytes(rows)
+        rows += encode_row(table.row(r), widths, row_bytes)
+    return b"".join(columns), bytes(rows), row_bytes
+
+
+def encode_row(values: Sequence[Any], widths: Sequence[tuple[int, int]], row_bytes: int) -> bytes:
+    row = bytearray()
+    for (field, size), value in zip(widths, values):
+        raw = struct.pack("<III", *value) if field == 0 else bytes(value)
+        row += raw.ljust((size + 3) // 4 * 4, b"\0")
+    return bytes(row.ljust(row_bytes, b"\0"))
 
 
 def encode_pointers(pointer_map: Sequence[tuple[int, int, int, int]],
@@ -134,11 +152,10 @@ class TopologyGraph:
         self.stream = stream
         self.patch = patch
         self.num_args = num_args
-        self._written_row: int | None = None
-        self._written_args: list[int | None] = [None] * num_args
+        self._last_caller: Any = None
         self.dev_nodes = [_device_updatable(n.node) for n in nodes]
         self.buffers = {name: DeviceBuffer(16) for name in
-                        ("columns", "rows", "pointers", "args", "shape_row", "nodes")}
+                        ("columns", "rows", "pointers", "args", "state", "nodes")}
         self.buffers["nodes"].write(struct.pack(f"<{len(self.dev_nodes)}Q", *self.dev_nodes))
         self.buffers["args"].write(bytes(8 * max(num_args, 1)))
         self.buffers["pointers"].write(encode_pointers(pointer_map, layouts))
@@ -153,9 +170,10 @@ class TopologyGraph:
         b = self.buffers
         return _kernel_params([
             ("u64", b["columns"].address), ("u32", len(self.table.columns)),
-            ("u64", b["rows"].address), ("u64", b["pointers"].address),
-            ("u32", self.num_pointers), ("u64", b["args"].address),
-            ("u64", b["shape_row"].address), ("u64", b["nodes"].address)])
+            ("u64", b["rows"].address), ("u32", self._row_bytes),
+            ("u64", b["pointers"].address), ("u32", self.num_pointers),
+            ("u64", b["args"].address), ("u64", b["state"].address),
+            ("u64", b["nodes"].address)])
 
     def _patch_node_params(self, storage):
         params = driver.CUDA_KERNEL_NODE_PARAMS()
@@ -178,11 +196,23 @@ class TopologyGraph:
         return node
 
     def _encode_table(self) -> bool:
-        """Write columns and rows to the device; True if a buffer moved."""
-        columns, rows = encode_table(self.table, self.layouts)
+        """Write columns and rows, and reset what the patch kernel applied; True if a
+        buffer moved. Rows get room to grow, so that new shapes usually append one row."""
+        columns, rows, self._row_bytes = encode_table(self.table, self.layouts)
         moved = self.buffers["columns"].write(columns)
-        moved |= self.buffers["rows"].write(rows)
-        self._encoded = (len(self.table.columns), len(self.table))
+        room = max(len(rows), 64 * self._row_bytes)
+        if self.buffers["rows"].nbytes < room:
+            self.buffers["rows"].close()
+            self.buffers["rows"] = DeviceBuffer(2 * room)
+            moved = True
+        self.buffers["rows"].write_at(0, rows)
+        # Row layout may have changed: the next launch applies every column again, and
+        # every argument address.
+        self.buffers["state"].write(struct.pack("<4I", 0, NO_ROW, 1, 0))
+        self._written_row, self._written_args = 0, [None] * self.num_args
+        self._encoded = (list(self.table.columns), len(self.table))
+        self._widths = [(f, 12 if f == 0 else self.layouts[n][f - 1][1])
+                        for n, f in self.table.columns]
         return moved
 
     def _upload(self) -> None:
@@ -191,27 +221,46 @@ class TopologyGraph:
         check(driver.cuGraphUpload(self.exec, self.stream), "cuGraphUpload")
 
     def refresh(self) -> None:
-        """The table gained rows or columns: write it again (and re-point the patch node)."""
-        if self._encoded == (len(self.table.columns), len(self.table)):
+        """The table gained rows (append them) or columns (write it all again)."""
+        columns, rows = self._encoded
+        if columns == self.table.columns and rows == len(self.table):
             return
-        if self._encode_table():
-            storage = self._patch_params()
-            check(driver.cuGraphExecKernelNodeSetParams(
-                self.exec, self.patch_node, self._patch_node_params(storage)),
-                "cuGraphExecKernelNodeSetParams(patch)")
-            self._upload()
+        end = len(self.table) * self._row_bytes
+        if columns == self.table.columns and end <= self.buffers["rows"].nbytes:
+            new = b"".join(encode_row(self.table.row(r), self._widths, self._row_bytes)
+                           for r in range(rows, len(self.table)))
+            self.buffers["rows"].write_at(rows * self._row_bytes, new)
+            self._encoded = (columns, len(self.table))
+            return
+        self._encode_table()
+        storage = self._patch_params()
+        check(driver.cuGraphExecKernelNodeSetParams(
+            self.exec, self.patch_node, self._patch_node_params(storage)),
+            "cuGraphExecKernelNodeSetParams(patch)")
+        self._upload()
 
     # -- calls -------------------------------------------------------------------------
-    def replay(self, row: int, region_args: Sequence[Any], stream) -> None:
-        for i, arg in enumerate(region_args[:self.num_args]):
+    def replay(self, row: int, region_args: Sequence[Any], stream,
+               caller: Any = None, moving: Sequence[int] | None = None) -> None:
+        """Launch at ``row``. A ``caller`` that launched this graph last, with the same
+        buffers, names in ``moving`` the only arguments whose address may have changed."""
+        state = self.buffers["state"].address
+        dirty = False
+        same_caller = caller is not None and caller == self._last_caller
+        self._last_caller = caller
+        positions = moving if same_caller else range(min(len(region_args), self.num_args))
+        for i in positions:
+            arg = region_args[i]
             address = arg.data_ptr() if hasattr(arg, "data_ptr") else 0
             if address != self._written_args[i]:
                 check(driver.cuStreamWriteValue64(stream, self.buffers["args"].address + 8 * i,
                                                   address, 0), "cuStreamWriteValue64")
                 self._written_args[i] = address
+                dirty = True
+        if dirty:
+            check(driver.cuStreamWriteValue32(stream, state + 8, 1, 0), "cuStreamWriteValue32")
         if row != self._written_row:
-            check(driver.cuStreamWriteValue32(stream, self.buffers["shape_row"].address, row, 0),
-                  "cuStreamWriteValue32")
+            check(driver.cuStreamWriteValue32(stream, state, row, 0), "cuStreamWriteValue32")
             self._written_row = row
         check(driver.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from grape_tvm.runtime.argument_table import ArgumentTable, NodeRecord, TopologyGroups
-from grape_tvm.runtime.topology_graph import SLOT_BYTES, encode_pointers, encode_table
+from grape_tvm.runtime.topology_graph import NO_ROW, encode_pointers, encode_table
 
 LAYOUT = [(0, 8), (8, 8), (16, 4)]  # two pointers and one int32, as cuFuncGetParamInfo gives
 
@@ -56,10 +56,10 @@ def test_compression_against_full_tables():
     for n in range(2, 1025):
         table.add(records(n, kernels=kernels))
     full = table.uncompressed_bytes()
-    packed = table.compressed_bytes(slot_bytes=SLOT_BYTES)
+    packed = table.compressed_bytes()
     per_shape = (12 + 8 + 8 + 4) * len(kernels)
     assert full == per_shape * 1024
-    assert packed == per_shape + 6 * SLOT_BYTES * 1024
+    assert packed == per_shape + (3 * 12 + 3 * 4) * 1024  # grid x3 and n x3 vary
     assert packed < full / 3.5
 
 
@@ -76,21 +76,36 @@ def test_other_block_dims_or_kernels_make_another_group():
     assert [d["shapes"] for d in described] == [2, 1, 1]
 
 
-def apply_patch(columns: bytes, rows: bytes, pointers: bytes, args: list[int], shape_row: int,
-                params: list[bytearray], grids: list[list[int]]) -> None:
-    """What patch.cu does, on host memory: one line here per statement there."""
-    num_columns = len(columns) // 16
-    row = rows[shape_row * num_columns * 16:]
-    for c in range(num_columns):
-        node, kind, offset, size = struct.unpack_from("<IIII", columns, 16 * c)
-        value = row[16 * c:16 * c + 16]
-        if kind == 0:
-            params[node][offset:offset + size] = value[:size]
-        else:
-            grids[node] = list(struct.unpack_from("<III", value))
-    for p in range(len(pointers) // 24):
-        node, offset, arg, _, delta = struct.unpack_from("<IIIIQ", pointers, 24 * p)
-        params[node][offset:offset + 8] = struct.pack("<Q", args[arg] + delta)
+def apply_patch(columns: bytes, rows: bytes, row_bytes: int, pointers: bytes, args: list[int],
+                state: list[int], params: list[bytearray], grids: list[list[int]]) -> int:
+    """What patch.cu does, on host memory: one line here per statement there.
+
+    Returns the number of device-side update calls it made.
+    """
+    updates = 0
+    current, applied = state[0], state[1]
+    if current != applied:
+        row = rows[current * row_bytes:(current + 1) * row_bytes]
+        before = None if applied == NO_ROW else rows[applied * row_bytes:(applied + 1) * row_bytes]
+        for c in range(len(columns) // 32):
+            node, kind, offset, size, at = struct.unpack_from("<5I", columns, 32 * c)
+            width = size if kind == 0 else 12
+            value = row[at:at + width]
+            if before is not None and before[at:at + width] == value:
+                continue
+            if kind == 0:
+                params[node][offset:offset + size] = value[:size]
+            else:
+                grids[node] = list(struct.unpack_from("<III", value))
+            updates += 1
+        state[1] = current
+    if state[2]:
+        for p in range(len(pointers) // 24):
+            node, offset, arg, _, delta = struct.unpack_from("<IIIIQ", pointers, 24 * p)
+            params[node][offset:offset + 8] = struct.pack("<Q", args[arg] + delta)
+            updates += 1
+        state[2] = 0
+    return updates
 
 
 def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
@@ -98,21 +113,32 @@ def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
     rows = {1: 0}
     for n in np.random.default_rng(0).permutation(np.arange(2, 400))[:120]:
         rows[int(n)] = table.add(records(int(n)))
-    columns, packed = encode_table(table, [LAYOUT] * 3)
-    # Node 1's second pointer is a region argument (an input): re-pointed on every call.
+    columns, packed, row_bytes = encode_table(table, [LAYOUT] * 3)
+    assert row_bytes == 3 * 12 + 3 * 4 and len(packed) == row_bytes * len(table)
+    # Node 1's second pointer is a region argument (an input): it follows the call's address.
     pointers = encode_pointers([(1, 1, 0, 64)], [LAYOUT] * 3)
     base = records(1)
     params = [bytearray(b"".join(r.fields[1:])) for r in base]
     grids = [list(r.fields[0]) for r in base]
-    for n, row in rows.items():  # in any order: rows overwrite every varying column
-        apply_patch(columns, packed, pointers, [0x5000_0000 + n], row, params, grids)
+    state = [0, NO_ROW, 1, 0]  # what TopologyGraph writes before the first launch
+    address = None
+    last = list(rows.items())[-1]
+    calls = list(rows.items()) + [last, last]
+    for step, (n, row) in enumerate(calls):  # any order: rows overwrite what differs
+        new_address = 0x5000_0000 + 4096 * (step // 3)  # the input moves now and then
+        state[0] = row
+        if new_address != address:
+            state[2], address = 1, new_address  # the host marks the arguments dirty
+        updates = apply_patch(columns, packed, row_bytes, pointers, [address], state, params, grids)
         want = records(n)
         for node in range(3):
             expect = bytearray(b"".join(want[node].fields[1:]))
             if node == 1:
-                expect[8:16] = struct.pack("<Q", 0x5000_0000 + n + 64)
+                expect[8:16] = struct.pack("<Q", address + 64)
             assert params[node] == expect, (n, node)
             assert tuple(grids[node]) == want[node].fields[0]
+        if step == len(calls) - 1:
+            assert updates == 0  # same shape, same address: nothing to patch
 
 
 def test_oversized_varying_parameter_is_refused():

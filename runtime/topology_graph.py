@@ -78,15 +78,21 @@ class DeviceBuffer:
             self.ptr = None
 
 
+def _align(size: int) -> int:
+    """Alignment of a column's value in a row: the device copies 8-byte values as such."""
+    return 8 if size >= 8 else 4
+
+
 def encode_table(table: ArgumentTable,
                  layouts: Sequence[Sequence[tuple[int, int]]]) -> tuple[bytes, bytes, int]:
     """The patch kernel's ``columns``, ``rows`` and row size (layout in kernels/patch.cu).
 
     Field 0 of a node is its grid (kind 1, 12 bytes); field i > 0 is kernel parameter i - 1
     (kind 0), patched at its offset in the parameter buffer (``cuFuncGetParamInfo``). A row
-    packs each column's value at a 4-byte aligned offset.
+    packs each column's value at an offset aligned for its size (8 bytes for 8-byte values,
+    else 4); rows are 8-byte aligned.
     """
-    columns, widths = [], []
+    columns, placement = [], []
     value_offset = 0
     for node, field in table.columns:
         if field == 0:
@@ -97,22 +103,24 @@ def encode_table(table: ArgumentTable,
                 raise ValueError(f"a {size}-byte kernel parameter varies across shapes; the "
                                  f"patch kernel patches up to {MAX_PARAM_BYTES} bytes")
             kind = 0
+        align = 4 if kind == 1 else _align(size)
+        value_offset = (value_offset + align - 1) // align * align
         columns.append(struct.pack("<8I", node, kind, offset, size, value_offset, 0, 0, 0))
-        widths.append((field, size))
-        value_offset += (size + 3) // 4 * 4
-    row_bytes = max(value_offset, 4)
+        placement.append((field, value_offset))
+        value_offset += size
+    row_bytes = max((value_offset + 7) // 8 * 8, 8)
     rows = bytearray()
     for r in range(len(table)):
-        rows += encode_row(table.row(r), widths, row_bytes)
+        rows += encode_row(table.row(r), placement, row_bytes)
     return b"".join(columns), bytes(rows), row_bytes
 
 
-def encode_row(values: Sequence[Any], widths: Sequence[tuple[int, int]], row_bytes: int) -> bytes:
-    row = bytearray()
-    for (field, size), value in zip(widths, values):
+def encode_row(values: Sequence[Any], placement: Sequence[tuple[int, int]], row_bytes: int) -> bytes:
+    row = bytearray(row_bytes)
+    for (field, at), value in zip(placement, values):
         raw = struct.pack("<III", *value) if field == 0 else bytes(value)
-        row += raw.ljust((size + 3) // 4 * 4, b"\0")
-    return bytes(row.ljust(row_bytes, b"\0"))
+        row[at:at + len(raw)] = raw
+    return bytes(row)
 
 
 def encode_pointers(pointer_map: Sequence[tuple[int, int, int, int]],
@@ -211,8 +219,8 @@ class TopologyGraph:
         self.buffers["state"].write(struct.pack("<4I", 0, NO_ROW, 1, 0))
         self._written_row, self._written_args = 0, [None] * self.num_args
         self._encoded = (list(self.table.columns), len(self.table))
-        self._widths = [(f, 12 if f == 0 else self.layouts[n][f - 1][1])
-                        for n, f in self.table.columns]
+        self._placement = [(f, struct.unpack_from("<I", columns, 32 * c + 16)[0])
+                           for c, (_, f) in enumerate(self.table.columns)]
         return moved
 
     def _upload(self) -> None:
@@ -227,7 +235,7 @@ class TopologyGraph:
             return
         end = len(self.table) * self._row_bytes
         if columns == self.table.columns and end <= self.buffers["rows"].nbytes:
-            new = b"".join(encode_row(self.table.row(r), self._widths, self._row_bytes)
+            new = b"".join(encode_row(self.table.row(r), self._placement, self._row_bytes)
                            for r in range(rows, len(self.table)))
             self.buffers["rows"].write_at(rows * self._row_bytes, new)
             self._encoded = (columns, len(self.table))

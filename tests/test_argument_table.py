@@ -114,7 +114,7 @@ def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
     for n in np.random.default_rng(0).permutation(np.arange(2, 400))[:120]:
         rows[int(n)] = table.add(records(int(n)))
     columns, packed, row_bytes = encode_table(table, [LAYOUT] * 3)
-    assert row_bytes == 3 * 12 + 3 * 4 and len(packed) == row_bytes * len(table)
+    assert row_bytes == 48 and len(packed) == row_bytes * len(table)  # 3 grids, 3 int32
     # Node 1's second pointer is a region argument (an input): it follows the call's address.
     pointers = encode_pointers([(1, 1, 0, 64)], [LAYOUT] * 3)
     base = records(1)
@@ -147,3 +147,20 @@ def test_oversized_varying_parameter_is_refused():
     table.add([NodeRecord("k", ((1, 1, 1), 0, (32,), ()), ((1, 1, 1), bytes([1]) * 32))])
     with pytest.raises(ValueError, match="32-byte kernel parameter varies"):
         encode_table(table, [[(0, 32)]])
+
+
+def test_eight_byte_values_are_eight_byte_aligned_in_a_row():
+    """The device copies an 8-byte parameter with 8-byte accesses: a value at a 4-aligned
+    offset faulted on the H200 (cudaErrorMisalignedAddress)."""
+    def rec(n):
+        return [NodeRecord("k", ((1, 1, 1), 0, (4, 8), ()),
+                           ((n, 1, 1), struct.pack("<i", n), struct.pack("<q", n)))]
+
+    table = ArgumentTable(rec(1))
+    table.add(rec(7))
+    columns, rows, row_bytes = encode_table(table, [[(0, 4), (8, 8)]])
+    offsets = {struct.unpack_from("<I", columns, 32 * c + 12)[0]: struct.unpack_from("<I", columns, 32 * c + 16)[0]
+               for c in range(len(columns) // 32) if struct.unpack_from("<I", columns, 32 * c + 4)[0] == 0}
+    assert offsets[8] % 8 == 0 and offsets[4] % 4 == 0
+    assert row_bytes % 8 == 0
+    assert struct.unpack_from("<q", rows, row_bytes + offsets[8])[0] == 7

@@ -83,36 +83,46 @@ def _align(size: int) -> int:
     return 8 if size >= 8 else 4
 
 
-def encode_table(table: ArgumentTable,
-                 layouts: Sequence[Sequence[tuple[int, int]]]) -> tuple[bytes, bytes, int]:
-    """The patch kernel's ``columns``, ``rows`` and row size (layout in kernels/patch.cu).
+def encode_table(table: ArgumentTable, layouts: Sequence[Sequence[tuple[int, int]]]
+                 ) -> tuple[bytes, bytes, int, dict[int, tuple[int, int]]]:
+    """The patch kernel's ``columns``, ``rows``, row size and each node's column span
+    (layout in kernels/patch.cu).
 
     Field 0 of a node is its grid (kind 1, 12 bytes); field i > 0 is kernel parameter i - 1
     (kind 0), patched at its offset in the parameter buffer (``cuFuncGetParamInfo``). A row
     packs each column's value at an offset aligned for its size (8 bytes for 8-byte values,
-    else 4); rows are 8-byte aligned.
+    else 4); rows are 8-byte aligned. Column descriptors are grouped by node, one patch
+    thread per node.
     """
-    columns, placement = [], []
-    value_offset = 0
-    for node, field in table.columns:
+    placement = _placement(table, layouts)
+    described = []
+    for (node, field), (_, at) in zip(table.columns, placement):
         if field == 0:
             kind, offset, size = 1, 0, 12
         else:
-            offset, size = layouts[node][field - 1]
+            kind, (offset, size) = 0, layouts[node][field - 1]
             if size > MAX_PARAM_BYTES:
                 raise ValueError(f"a {size}-byte kernel parameter varies across shapes; the "
                                  f"patch kernel patches up to {MAX_PARAM_BYTES} bytes")
-            kind = 0
-        align = 4 if kind == 1 else _align(size)
-        value_offset = (value_offset + align - 1) // align * align
-        columns.append(struct.pack("<8I", node, kind, offset, size, value_offset, 0, 0, 0))
-        placement.append((field, value_offset))
-        value_offset += size
-    row_bytes = max((value_offset + 7) // 8 * 8, 8)
-    rows = bytearray()
-    for r in range(len(table)):
-        rows += encode_row(table.row(r), placement, row_bytes)
-    return b"".join(columns), bytes(rows), row_bytes
+        described.append((node, kind, offset, size, at))
+    end = max((at + size for *_, size, at in described), default=0)
+    row_bytes = max((end + 7) // 8 * 8, 8)
+    rows = b"".join(encode_row(table.row(r), placement, row_bytes) for r in range(len(table)))
+    described.sort(key=lambda d: d[0])  # stable: a node's columns stay in table order
+    columns = b"".join(struct.pack("<8I", *d, 0, 0, 0) for d in described)
+    return columns, rows, row_bytes, _spans([d[0] for d in described])
+
+
+def _placement(table: ArgumentTable, layouts) -> list[tuple[int, int]]:
+    """(field, value offset) of each column, in table order, as ``encode_table`` packs them."""
+    out, at = [], 0
+    for node, field in table.columns:
+        size = 12 if field == 0 else layouts[node][field - 1][1]
+        align = 4 if field == 0 else _align(size)
+        at = (at + align - 1) // align * align
+        out.append((field, at))
+        at += size
+    return out
 
 
 def encode_row(values: Sequence[Any], placement: Sequence[tuple[int, int]], row_bytes: int) -> bytes:
@@ -124,10 +134,29 @@ def encode_row(values: Sequence[Any], placement: Sequence[tuple[int, int]], row_
 
 
 def encode_pointers(pointer_map: Sequence[tuple[int, int, int, int]],
-                    layouts: Sequence[Sequence[tuple[int, int]]]) -> bytes:
-    """The patch kernel's ``pointers``: (node, param offset, region argument, delta)."""
-    return b"".join(struct.pack("<IIIIQ", node, layouts[node][param][0], arg, 0, delta)
-                    for node, param, arg, delta in pointer_map)
+                    layouts: Sequence[Sequence[tuple[int, int]]]
+                    ) -> tuple[bytes, dict[int, tuple[int, int]]]:
+    """The patch kernel's ``pointers`` (node, param offset, region argument, delta), grouped
+    by node, and each node's span of them."""
+    ordered = sorted(pointer_map, key=lambda p: p[0])
+    data = b"".join(struct.pack("<IIIIQ", node, layouts[node][param][0], arg, 0, delta)
+                    for node, param, arg, delta in ordered)
+    return data, _spans([p[0] for p in ordered])
+
+
+def encode_spans(num_nodes: int, columns: dict[int, tuple[int, int]],
+                 pointers: dict[int, tuple[int, int]]) -> bytes:
+    """``spans[n]`` = (first column, columns, first pointer, pointers) of node n."""
+    return b"".join(struct.pack("<4I", *columns.get(n, (0, 0)), *pointers.get(n, (0, 0)))
+                    for n in range(num_nodes))
+
+
+def _spans(nodes_in_order: Sequence[int]) -> dict[int, tuple[int, int]]:
+    spans: dict[int, tuple[int, int]] = {}
+    for i, node in enumerate(nodes_in_order):
+        first, count = spans.get(node, (i, 0))
+        spans[node] = (first, count + 1)
+    return spans
 
 
 def _device_updatable(node) -> int:
@@ -163,11 +192,11 @@ class TopologyGraph:
         self._last_caller: Any = None
         self.dev_nodes = [_device_updatable(n.node) for n in nodes]
         self.buffers = {name: DeviceBuffer(16) for name in
-                        ("columns", "rows", "pointers", "args", "state", "nodes")}
+                        ("columns", "rows", "pointers", "spans", "args", "state", "nodes")}
         self.buffers["nodes"].write(struct.pack(f"<{len(self.dev_nodes)}Q", *self.dev_nodes))
         self.buffers["args"].write(bytes(8 * max(num_args, 1)))
-        self.buffers["pointers"].write(encode_pointers(pointer_map, layouts))
-        self.num_pointers = len(pointer_map)
+        pointers, self._pointer_spans = encode_pointers(pointer_map, layouts)
+        self.buffers["pointers"].write(pointers)
         self._encode_table()
         self.patch_node = self._add_patch_node(graph)
         self.exec = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
@@ -177,17 +206,19 @@ class TopologyGraph:
     def _patch_params(self):
         b = self.buffers
         return _kernel_params([
-            ("u64", b["columns"].address), ("u32", len(self.table.columns)),
-            ("u64", b["rows"].address), ("u32", self._row_bytes),
-            ("u64", b["pointers"].address), ("u32", self.num_pointers),
-            ("u64", b["args"].address), ("u64", b["state"].address),
-            ("u64", b["nodes"].address)])
+            ("u64", b["columns"].address), ("u64", b["rows"].address), ("u32", self._row_bytes),
+            ("u64", b["pointers"].address), ("u64", b["spans"].address),
+            ("u32", len(self.dev_nodes)), ("u64", b["args"].address),
+            ("u64", b["state"].address), ("u64", b["nodes"].address)])
 
     def _patch_node_params(self, storage):
         params = driver.CUDA_KERNEL_NODE_PARAMS()
         params.func = self.patch.function
         params.gridDimX = params.gridDimY = params.gridDimZ = 1
-        params.blockDimX = params.blockDimY = params.blockDimZ = 1
+        # A thread per node (bench/results/patch_variants.json: one thread making every
+        # update costs about 1 us per update; a thread per node hides it).
+        params.blockDimX = min(256, max(32, (len(self.dev_nodes) + 31) // 32 * 32))
+        params.blockDimY = params.blockDimZ = 1
         params.sharedMemBytes = 0
         params.kernelParams = ctypes.addressof(storage[1])
         return params
@@ -206,8 +237,10 @@ class TopologyGraph:
     def _encode_table(self) -> bool:
         """Write columns and rows, and reset what the patch kernel applied; True if a
         buffer moved. Rows get room to grow, so that new shapes usually append one row."""
-        columns, rows, self._row_bytes = encode_table(self.table, self.layouts)
+        columns, rows, self._row_bytes, column_spans = encode_table(self.table, self.layouts)
         moved = self.buffers["columns"].write(columns)
+        moved |= self.buffers["spans"].write(
+            encode_spans(len(self.dev_nodes), column_spans, self._pointer_spans))
         room = max(len(rows), 64 * self._row_bytes)
         if self.buffers["rows"].nbytes < room:
             self.buffers["rows"].close()
@@ -219,8 +252,7 @@ class TopologyGraph:
         self.buffers["state"].write(struct.pack("<4I", 0, NO_ROW, 1, 0))
         self._written_row, self._written_args = 0, [None] * self.num_args
         self._encoded = (list(self.table.columns), len(self.table))
-        self._placement = [(f, struct.unpack_from("<I", columns, 32 * c + 16)[0])
-                           for c, (_, f) in enumerate(self.table.columns)]
+        self._placement = _placement(self.table, self.layouts)
         return moved
 
     def _upload(self) -> None:

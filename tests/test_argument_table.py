@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from grape_tvm.runtime.argument_table import ArgumentTable, NodeRecord, TopologyGroups
-from grape_tvm.runtime.topology_graph import NO_ROW, encode_pointers, encode_table
+from grape_tvm.runtime.topology_graph import NO_ROW, encode_pointers, encode_spans, encode_table
 
 LAYOUT = [(0, 8), (8, 8), (16, 4)]  # two pointers and one int32, as cuFuncGetParamInfo gives
 
@@ -76,19 +76,23 @@ def test_other_block_dims_or_kernels_make_another_group():
     assert [d["shapes"] for d in described] == [2, 1, 1]
 
 
-def apply_patch(columns: bytes, rows: bytes, row_bytes: int, pointers: bytes, args: list[int],
-                state: list[int], params: list[bytearray], grids: list[list[int]]) -> int:
-    """What patch.cu does, on host memory: one line here per statement there.
+def apply_patch(columns: bytes, rows: bytes, row_bytes: int, pointers: bytes, spans: bytes,
+                args: list[int], state: list[int], params: list[bytearray],
+                grids: list[list[int]]) -> int:
+    """What patch.cu does, on host memory, node by node as its threads do.
 
     Returns the number of device-side update calls it made.
     """
     updates = 0
-    current, applied = state[0], state[1]
-    if current != applied:
-        row = rows[current * row_bytes:(current + 1) * row_bytes]
-        before = None if applied == NO_ROW else rows[applied * row_bytes:(applied + 1) * row_bytes]
-        for c in range(len(columns) // 32):
+    shape_row, applied, dirty = state[0], state[1], state[2]
+    new_row = shape_row != applied
+    row = rows[shape_row * row_bytes:(shape_row + 1) * row_bytes]
+    before = None if applied == NO_ROW else rows[applied * row_bytes:(applied + 1) * row_bytes]
+    for n in range(len(spans) // 16):
+        first_c, count_c, first_p, count_p = struct.unpack_from("<4I", spans, 16 * n)
+        for c in range(first_c, first_c + count_c) if new_row else ():
             node, kind, offset, size, at = struct.unpack_from("<5I", columns, 32 * c)
+            assert node == n
             width = size if kind == 0 else 12
             value = row[at:at + width]
             if before is not None and before[at:at + width] == value:
@@ -98,13 +102,12 @@ def apply_patch(columns: bytes, rows: bytes, row_bytes: int, pointers: bytes, ar
             else:
                 grids[node] = list(struct.unpack_from("<III", value))
             updates += 1
-        state[1] = current
-    if state[2]:
-        for p in range(len(pointers) // 24):
+        for p in range(first_p, first_p + count_p) if dirty else ():
             node, offset, arg, _, delta = struct.unpack_from("<IIIIQ", pointers, 24 * p)
+            assert node == n
             params[node][offset:offset + 8] = struct.pack("<Q", args[arg] + delta)
             updates += 1
-        state[2] = 0
+    state[1], state[2] = shape_row, 0
     return updates
 
 
@@ -113,10 +116,11 @@ def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
     rows = {1: 0}
     for n in np.random.default_rng(0).permutation(np.arange(2, 400))[:120]:
         rows[int(n)] = table.add(records(int(n)))
-    columns, packed, row_bytes = encode_table(table, [LAYOUT] * 3)
+    columns, packed, row_bytes, column_spans = encode_table(table, [LAYOUT] * 3)
     assert row_bytes == 48 and len(packed) == row_bytes * len(table)  # 3 grids, 3 int32
     # Node 1's second pointer is a region argument (an input): it follows the call's address.
-    pointers = encode_pointers([(1, 1, 0, 64)], [LAYOUT] * 3)
+    pointers, pointer_spans = encode_pointers([(1, 1, 0, 64)], [LAYOUT] * 3)
+    spans = encode_spans(3, column_spans, pointer_spans)
     base = records(1)
     params = [bytearray(b"".join(r.fields[1:])) for r in base]
     grids = [list(r.fields[0]) for r in base]
@@ -129,7 +133,8 @@ def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
         state[0] = row
         if new_address != address:
             state[2], address = 1, new_address  # the host marks the arguments dirty
-        updates = apply_patch(columns, packed, row_bytes, pointers, [address], state, params, grids)
+        updates = apply_patch(columns, packed, row_bytes, pointers, spans, [address], state,
+                              params, grids)
         want = records(n)
         for node in range(3):
             expect = bytearray(b"".join(want[node].fields[1:]))
@@ -158,9 +163,27 @@ def test_eight_byte_values_are_eight_byte_aligned_in_a_row():
 
     table = ArgumentTable(rec(1))
     table.add(rec(7))
-    columns, rows, row_bytes = encode_table(table, [[(0, 4), (8, 8)]])
+    columns, rows, row_bytes, _ = encode_table(table, [[(0, 4), (8, 8)]])
     offsets = {struct.unpack_from("<I", columns, 32 * c + 12)[0]: struct.unpack_from("<I", columns, 32 * c + 16)[0]
                for c in range(len(columns) // 32) if struct.unpack_from("<I", columns, 32 * c + 4)[0] == 0}
     assert offsets[8] % 8 == 0 and offsets[4] % 4 == 0
     assert row_bytes % 8 == 0
     assert struct.unpack_from("<q", rows, row_bytes + offsets[8])[0] == 7
+
+
+def test_columns_found_late_are_grouped_with_their_node():
+    def rec(a, b):  # node 0 varies with a, node 1 with b
+        return [NodeRecord("k0", ((1, 1, 1), 0, (4,), ()), ((1, 1, 1), struct.pack("<i", a))),
+                NodeRecord("k1", ((1, 1, 1), 0, (4,), ()), ((1, 1, 1), struct.pack("<i", b)))]
+
+    table = ArgumentTable(rec(0, 0))
+    table.add(rec(0, 5))  # node 1's column first
+    table.add(rec(7, 5))  # then node 0's
+    assert table.columns == [(1, 1), (0, 1)]
+    columns, rows, row_bytes, spans = encode_table(table, [[(0, 4)], [(0, 4)]])
+    assert [struct.unpack_from("<I", columns, 32 * c)[0] for c in range(2)] == [0, 1]
+    assert spans == {0: (0, 1), 1: (1, 1)}
+    params, grids = [bytearray(4), bytearray(4)], [[1, 1, 1], [1, 1, 1]]
+    state = [2, NO_ROW, 0, 0]
+    apply_patch(columns, rows, row_bytes, b"", encode_spans(2, spans, {}), [], state, params, grids)
+    assert params == [bytearray(struct.pack("<i", 7)), bytearray(struct.pack("<i", 5))]

@@ -180,7 +180,28 @@ def measure_host_overhead(h: Harness, ns: list[int], calls: int = 200) -> dict:
         h.grape.run({"x": x_tvm}, return_numpy=False)
         times.append((time.perf_counter() - t0) * 1e6)
     h.grape.backend.synchronize()
+    _profile_host(h, ns)
     return {"median": statistics.median(times), "p90": float(np.percentile(times, 90))}
+
+
+def _profile_host(h: Harness, ns: list[int], calls: int = 200) -> None:
+    """Where grape's host time goes (printed to the log, for the next optimization)."""
+    import cProfile  # pylint: disable=import-outside-toplevel
+    import io  # pylint: disable=import-outside-toplevel
+    import pstats  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(3)
+    profile = cProfile.Profile()
+    for n in rng.choice(ns, size=calls):
+        x_tvm, _ = h.inputs(int(n))
+        h.grape.backend.synchronize()
+        profile.enable()
+        h.grape.run({"x": x_tvm}, return_numpy=False)
+        profile.disable()
+    h.grape.backend.synchronize()
+    text = io.StringIO()
+    pstats.Stats(profile, stream=text).sort_stats("tottime").print_stats(12)
+    print(f"host profile of {calls} grape calls:\n" + text.getvalue(), flush=True)
 
 
 def measure_memory_and_cold_start(artifacts: Path, h: Harness) -> tuple[dict, dict, dict]:

@@ -70,7 +70,7 @@ class CallPlan:
         self.regions = regions
         self.outputs = outputs
         self._generation = -1
-        self._args: list[tuple] = []  # (region, shape, fixed values, inputs, their positions)
+        self._args: list[tuple] = []  # (region, shape, values, inputs, their positions, caller)
         self._outs: list[Any] = []
 
     def _materialize(self, pool: BufferPool) -> None:
@@ -84,7 +84,10 @@ class CallPlan:
         for region, shape, slots in self.regions:
             values = [None if s.kind == "input" else fixed(s) for s in slots]
             inputs = [(i, s.index) for i, s in enumerate(slots) if s.kind == "input"]
-            self._args.append((region, shape, values, inputs, [i for i, _ in inputs]))
+            # Plans of other dims whose region arguments sit in the same pool buffers at the
+            # same places share this key: between them only the inputs move.
+            caller = (pool.generation, region, tuple((s.kind, s.index) for s in slots))
+            self._args.append((region, shape, values, inputs, [i for i, _ in inputs], caller))
         self._outs = [None if s.kind == "input" else fixed(s) for s in self.outputs]
         self._generation = pool.generation
 
@@ -94,8 +97,7 @@ class CallPlan:
             return None  # evicted by a bounded per-shape cache: the VM records it again
         if self._generation != pool.generation:
             self._materialize(pool)
-        caller = (id(self), pool.generation)  # pool buffers stay put: only inputs move
-        for region, shape, values, from_inputs, moving in self._args:
+        for region, shape, values, from_inputs, moving, caller in self._args:
             args = list(values)
             for position, index in from_inputs:
                 args[position] = inputs[index]

@@ -63,7 +63,9 @@ class GraphExecutor:
         self._buffer_of: dict[tuple, int] = {}
         self._bound: dict[str, tvm.runtime.Tensor] = {}
         self._bound_dims: dict[str, int] = {}
-        self._bound_ids: set[int] = set()
+        inputs = signature.inputs if signature is not None else ()
+        self._position = {t.name: i for i, t in enumerate(inputs)}
+        self._template: list[Any] = [None] * len(inputs)  # bound inputs in place
 
     # -- calls ---------------------------------------------------------------------------
     def bind_inputs(self, inputs: Mapping[str, Any]) -> None:
@@ -82,7 +84,7 @@ class GraphExecutor:
                                        partial=True)
             self._bound.update(tensors)
             self._bound_dims.update(dims)
-            self._bound_ids = {id(t) for t in self._bound.values()}
+            self._template = [self._bound.get(t.name) for t in self.signature.inputs]
             self._plans.clear()
 
     def run(self, inputs: Mapping[str, Any] | Sequence[Any], *,
@@ -94,10 +96,10 @@ class GraphExecutor:
         inputs are positional and outputs come back as a list.
         """
         with self._lock:
-            args, key = self._prepare(inputs)
+            args, key, passed = self._prepare(inputs)
             try:
                 with self.backend.stream_context():
-                    outputs = self._call(args, key)
+                    outputs = self._call(args, key, passed)
                     if return_numpy:
                         outputs = _to_numpy(outputs)
             except BaseException:
@@ -108,9 +110,9 @@ class GraphExecutor:
 
     __call__ = run
 
-    def _call(self, args: list, key: tuple | None):
+    def _call(self, args: list, key: tuple | None, passed: list):
         plan = self._plans.get(key) if key is not None else None
-        if plan is not None and not self._aliases_pool(args):
+        if plan is not None and not self._aliases_pool(passed):
             outputs = plan.run(args, self._pool, self.backend)
             if outputs is not None:
                 self.stats.planned_calls += 1
@@ -128,31 +130,32 @@ class GraphExecutor:
             self._plans[key] = recorder.finish(values, self._pool, self._buffer_of)
         return outputs
 
-    def _aliases_pool(self, args: list) -> bool:
+    def _aliases_pool(self, passed: list) -> bool:
         """An input living in the executor's buffers (last call's output fed back) would be
         overwritten while read: such a call takes the VM."""
         spans = self._pool.spans()
-        bound = self._bound_ids
-        for a in args:
-            if id(a) not in bound:
-                address = a.data_ptr()
-                if any(start <= address < start + size for start, size in spans):
-                    return True
+        for tensor in passed:
+            address = tensor.data_ptr()
+            if any(start <= address < start + size for start, size in spans):
+                return True
         return False
 
-    def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None]:
+    def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None, list]:
+        """The entry function's arguments, the call's dims key, and the tensors passed."""
         if self.signature is None:
-            return [self._as_tensor(f"#{i}", v) for i, v in enumerate(inputs)], None
+            args = [self._as_tensor(f"#{i}", v) for i, v in enumerate(inputs)]
+            return args, None, args
         if not isinstance(inputs, Mapping):
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
         tensors = {name: self._as_tensor(name, value) for name, value in inputs.items()}
-        dims = self.signature.bind({k: tuple(t.shape) for k, t in tensors.items()},
+        dims = self.signature.bind({k: t.shape for k, t in tensors.items()},
                                    {k: str(t.dtype) for k, t in tensors.items()},
                                    bound=self._bound_dims, skip=self._bound)
-        tensors.update({k: v for k, v in self._bound.items() if k not in tensors})
-        key = tuple(sorted(dims.items()))
-        return [tensors[spec.name] for spec in self.signature.inputs], key
+        args = list(self._template)
+        for name, tensor in tensors.items():
+            args[self._position[name]] = tensor
+        return args, tuple(sorted(dims.items())), list(tensors.values())
 
     def _as_tensor(self, name: str, value: Any) -> tvm.runtime.Tensor:
         if isinstance(value, tvm.runtime.Tensor):

@@ -100,21 +100,19 @@ class Signature:
         value and what was expected: before any kernel runs, never a silent pad, truncation
         or cast.
         """
-        expected = [t.name for t in self.inputs]
-        missing = [] if partial else [n for n in expected if n not in shapes and n not in skip]
-        extra = [n for n in shapes if n not in expected]
+        specs = self._specs
+        missing = [] if partial else [n for n in specs if n not in shapes and n not in skip]
+        extra = [n for n in shapes if n not in specs]
         if missing or extra:
             parts = []
             if missing:
                 parts.append(f"missing input(s) {missing}")
             if extra:
                 parts.append(f"unknown input(s) {extra}")
-            raise InputError(f"{'; '.join(parts)}: the model takes {expected}")
+            raise InputError(f"{'; '.join(parts)}: the model takes {list(specs)}")
         values: dict[str, int] = dict(bound or {})
-        for spec in self.inputs:
-            if spec.name not in shapes:
-                continue
-            shape, dtype = tuple(shapes[spec.name]), dtypes[spec.name]
+        for name, shape in shapes.items():  # only the inputs passed: bound ones were checked
+            spec, shape, dtype = specs[name], tuple(shape), dtypes[name]
             if dtype != spec.dtype:
                 raise InputError(f"input {spec.name!r} has dtype {dtype}, expected {spec.dtype}")
             if len(shape) != len(spec.shape):
@@ -124,6 +122,14 @@ class Signature:
             for axis, (got, want) in enumerate(zip(shape, spec.shape)):
                 self._bind_axis(spec, axis, got, want, values)
         return values
+
+    @property
+    def _specs(self) -> dict[str, TensorSpec]:
+        specs = self.__dict__.get("_spec_index")
+        if specs is None:  # frozen dataclass: cache by hand
+            specs = {t.name: t for t in self.inputs}
+            object.__setattr__(self, "_spec_index", specs)
+        return specs
 
     def _bind_axis(self, spec: TensorSpec, axis: int, got: int, want, values: dict) -> None:
         where = f"input {spec.name!r} axis {axis}"

@@ -107,10 +107,15 @@ class CallPlan:
 
 
 class CallPlanRecorder:
-    """Watches one VM call's region calls and turns them into a ``CallPlan``, if it can."""
+    """Watches one VM call's region calls and turns them into a ``CallPlan``, if it can.
 
-    def __init__(self, inputs: Sequence[Any]):
+    Inputs listed in ``fixed`` (bound once, such as weights) are kept as values: they do
+    not move from call to call, so a replay need not look at their addresses.
+    """
+
+    def __init__(self, inputs: Sequence[Any], fixed: Sequence[int] = ()):
         self.inputs = list(inputs)
+        self.fixed = set(fixed)
         self.calls: list[tuple[str, tuple, list[Any]]] = []
 
     def on_region(self, region: str, shape: tuple, args: Sequence[Any]) -> None:
@@ -132,7 +137,7 @@ class CallPlanRecorder:
                 return Slot("value", value=t)
             for i, x in enumerate(self.inputs):
                 if x.data_ptr() == t.data_ptr() and tuple(x.shape) == tuple(t.shape):
-                    return Slot("input", i)
+                    return Slot("value", value=x) if i in self.fixed else Slot("input", i)
             address, nbytes = t.data_ptr(), _nbytes(t)
             for other, (_, size) in seen.items():
                 if other != address and other < address + nbytes and address < other + size:

@@ -119,7 +119,8 @@ class GraphExecutor:
                 self.stats.region_replays += len(plan.regions)
                 return self._name_outputs(outputs)
         watch = self._plan_calls and key is not None and key not in self._plans
-        self._watch = CallPlanRecorder(args) if watch else None
+        fixed = [i for i, t in enumerate(self._template) if t is not None]
+        self._watch = CallPlanRecorder(args, fixed) if watch else None
         try:
             result = self._vm[self.entry](*args)
         finally:

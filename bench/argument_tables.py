@@ -227,6 +227,18 @@ def measure_memory_and_cold_start(artifacts: Path, h: Harness) -> tuple[dict, di
     return memory, cold, detail
 
 
+def _table_bytes(grape_backend: dict) -> dict:
+    """Argument tables of every shape: full (grid and every parameter byte of every node,
+    per shape: what per-shape graphs repeat) against compressed (base once, then the varying
+    columns of each shape), and what grape holds on the device for them."""
+    groups = [g for region in grape_backend["topology_groups"].values() for g in region]
+    return {"full": sum(g["table_bytes_uncompressed"] for g in groups),
+            "compressed": sum(g["table_bytes_compressed"] for g in groups),
+            "device_buffers": sum(g["graph_table_device_bytes"] for g in groups),
+            "groups": len(groups), "shapes": sum(g["shapes"] for g in groups),
+            "columns": [g["columns"] for g in groups], "nodes": [g["nodes"] for g in groups]}
+
+
 def max_error_every_n(h: Harness) -> float:
     """grape against TVM's VM at every n of the range, in random order."""
     worst = 0.0
@@ -292,6 +304,7 @@ def main() -> None:
         "graph_memory_bytes": memory,
         "cold_start_s": cold,
         "max_abs_err": err,
+        "table_bytes": _table_bytes(detail["grape"]),
         "max_abs_err_what": f"grape vs TVM's VM (default pipeline), every n in 1..{HI}",
         "backend": detail,
         "ratios": {

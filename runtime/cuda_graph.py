@@ -186,7 +186,8 @@ def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> l
     """Argument-table records of a captured region.
 
     Parameters that point into a region argument are part of the topology (which argument,
-    at which offset) and carry no bytes: their value is the call's, not the shape's.
+    at which offset); their field is zeros of their size (counted in a full table, never a
+    column): their value is the call's, not the shape's.
     """
     by_node: dict[int, dict[int, PointerSlot]] = {}
     for s in slots:
@@ -199,6 +200,6 @@ def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> l
                  tuple(size for _, size in node.layout),
                  tuple(sorted((i, s.arg, s.delta) for i, s in pointers.items())))
         fields = ((p.gridDimX, p.gridDimY, p.gridDimZ),) + tuple(
-            b"" if i in pointers else v for i, v in enumerate(node.values))
+            bytes(len(v)) if i in pointers else v for i, v in enumerate(node.values))
         records.append(NodeRecord(int(p.func), fixed, fields))
     return records

@@ -102,11 +102,42 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from grape_tvm.artifact import Artifact  # pylint: disable=import-outside-toplevel
 
     description = describe(Artifact.load(args.model).manifest)
+    if args.record:
+        description["graphs"] = _record(args)
     if args.json:
-        print(json.dumps(description, indent=2))
+        print(json.dumps(description, indent=2, default=list))
     else:
         _print_description(description)
+        if args.record:
+            _print_graphs(description["graphs"])
     return 0
+
+
+def _record(args: argparse.Namespace) -> dict:
+    """Record every shape of the declared ranges on a device: what the graphs then hold."""
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    executor = load(args.model, device=args.device)
+    try:
+        seconds = executor.record_all(progress=not args.json)
+        return {**executor.backend.describe(), "record_seconds": seconds}
+    finally:
+        executor.close()
+
+
+def _print_graphs(graphs: dict) -> None:
+    print(f"recorded every shape in {graphs['record_seconds']:.1f} s on {graphs['backend']} "
+          f"({graphs.get('mode')}):")
+    if graphs.get("fallback_reason"):
+        print(f"  fallback: {graphs['fallback_reason']}")
+    if "graph_device_bytes" in graphs:
+        print(f"  {graphs.get('graphs_instantiated', 0)} instantiated graph(s), "
+              f"{graphs['graph_device_bytes']} bytes of device memory for graphs and tables")
+    for region, groups in graphs.get("topology_groups", {}).items():
+        for i, g in enumerate(groups):
+            print(f"  {region} group {i}: {g['shapes']} shape(s), {g['nodes']} kernel node(s), "
+                  f"{g['columns']} varying column(s); argument tables {g['table_bytes_uncompressed']}"
+                  f" bytes in full, {g['table_bytes_compressed']} compressed")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -132,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("inspect", help="show dims, inputs, outputs, graph regions and host steps")
     p.add_argument("model", type=Path)
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--record", action="store_true",
+                   help="also record every shape on --device and show the graphs, topology "
+                        "groups and argument tables that serve them")
+    p.add_argument("--device", default="cpu", help="cpu or cuda, with --record")
     p.set_defaults(func=cmd_inspect)
     return parser
 

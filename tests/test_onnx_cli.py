@@ -128,3 +128,15 @@ def test_run_error_names_the_input(models, tmp_path, capsys):
     assert code == 2
     assert "input 'x' axis 0 (dimension 'n') is 9, outside its declared range 1..8" in capsys.readouterr().err
     assert not (tmp_path / "out.npz").exists()
+
+
+def test_inspect_record_shows_topology_groups_and_tables(models, tmp_path, capsys):
+    artifact = tmp_path / "blocks.grape"
+    assert _compile(models["blocks"], artifact, "n=1:20") == 0
+    capsys.readouterr()
+    assert main(["inspect", str(artifact), "--record", "--json"]) == 0
+    graphs = json.loads(capsys.readouterr().out)["graphs"]
+    groups = graphs["topology_groups"]["grape_region_0"]
+    assert sum(g["shapes"] for g in groups) == 20
+    assert all(g["table_bytes_compressed"] <= g["table_bytes_uncompressed"] or g["columns"] == 0
+               for g in groups)

@@ -131,8 +131,11 @@ def _print_graphs(graphs: dict) -> None:
     if graphs.get("fallback_reason"):
         print(f"  fallback: {graphs['fallback_reason']}")
     if "graph_device_bytes" in graphs:
-        print(f"  {graphs.get('graphs_instantiated', 0)} instantiated graph(s), "
-              f"{graphs['graph_device_bytes']} bytes of device memory for graphs and tables")
+        tables = sum(g.get("graph_table_device_bytes", 0)
+                     for groups in graphs.get("topology_groups", {}).values() for g in groups)
+        print(f"  {graphs.get('graphs_instantiated', 0)} instantiated graph(s); device memory "
+              f"for graphs and tables, as free memory dropped (2 MiB steps): "
+              f"{graphs['graph_device_bytes']} bytes; table buffers allocated: {tables} bytes")
     for region, groups in graphs.get("topology_groups", {}).items():
         for i, g in enumerate(groups):
             print(f"  {region} group {i}: {g['shapes']} shape(s), {g['nodes']} kernel node(s), "

@@ -34,3 +34,9 @@ gpu:
 
 clean:
 	rm -rf build .pytest_cache examples/*.grape
+
+# onnx's node test cases through TVM's Relax path and grape's, on CPU (20-40 minutes):
+.PHONY: conformance
+conformance: setup
+	mkdir -p bench/results
+	$(BIN)/python -m grape_tvm.conformance --json bench/results/conformance.json

@@ -15,7 +15,9 @@ REGION_PREFIX = "grape_region_"
 # they do not cut the region in two.
 _ALLOC_OPS = {"relax.builtin.alloc_tensor", "relax.memory.alloc_storage", "relax.memory.alloc_tensor",
               "relax.vm.alloc_storage", "relax.vm.alloc_tensor"}
-_VIEW_OPS = {"relax.memory.view", "relax.memory.ensure_zero_offset", "relax.null_value"}
+_VIEW_OPS = {"relax.memory.view", "relax.memory.ensure_zero_offset", "relax.null_value",
+             # A reshape left after lowering is a view of a contiguous tensor: no kernel.
+             "relax.reshape", "vm.builtin.reshape"}
 _KILL_OPS = {"relax.memory.kill_tensor", "relax.memory.kill_storage", "relax.vm.kill_object"}
 # What VMShapeLower adds to every function: shape checks and shape arithmetic on the host.
 _BOOKKEEPING_OPS = {

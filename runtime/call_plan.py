@@ -37,30 +37,67 @@ def _nbytes(t) -> int:
 
 
 class BufferPool:
-    """Executor-owned device buffers, one per slot, grown to the largest size asked for."""
+    """Executor-owned device buffers, one per slot, grown to the largest size asked for.
+
+    Slots that hold a call's outputs have two sides: a call writes its outputs on the side
+    its inputs do not live on, so that the outputs of one call fed to the next (a decode
+    loop's KV cache) are read in place while the new ones are written beside them.
+    """
 
     def __init__(self, device: tvm.runtime.Device):
         self.device = device
-        self.buffers: list[Any] = []
+        self.buffers: list[list[Any]] = []  # per slot: [side 0] or [side 0, side 1]
         self.generation = 0  # bumped when a buffer moves: views made before are stale
 
-    def reserve(self, index: int, nbytes: int) -> None:
+    def reserve(self, index: int, nbytes: int, sides: int = 1) -> None:
         while len(self.buffers) <= index:
-            self.buffers.append(None)
-        current = self.buffers[index]
-        if current is None or current.shape[0] < nbytes:
-            self.buffers[index] = tvm.runtime.empty((max(nbytes, 1),), "uint8", self.device)
-            self.generation += 1
+            self.buffers.append([])
+        held = self.buffers[index]
+        while len(held) < sides:
+            held.append(None)
+        for side, current in enumerate(held):
+            if current is None or current.shape[0] < nbytes:
+                # Grow geometrically: a KV cache growing one row per call reallocates rarely.
+                size = max(nbytes, 2 * current.shape[0] if current is not None else 0, 1)
+                held[side] = tvm.runtime.empty((size,), "uint8", self.device)
+                self.generation += 1
 
-    def view(self, index: int, shape: tuple, dtype: str):
-        return self.buffers[index]._create_view(shape, dtype)
+    def view(self, index: int, shape: tuple, dtype: str, side: int = 0):
+        held = self.buffers[index]
+        return held[side if side < len(held) else 0]._create_view(shape, dtype)
 
-    def spans(self) -> list[tuple[int, int]]:
-        return [(b.data_ptr(), b.shape[0]) for b in self.buffers if b is not None]
+    def spans(self) -> dict[Any, list[tuple[int, int]]]:
+        """Address ranges of the buffers by side: 0 and 1 (output buffers), "single" (the
+        rest). Cached per generation."""
+        cached = getattr(self, "_spans", None)
+        if cached is not None and cached[0] == self.generation:
+            return cached[1]
+        spans: dict[Any, list[tuple[int, int]]] = {0: [], 1: [], "single": []}
+        for held in self.buffers:
+            for side, b in enumerate(held):
+                if b is not None:
+                    spans[side if len(held) > 1 else "single"].append((b.data_ptr(), b.shape[0]))
+        self._spans = (self.generation, spans)
+        return spans
+
+    def side_for(self, tensors: Sequence[Any]) -> int | None:
+        """The output side none of ``tensors`` lives on; None if they live in buffers a call
+        would overwrite whichever side it takes."""
+        spans = self.spans()
+        hit = set()
+        for t in tensors:
+            address = t.data_ptr()
+            for key, ranges in spans.items():
+                if any(start <= address < start + size for start, size in ranges):
+                    if key == "single":
+                        return None
+                    hit.add(key)
+        free = [side for side in (0, 1) if side not in hit]
+        return free[0] if free else None
 
     @property
     def nbytes(self) -> int:
-        return sum(b.shape[0] for b in self.buffers if b is not None)
+        return sum(b.shape[0] for held in self.buffers for b in held if b is not None)
 
 
 class CallPlan:
@@ -69,41 +106,64 @@ class CallPlan:
     def __init__(self, regions: list[tuple[str, tuple, list[Slot]]], outputs: list[Slot]):
         self.regions = regions
         self.outputs = outputs
-        self._generation = -1
-        self._args: list[tuple] = []  # (region, shape, values, inputs, their positions, caller)
-        self._outs: list[Any] = []
+        self.output_buffers = {s.index for s in outputs if s.kind == "buffer"}
+        self._generation: dict[int, int] = {}
+        self._args: dict[int, list[tuple]] = {}  # per side
+        self._outs: dict[int, list[Any]] = {}
 
-    def _materialize(self, pool: BufferPool) -> None:
-        # Views of pool buffers are made once per pool generation, not on every call.
+    def _materialize(self, pool: BufferPool, side: int) -> None:
+        # Views of pool buffers are made once per pool generation and side, not per call.
         def fixed(slot: Slot):
             if slot.kind == "buffer":
-                return pool.view(slot.index, slot.shape, slot.dtype)
+                return pool.view(slot.index, slot.shape, slot.dtype,
+                                 side if slot.index in self.output_buffers else 0)
             return slot.value
 
-        self._args = []
+        args = []
         for region, shape, slots in self.regions:
             values = [None if s.kind == "input" else fixed(s) for s in slots]
             inputs = [(i, s.index) for i, s in enumerate(slots) if s.kind == "input"]
-            # Plans of other dims whose region arguments sit in the same pool buffers at the
-            # same places share this key: between them only the inputs move.
+            outputs = {i: s.index for i, s in enumerate(slots)
+                       if s.kind == "buffer" and s.index in self.output_buffers}
+            # Calls of any dims whose region arguments sit in the same pool buffers share
+            # this key: between them only the inputs and the output side move.
             caller = (pool.generation, region, tuple((s.kind, s.index) for s in slots))
-            self._args.append((region, shape, values, inputs, [i for i, _ in inputs], caller))
-        self._outs = [None if s.kind == "input" else fixed(s) for s in self.outputs]
-        self._generation = pool.generation
+            moving = [i for i, _ in inputs] + list(outputs)
+            args.append((region, shape, values, inputs, outputs, moving, caller))
+        self._args[side] = args
+        self._outs[side] = [None if s.kind == "input" else fixed(s) for s in self.outputs]
+        self._generation[side] = pool.generation
 
-    def run(self, inputs: Sequence[Any], pool: BufferPool, backend) -> list[Any] | None:
-        """Launch every region; None (nothing launched) if one lost its recording."""
+    def output_shapes(self) -> list[tuple[tuple, str]]:
+        return [(s.shape, s.dtype) for s in self.outputs]
+
+    def run(self, inputs: Sequence[Any], pool: BufferPool, backend, side: int = 0,
+            out: dict[int, Any] | None = None) -> list[Any] | None:
+        """Launch every region; None (nothing launched) if one lost its recording.
+
+        ``out`` maps an output's index to a tensor of the caller's that the graphs write
+        into directly, in place of the pool's buffer.
+        """
         if not all(backend.has(region, shape) for region, shape, _ in self.regions):
             return None  # evicted by a bounded per-shape cache: the VM records it again
-        if self._generation != pool.generation:
-            self._materialize(pool)
-        for region, shape, values, from_inputs, moving, caller in self._args:
+        if self._generation.get(side) != pool.generation:
+            self._materialize(pool, side)
+        redirect = {self.outputs[i].index: t for i, t in (out or {}).items()}
+        for region, shape, values, from_inputs, outputs, moving, caller in self._args[side]:
             args = list(values)
             for position, index in from_inputs:
                 args[position] = inputs[index]
+            for position, index in outputs.items():
+                if index in redirect:
+                    args[position] = redirect[index]
             backend.replay(region, shape, args, caller, moving)
-        return [inputs[s.index] if s.kind == "input" else out
-                for s, out in zip(self.outputs, self._outs)]
+        results = []
+        for i, (slot, held) in enumerate(zip(self.outputs, self._outs[side])):
+            if out and i in out:
+                results.append(out[i])
+            else:
+                results.append(inputs[slot.index] if slot.kind == "input" else held)
+        return results
 
 
 class CallPlanRecorder:
@@ -164,6 +224,7 @@ class CallPlanRecorder:
             out_slots.append(slot(value))
         if any(s is None or s.kind == "value" for s in out_slots):
             return None
+        outputs = {s.index for s in out_slots if s.kind == "buffer"}
         for index, nbytes in seen.values():
-            pool.reserve(index, nbytes)
+            pool.reserve(index, nbytes, sides=2 if index in outputs else 1)
         return CallPlan(regions, out_slots)

@@ -90,6 +90,7 @@ class CudaGraphBackend:
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # CUfunction -> parameter layout
         self.graphs_captured = 0
         self.graphs_instantiated = 0
+        self.launches = 0  # graph launches, for the executor's statistics
         self.evicted = 0
         # Device memory taken by graphs and their tables: free memory read just before and
         # after each instantiation, table write and release (nothing else allocates there).
@@ -113,12 +114,14 @@ class CudaGraphBackend:
         if found is not None:
             graph, row = found
             graph.replay(row, region_args, self.stream, caller, moving)
+            self.launches += 1
             return True
         captured = self._per_shape.get((region, shape))
         if captured is None:
             return False
         self._per_shape.move_to_end((region, shape))
         captured.replay(region_args, self.stream)
+        self.launches += 1
         return True
 
     def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> Capture:
@@ -134,6 +137,7 @@ class CudaGraphBackend:
         capture.stream_context.__exit__(None, None, None)
         graph = check(driver.cuStreamEndCapture(self.capture_stream), "cuStreamEndCapture")
         self.graphs_captured += 1
+        self.launches += 1  # the capture's own run, below
         if self.mode == "topology":
             self._keep_in_topology(capture, graph)
         else:

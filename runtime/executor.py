@@ -21,13 +21,26 @@ REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region funct
 
 @dataclass
 class CallStats:
-    """What the executor did, summed over calls."""
+    """What the executor did, summed over calls (``last`` holds the last call's figures)."""
 
     calls: int = 0
     region_replays: int = 0
     region_recordings: int = 0
     planned_calls: int = 0  # calls that ran without the VM
+    h2d_bytes: int = 0  # host arrays copied to the device (numpy inputs)
+    d2h_bytes: int = 0  # outputs copied back to numpy
+    d2d_bytes: int = 0  # device copies the executor made (out= on the VM path)
+    graph_launches: int = 0
     recordings_by_region: dict[str, int] = field(default_factory=dict)
+    last: dict[str, Any] = field(default_factory=dict)
+
+    def begin_call(self) -> None:
+        self.last = {"h2d_bytes": 0, "d2h_bytes": 0, "d2d_bytes": 0, "graph_launches": 0,
+                     "path": "vm"}
+
+    def add(self, key: str, value: int) -> None:
+        self.last[key] = self.last.get(key, 0) + value
+        setattr(self, key, getattr(self, key) + value)
 
 
 class GraphExecutor:
@@ -87,36 +100,66 @@ class GraphExecutor:
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
             self._plans.clear()
 
-    def run(self, inputs: Mapping[str, Any] | Sequence[Any], *,
-            return_numpy: bool = True) -> dict[str, Any] | list[Any]:
+    def run(self, inputs: Mapping[str, Any] | Sequence[Any], *, return_numpy: bool = True,
+            out: Mapping[str, Any] | None = None) -> dict[str, Any] | list[Any]:
         """Run one call; ``inputs`` maps input names to numpy arrays or DLPack tensors.
 
-        Returned tensors (``return_numpy=False``) belong to the executor and stay valid until
-        its next call. Without a signature (an executable straight from ``tvm.compile``)
-        inputs are positional and outputs come back as a list.
+        Device tensors are read where they are: no copy. Returned tensors
+        (``return_numpy=False``) belong to the executor and stay valid until its next call
+        (an output fed back as the next call's input is read in place). ``out`` maps output
+        names to device tensors of the caller's, written directly. Without a signature (an
+        executable straight from ``tvm.compile``) inputs are positional and outputs come
+        back as a list. ``stats`` counts copies and launches.
         """
         with self._lock:
+            self.stats.begin_call()
             args, key, passed = self._prepare(inputs)
+            targets = self._prepare_out(out)
+            launches = self._launches()
             try:
                 with self.backend.stream_context():
-                    outputs = self._call(args, key, passed)
+                    outputs = self._call(args, key, passed, targets)
                     if return_numpy:
                         outputs = _to_numpy(outputs)
+                        self.stats.add("d2h_bytes", _bytes(outputs))
             except BaseException:
                 self._abandon_recording()
                 raise
+            self.stats.add("graph_launches", self._launches() - launches)
             self.stats.calls += 1
             return outputs
 
     __call__ = run
 
-    def _call(self, args: list, key: tuple | None, passed: list):
+    def _launches(self) -> int:
+        return getattr(self.backend, "launches", 0)
+
+    def _prepare_out(self, out: Mapping[str, Any] | None) -> dict[int, Any]:
+        if not out:
+            return {}
+        if self.signature is None:
+            raise ValueError("out= needs the model's signature (load it from an artifact)")
+        names = [t.name for t in self.signature.outputs]
+        unknown = sorted(set(out) - set(names))
+        if unknown:
+            raise InputError(f"out names unknown output(s) {unknown}: the model returns {names}")
+        targets = {}
+        for name, value in out.items():
+            if not isinstance(value, tvm.runtime.Tensor) and not hasattr(value, "__dlpack__"):
+                raise TypeError(f"out[{name!r}] must be a device tensor (TVM or DLPack)")
+            targets[names.index(name)] = self._as_tensor(f"out[{name!r}]", value, copy=False)
+        return targets
+
+    def _call(self, args: list, key: tuple | None, passed: list, out: dict[int, Any]):
         plan = self._plans.get(key) if key is not None else None
-        if plan is not None and not self._aliases_pool(passed):
-            outputs = plan.run(args, self._pool, self.backend)
+        side = self._pool.side_for(passed + list(out.values())) if plan is not None else None
+        if plan is not None and side is not None:
+            self._check_out(out, plan)
+            outputs = plan.run(args, self._pool, self.backend, side, out)
             if outputs is not None:
                 self.stats.planned_calls += 1
                 self.stats.region_replays += len(plan.regions)
+                self.stats.last["path"] = "planned"
                 return self._name_outputs(outputs)
         watch = self._plan_calls and key is not None and key not in self._plans
         fixed = [i for i, t in enumerate(self._template) if t is not None]
@@ -125,21 +168,26 @@ class GraphExecutor:
             result = self._vm[self.entry](*args)
         finally:
             recorder, self._watch = self._watch, None
-        outputs = self._name_outputs(result)
+        values = list(result) if not isinstance(result, tvm.runtime.Tensor) else [result]
         if recorder is not None:
-            values = list(outputs.values()) if isinstance(outputs, dict) else outputs
             self._plans[key] = recorder.finish(values, self._pool, self._buffer_of)
-        return outputs
+        for index, target in out.items():  # the VM allocated its own: copy, and count it
+            _check_like(target, values[index], self.signature.outputs[index].name)
+            target.copyfrom(values[index])
+            self.stats.add("d2d_bytes", _nbytes(values[index]))
+            values[index] = target
+        return self._name_outputs(values)
 
-    def _aliases_pool(self, passed: list) -> bool:
-        """An input living in the executor's buffers (last call's output fed back) would be
-        overwritten while read: such a call takes the VM."""
-        spans = self._pool.spans()
-        for tensor in passed:
-            address = tensor.data_ptr()
-            if any(start <= address < start + size for start, size in spans):
-                return True
-        return False
+    def _check_out(self, out: dict[int, Any], plan: CallPlan) -> None:
+        for index, target in out.items():
+            shape, dtype = plan.outputs[index].shape, plan.outputs[index].dtype
+            if plan.outputs[index].kind != "buffer":
+                raise InputError(f"output {self.signature.outputs[index].name!r} is an input "
+                                 "passed through: it cannot be written to out=")
+            if tuple(target.shape) != tuple(shape) or str(target.dtype) != dtype:
+                raise InputError(f"out[{self.signature.outputs[index].name!r}] is "
+                                 f"{target.dtype}{tuple(target.shape)}, this call's output is "
+                                 f"{dtype}{tuple(shape)}")
 
     def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None, list]:
         """The entry function's arguments, the call's dims key, and the tensors passed."""
@@ -158,11 +206,13 @@ class GraphExecutor:
             args[self._position[name]] = tensor
         return args, tuple(sorted(dims.items())), list(tensors.values())
 
-    def _as_tensor(self, name: str, value: Any) -> tvm.runtime.Tensor:
+    def _as_tensor(self, name: str, value: Any, copy: bool = True) -> tvm.runtime.Tensor:
         if isinstance(value, tvm.runtime.Tensor):
             tensor = value
-        elif isinstance(value, np.ndarray) or np.isscalar(value):
-            return tvm.runtime.tensor(np.ascontiguousarray(value), self.device)
+        elif copy and (isinstance(value, np.ndarray) or np.isscalar(value)):
+            array = np.ascontiguousarray(value)
+            self.stats.add("h2d_bytes", array.nbytes)
+            return tvm.runtime.tensor(array, self.device)
         elif hasattr(value, "__dlpack__"):
             tensor = tvm.runtime.from_dlpack(value)
         else:
@@ -177,8 +227,7 @@ class GraphExecutor:
                              "the kernels read dense row-major tensors")
         return tensor
 
-    def _name_outputs(self, result: Any) -> dict[str, tvm.runtime.Tensor] | list:
-        values = list(result) if not isinstance(result, tvm.runtime.Tensor) else [result]
+    def _name_outputs(self, values: list) -> dict[str, tvm.runtime.Tensor] | list:
         if self.signature is None:
             return values
         names = [spec.name for spec in self.signature.outputs]
@@ -274,3 +323,18 @@ def default_backend(device: tvm.runtime.Device):
     from .cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
 
     return CpuReplayBackend(device)
+
+
+def _nbytes(t) -> int:
+    return int(np.prod(t.shape, dtype=np.int64)) * np.dtype(str(t.dtype)).itemsize
+
+
+def _bytes(outputs) -> int:
+    values = outputs.values() if isinstance(outputs, dict) else outputs
+    return sum(int(v.nbytes) for v in values)
+
+
+def _check_like(target, value, name: str) -> None:
+    if tuple(target.shape) != tuple(value.shape) or str(target.dtype) != str(value.dtype):
+        raise InputError(f"out[{name!r}] is {target.dtype}{tuple(target.shape)}, this call's "
+                         f"output is {value.dtype}{tuple(value.shape)}")

@@ -52,9 +52,9 @@ def test_a_seen_shape_runs_without_the_vm(blocks_artifact):
     assert not np.array_equal(first, executor.run({"x": x * 3})["y"])
 
 
-def test_outputs_fed_back_as_inputs_take_the_vm(blocks_artifact):
-    """The last call's output lives in the executor's buffers: reading it while writing
-    them would be wrong, so such a call runs on the VM."""
+def test_outputs_fed_back_as_inputs_are_read_in_place(blocks_artifact):
+    """The last call's output lives in the executor's buffers: the next call writes its
+    outputs on the other side and reads the old ones where they are."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     executor = load(blocks_artifact, "cpu")
@@ -62,12 +62,74 @@ def test_outputs_fed_back_as_inputs_take_the_vm(blocks_artifact):
     x = np.random.default_rng(0).standard_normal((6, 64)).astype(np.float32)
     y = executor.run({"x": x}, return_numpy=False)["y"]
     y = executor.run({"x": x}, return_numpy=False)["y"]  # planned: y is a pool buffer now
-    planned = executor.stats.planned_calls
-    z = executor.run({"x": y})["y"]
-    assert executor.stats.planned_calls == planned  # fell back to the VM
-    want = reference.run({"x": reference.run({"x": x})["y"]})["y"]
-    np.testing.assert_allclose(z, want, rtol=1e-6, atol=1e-6)
+    want = reference.run({"x": x})["y"]  # y = f(x), twice the same call
+    for _ in range(4):
+        z = executor.run({"x": y}, return_numpy=False)["y"]
+        assert executor.stats.last["path"] == "planned"
+        assert executor.stats.last["h2d_bytes"] == 0 and executor.stats.last["d2d_bytes"] == 0
+        assert z.data_ptr() != y.data_ptr()
+        want = reference.run({"x": want})["y"]
+        np.testing.assert_allclose(z.numpy(), want, rtol=1e-5, atol=1e-5)
+        y = z
     assert isinstance(y, tvm.runtime.Tensor)
+
+
+def test_out_buffers_are_written_directly(blocks_artifact):
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    executor = load(blocks_artifact, "cpu")
+    x = np.random.default_rng(1).standard_normal((7, 64)).astype(np.float32)
+    want = load(blocks_artifact, "cpu").run({"x": x})["y"]
+    first = tvm.runtime.empty((7, 64), "float32", tvm.cpu())
+    executor.run({"x": x}, out={"y": first}, return_numpy=False)  # VM path: copied, counted
+    assert executor.stats.last["d2d_bytes"] == 7 * 64 * 4
+    np.testing.assert_allclose(first.numpy(), want, rtol=1e-6, atol=1e-6)
+    target = tvm.runtime.empty((7, 64), "float32", tvm.cpu())
+    got = executor.run({"x": x}, out={"y": target}, return_numpy=False)["y"]
+    assert executor.stats.last == {"h2d_bytes": x.nbytes, "d2h_bytes": 0, "d2d_bytes": 0,
+                                   "graph_launches": 0, "path": "planned"}
+    assert got.data_ptr() == target.data_ptr()
+    np.testing.assert_allclose(target.numpy(), want, rtol=1e-6, atol=1e-6)
+    with pytest.raises(InputError, match=r"out\['y'\] is float32\(8, 64\), this call's output is float32\(7, 64\)"):
+        executor.run({"x": x}, out={"y": tvm.runtime.empty((8, 64), "float32", tvm.cpu())})
+    with pytest.raises(InputError, match="unknown output"):
+        executor.run({"x": x}, out={"z": target})
+
+
+def test_a_growing_cache_fed_back_copies_nothing(tmp_path):
+    """A decode-style loop: ``cache' = concat(cache, x)``, ``y = cache' * 2``, the cache fed
+    back each call and growing by one row: after recording, no byte is copied."""
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm.script import ir as I  # pylint: disable=import-outside-toplevel
+    from tvm.script import relax as R  # pylint: disable=import-outside-toplevel
+
+    @I.ir_module
+    class Step:
+        @R.function
+        def main(cache: R.Tensor(("past", 8), "float32"), x: R.Tensor((1, 8), "float32")):
+            with R.dataflow():
+                grown = R.concat((cache, x), axis=0)
+                y = R.multiply(grown, R.const(2.0, "float32"))
+                R.output(grown, y)
+            return (grown, y)
+
+    path = tmp_path / "step.grape"
+    grape_tvm.build(Step, {"past": (1, 40)}, "llvm", output_names=["cache", "y"]).export(path)
+    executor = load(path, "cpu")
+    rng = np.random.default_rng(0)
+    xs = [tvm.runtime.tensor(rng.standard_normal((1, 8)).astype(np.float32)) for _ in range(39)]
+    start = tvm.runtime.tensor(rng.standard_normal((1, 8)).astype(np.float32))
+    for _ in range(2):  # first pass records every length, the second runs planned
+        cache, want = start, start.numpy()
+        before = (executor.stats.h2d_bytes, executor.stats.d2d_bytes, executor.stats.d2h_bytes)
+        for x in xs:
+            out = executor.run({"cache": cache, "x": x}, return_numpy=False)
+            want = np.concatenate([want, x.numpy()])
+            cache = out["cache"]
+        np.testing.assert_array_equal(cache.numpy(), want)
+        np.testing.assert_array_equal(out["y"].numpy(), want * 2)
+    assert (executor.stats.h2d_bytes, executor.stats.d2d_bytes, executor.stats.d2h_bytes) == before
+    assert executor.stats.planned_calls == len(xs)
 
 
 def test_bad_inputs_fail_before_any_kernel_and_leave_the_executor_usable(blocks_artifact):

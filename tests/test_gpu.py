@@ -204,3 +204,46 @@ def test_cuda_artifact_built_on_cpu_carries_cubins(blocks):
     manifest = blocks[3]
     assert manifest["target"] == {"kind": "cuda", "arch": "sm_90"}
     assert len(manifest["cubins"]) >= 2  # the model's kernels and the patch kernel
+
+
+def test_decode_loop_feeds_its_cache_back_with_no_copies():
+    """A GPT-2-style decode step (2 layers, KV cache growing one row per call): each call's
+    cache outputs are the next call's inputs, read in place; equal to TVM's VM at every step."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import gpt2_weights  # pylint: disable=import-outside-toplevel
+
+    path = _artifact("gpt2_tiny.cuda.grape")
+    library, _, dev = load_library(path, "cuda")
+    vm = VirtualMachine(library, dev)
+    executor = load(path, "cuda")
+    weights = {k: tvm.runtime.tensor(v, dev) for k, v in gpt2_weights(64, 2).items()}
+    executor.bind_inputs(weights)
+    names = [f"past_{kv}{i}" for i in range(2) for kv in ("k", "v")]
+    rng = np.random.default_rng(7)
+    start = {n: tvm.runtime.tensor((0.1 * rng.standard_normal((4, 1, 16))).astype(np.float32), dev)
+             for n in names}
+    xs = [tvm.runtime.tensor(rng.standard_normal((1, 64)).astype(np.float32), dev) for _ in range(64)]
+    try:
+        for loop in range(2):  # the first records every length, the second is planned
+            past = dict(start)
+            for length in range(1, 64):
+                out = executor.run({"x": xs[length], **past}, return_numpy=False)
+                last = executor.stats.last
+                assert last["h2d_bytes"] == last["d2d_bytes"] == last["d2h_bytes"] == 0
+                if loop == 1:
+                    assert last["path"] == "planned" and last["graph_launches"] == 1
+                want = vm["main"](xs[length], *[past[n] for n in names], *weights.values())
+                np.testing.assert_allclose(out["y"].numpy(), want[0].numpy(), rtol=1e-5, atol=1e-5)
+                np.testing.assert_allclose(out["present_v1"].numpy(), want[4].numpy(), rtol=1e-5, atol=1e-5)
+                past = {n: out["present_" + n[len("past_"):]] for n in names}
+        assert executor.backend.graphs_instantiated == len(
+            executor.backend.describe()["topology_groups"]["grape_region_0"])
+    finally:
+        executor.close()

@@ -3,6 +3,8 @@
     python bench/gpu/build_artifacts.py build/gpu
 
 - ``blocks.cuda.grape``: the bundled example (tests, demo).
+- ``gpt2_tiny.cuda.grape``, ``gpt2.grape.cuda.grape``: decode steps with a KV cache (tests,
+  zero-copy benchmark).
 - ``blocks24.{grape,tvm_vm,tvm_cuda_graph}.cuda.grape``: the argument-table benchmark's
   model (24 blocks, width 768, n = 1..1024; weights are inputs, made on the GPU from a seed)
   built by grape, by TVM's default pipeline, and by TVM's default pipeline with its own
@@ -23,7 +25,7 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from blocks import make_blocks  # noqa: E402  pylint: disable=wrong-import-position
-from models import blocks_relax  # noqa: E402  pylint: disable=wrong-import-position
+from models import blocks_relax, gpt2_decode_step, gpt2_output_names  # noqa: E402  pylint: disable=wrong-import-position
 
 import grape_tvm  # noqa: E402  pylint: disable=wrong-import-position
 from grape_tvm.compiler import _relax_signature, package  # noqa: E402  pylint: disable=wrong-import-position
@@ -64,10 +66,22 @@ def build_bench(out: Path, width: int = 768, depth: int = 24) -> None:
     package(graph, signature, CUDA).export(out / "blocks24.tvm_cuda_graph.cuda.grape")
 
 
+def build_decode(out: Path) -> None:
+    """GPT-2 decode steps with an explicit KV cache: small for the tests, GPT-2 small's
+    shapes for the zero-copy benchmark."""
+    small = _timed("gpt2_tiny", lambda: grape_tvm.build(
+        gpt2_decode_step(64, 4, 2), {"past": (1, 64)}, CUDA, output_names=gpt2_output_names(2)))
+    small.export(out / "gpt2_tiny.cuda.grape")
+    full = _timed("gpt2", lambda: grape_tvm.build(
+        gpt2_decode_step(768, 12, 12), {"past": (1, 1024)}, CUDA, output_names=gpt2_output_names(12)))
+    full.export(out / "gpt2.grape.cuda.grape")
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     build_example(out)
     build_bench(out)
+    build_decode(out)
     for path in sorted(out.glob("*.grape")):
         print(f"{path}: {path.stat().st_size} bytes")
 

@@ -17,4 +17,5 @@ python3 -P -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py 2>&1 | t
 python3 examples/demo.py --device cuda --artifact build/gpu/blocks.cuda.grape 2>&1 | tee "$out/demo.log" || status=1
 python3 -P -m grape_tvm.cli inspect build/gpu/blocks.cuda.grape --record --device cuda 2>&1 | tee "$out/inspect.log" || status=1
 python3 -P bench/argument_tables.py --artifacts build/gpu --out "$out" ${GRAPE_BENCH_ARGS:-} 2>&1 | tee "$out/argument_tables.log" || status=1
+python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} 2>&1 | tee "$out/zero_copy.log" || status=1
 exit $status

@@ -14,10 +14,12 @@ from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 
 _ONNX_DTYPES = {
     onnx.TensorProto.FLOAT: "float32", onnx.TensorProto.FLOAT16: "float16",
-    onnx.TensorProto.DOUBLE: "float64", onnx.TensorProto.INT64: "int64",
-    onnx.TensorProto.INT32: "int32", onnx.TensorProto.INT8: "int8",
-    onnx.TensorProto.UINT8: "uint8", onnx.TensorProto.BOOL: "bool",
-    onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.DOUBLE: "float64", onnx.TensorProto.BFLOAT16: "bfloat16",
+    onnx.TensorProto.INT64: "int64", onnx.TensorProto.INT32: "int32",
+    onnx.TensorProto.INT16: "int16", onnx.TensorProto.INT8: "int8",
+    onnx.TensorProto.UINT64: "uint64", onnx.TensorProto.UINT32: "uint32",
+    onnx.TensorProto.UINT16: "uint16", onnx.TensorProto.UINT8: "uint8",
+    onnx.TensorProto.BOOL: "bool",
 }
 
 

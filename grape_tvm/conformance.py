@@ -1,7 +1,7 @@
 """ONNX node conformance: every onnx backend node test case, through TVM's Relax path and grape's.
 
-    python -m grape_tvm.conformance [--limit N] [--filter SUBSTR ...] [--jobs 2] [--timeout 60]
-                                    --json FILE
+    python -m grape_tvm.conformance [--limit N] [--filter SUBSTR ...] [--case NAME ...]
+                                    [--jobs 2] [--timeout 60] --json FILE
 
 The ``onnx`` wheel no longer ships the node test data: the cases are made by onnx's own
 generators (``onnx.backend.test.case.node.collect_testcases()``), each a one-node model (or
@@ -87,9 +87,11 @@ def _op_of(name: str, existing: dict) -> str:
     return node.op_type if node is not None else base.removeprefix("test_")
 
 
-def collect_cases(filters: list[str] | None = None, limit: int | None = None) -> list[Case]:
-    """onnx's node test cases sorted by name: those whose name or operator contains one of
-    ``filters`` (case-insensitive), the first ``limit`` of them."""
+def collect_cases(filters: list[str] | None = None, limit: int | None = None,
+                  names: list[str] | None = None) -> list[Case]:
+    """onnx's node test cases sorted by name: those named in ``names`` or whose name
+    contains one of ``filters`` (case-insensitive) or whose operator is one of them (all
+    when neither is given), the first ``limit`` of them."""
     with warnings.catch_warnings(), np.errstate(all="ignore"):
         warnings.simplefilter("ignore")
         from onnx.backend.test.case import node  # pylint: disable=import-outside-toplevel
@@ -97,10 +99,15 @@ def collect_cases(filters: list[str] | None = None, limit: int | None = None) ->
         found = node.collect_testcases()
     existing = dict(getattr(node, "_existing_names", {}))
     wanted = [f.lower() for f in filters or [] if f]
+    exact = set(names or [])
+    unknown = sorted(exact - {t.name for t in found})
+    if unknown:
+        raise ValueError(f"no node test case named {unknown}")
     cases = []
     for test in sorted(found, key=lambda t: t.name):
         op = _op_of(test.name, existing)
-        if wanted and not any(w in test.name.lower() or w == op.lower() for w in wanted):
+        if (wanted or exact) and test.name not in exact and \
+                not any(w in test.name.lower() or w == op.lower() for w in wanted):
             continue
         inputs, outputs = test.data_sets[0]
         cases.append(Case(test.name, op, test.model.SerializeToString(),
@@ -178,8 +185,14 @@ def first_line(err: BaseException) -> str:
 
 
 def describe(err: BaseException) -> str:
-    """``ExceptionType: first line``."""
+    """``ExceptionType: first line``; a bare one (``assert x``) says where it was raised."""
     text = first_line(err)
+    if not text:
+        frames = traceback.extract_tb(err.__traceback__)
+        if frames:
+            last = frames[-1]
+            where = "/".join(Path(last.filename).parts[-2:])
+            text = f"at {where}:{last.lineno}" + (f": {last.line.strip()}" if last.line else "")
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
 
 
@@ -239,11 +252,14 @@ def _run_tvm(case: Case, stage: _Stages) -> list[Any]:
     ex = tvm.compile(mod, target=tvm.target.Target({"kind": "llvm"}))
     stage("load")
     vm = relax.VirtualMachine(ex, tvm.cpu())
-    stage("run")
+    stage("inputs")  # numpy to TVM tensors
     initializers = {i.name for i in model.graph.initializer}
     names = [v.name for v in model.graph.input]
     args = [_tvm_arg(a) for n, a in zip(names, case.inputs) if n not in initializers]
-    result = _to_numpy(vm["main"](*args))
+    stage("run")
+    result = vm["main"](*args)
+    stage("outputs")  # TVM tensors to numpy
+    result = _to_numpy(result)
     if len(model.graph.output) == 1:
         return [result]
     return list(result) if isinstance(result, list) else [result]
@@ -331,6 +347,21 @@ def run_path(case: Case, path: str, stage: _Stages, workdir: Path) -> dict:
     return {"ok": why is None, "reason": reason, "seconds": round(seconds, 3)}
 
 
+FAULT_ENV = "GRAPE_TVM_CONFORMANCE_FAULT"  # tests: "CASE:PATH:segv|hang,..." in the workers
+
+
+def _inject_fault(case: Case, path: str, stage: _Stages) -> None:
+    for item in os.environ.get(FAULT_ENV, "").split(","):
+        name, _, rest = item.partition(":")
+        where, _, fault = rest.partition(":")
+        if name == case.name and where == path:
+            stage("run")
+            if fault == "segv":
+                os.kill(os.getpid(), signal.SIGSEGV)
+            if fault == "hang":
+                time.sleep(3600)
+
+
 def _worker(conn, log_path: str, workdir: str) -> None:
     """A worker process: runs ``(index, path, case)`` tasks until it gets ``None``."""
     os.environ.setdefault("TVM_NUM_THREADS", "1")
@@ -338,9 +369,6 @@ def _worker(conn, log_path: str, workdir: str) -> None:
     fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(fd, 1)
     os.dup2(fd, 2)
-    import faulthandler  # pylint: disable=import-outside-toplevel
-
-    faulthandler.enable()
     import tvm  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     import tvm.relax.frontend.onnx  # noqa: F401  pylint: disable=import-outside-toplevel
 
@@ -356,7 +384,9 @@ def _worker(conn, log_path: str, workdir: str) -> None:
         sys.stdout.flush()
         sys.stderr.flush()
         os.ftruncate(fd, 0)
-        result = run_path(case, path, _Stages(conn), Path(workdir))
+        stage = _Stages(conn)
+        _inject_fault(case, path, stage)
+        result = run_path(case, path, stage, Path(workdir))
         conn.send(("done", index, path, result))
     conn.close()
 
@@ -369,6 +399,13 @@ def _signal_name(number: int) -> str:
         return f"signal {number}"
 
 
+def _log_tail(log_path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(log_path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
 def _log_hint(log_path: Path) -> str:
     """The last telling line a crashed worker wrote (a TVM check, a fatal error)."""
     try:
@@ -377,8 +414,8 @@ def _log_hint(log_path: Path) -> str:
         return ""
     for line in reversed(lines):
         text = line.strip()
-        if re.search(r"Check failed|Error|error:|Fatal|fatal|Assert|abort", text) and \
-                not text.startswith(("File ", "Current thread", "Thread ")):
+        if re.search(r"Check failed|Error|error:|Assert|abort", text) and \
+                not text.startswith(("File ", "Current thread", "Thread ", "Fatal Python")):
             return text[:200]
     return ""
 
@@ -513,7 +550,8 @@ def run_cases(cases: list[Case], jobs: int = 2, timeout: float = 60.0,
                 if not dead and not late:
                     if slot.task is None and not slot.ready and \
                             time.perf_counter() - slot.started > max(timeout, 120):
-                        raise RuntimeError(f"a conformance worker did not start; see {slot.log}")
+                        raise RuntimeError("a conformance worker did not start:\n"
+                                           + _log_tail(slot.log))
                     continue
                 if slot.task is not None:
                     index, path = slot.task
@@ -530,7 +568,7 @@ def run_cases(cases: list[Case], jobs: int = 2, timeout: float = 60.0,
                                          "seconds": round(time.perf_counter() - slot.started, 3)})
                 elif dead and not slot.ready:
                     raise RuntimeError(f"a conformance worker died at start (exit code "
-                                       f"{slot.proc.exitcode}); see {slot.log}")
+                                       f"{slot.proc.exitcode}):\n" + _log_tail(slot.log))
                 slot.kill()
                 slot.start()
     finally:
@@ -566,8 +604,15 @@ def category(reason: str) -> str:
         if found:
             return name(found)
     text = re.sub(r"^(\w+) of \w+:", r"\1:", text)  # "import of ReduceMax:" -> "import:"
+    if re.match(r"^\w+: KeyError: '[^']*'$", text):
+        return text  # the missing key (an attribute, an input) is the kind of failure
     text = re.sub(r"'[^']*'|\"[^\"]*\"", "'…'", text)
-    text = re.sub(r"\[[^\]]*\]|\([^)]*\)", "(…)", text)
+    while True:  # innermost brackets first: "(shape (1,))" -> "(…)"
+        shorter = re.sub(r"\[[^\[\]()]*\]|\([^\[\]()]*\)", "\x00", text)
+        if shorter == text:
+            break
+        text = shorter
+    text = text.replace("\x00", "(…)")
     text = re.sub(r"\b\d+(\.\d+)?(e-?\d+)?\b", "N", text)
     text = re.sub(r"\s+", " ", text).strip()
     return text[:110]
@@ -646,15 +691,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--filter", action="append", default=[], metavar="SUBSTR",
                         help="cases whose name contains SUBSTR or whose operator is SUBSTR "
                              "(case-insensitive); repeat or separate with commas")
+    parser.add_argument("--case", action="append", default=[], metavar="NAME",
+                        help="the case of this exact name (test_add); repeat or separate with "
+                             "commas; adds to --filter's cases")
     parser.add_argument("--jobs", type=int, default=2, help="worker processes (default 2)")
     parser.add_argument("--timeout", type=float, default=60.0,
                         help="seconds per case and path before it counts as a timeout")
     parser.add_argument("--quiet", action="store_true", help="no progress line")
     args = parser.parse_args(argv)
     filters = [f.strip() for item in args.filter for f in item.split(",") if f.strip()]
+    names = [n.strip() for item in args.case for n in item.split(",") if n.strip()]
 
     start = time.perf_counter()
-    cases = collect_cases(filters, args.limit)
+    try:
+        cases = collect_cases(filters, args.limit, names)
+    except ValueError as err:
+        print(f"conformance: {err}", file=sys.stderr)
+        return 2
     if not cases:
         print("no case matches", file=sys.stderr)
         return 2
@@ -663,7 +716,7 @@ def main(argv: list[str] | None = None) -> int:
               "timeout per case and path", file=sys.stderr, flush=True)
     results = run_cases(cases, args.jobs, args.timeout, progress=not args.quiet)
     command = shlex.join(["python", "-m", "grape_tvm.conformance", *argv])
-    settings = {"limit": args.limit, "filters": filters, "jobs": args.jobs,
+    settings = {"limit": args.limit, "filters": filters, "cases": names, "jobs": args.jobs,
                 "timeout_s": args.timeout, "target": {"kind": "llvm"}, "device": "cpu",
                 "tolerance": "each case's rtol/atol (onnx's node cases: rtol 1e-3, atol 1e-7); "
                              "bool, integer and string outputs exact"}

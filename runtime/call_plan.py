@@ -32,6 +32,14 @@ class Slot:
     value: Any = None
 
 
+class Address(int):
+    """A device address standing in for a tensor where a backend reads only addresses
+    (CUDA graphs): far cheaper to make than a tensor view, and made once per plan."""
+
+    def data_ptr(self) -> int:
+        return int(self)
+
+
 def _nbytes(t) -> int:
     return int(np.prod(t.shape, dtype=np.int64)) * np.dtype(str(t.dtype)).itemsize
 
@@ -65,6 +73,10 @@ class BufferPool:
     def view(self, index: int, shape: tuple, dtype: str, side: int = 0):
         held = self.buffers[index]
         return held[side if side < len(held) else 0]._create_view(shape, dtype)
+
+    def address(self, index: int, side: int = 0) -> int:
+        held = self.buffers[index]
+        return held[side if side < len(held) else 0].data_ptr()
 
     def spans(self) -> dict[Any, list[tuple[int, int]]]:
         """Address ranges of the buffers by side: 0 and 1 (output buffers), "single" (the
@@ -111,12 +123,15 @@ class CallPlan:
         self._args: dict[int, list[tuple]] = {}  # per side
         self._outs: dict[int, list[Any]] = {}
 
-    def _materialize(self, pool: BufferPool, side: int) -> None:
-        # Views of pool buffers are made once per pool generation and side, not per call.
-        def fixed(slot: Slot):
+    def _materialize(self, pool: BufferPool, side: int, addresses_only: bool) -> None:
+        # Made once per pool generation and side, not per call. A backend that reads only
+        # addresses gets them for the buffers no caller sees; outputs are always views.
+        def fixed(slot: Slot, returned: bool = False):
             if slot.kind == "buffer":
-                return pool.view(slot.index, slot.shape, slot.dtype,
-                                 side if slot.index in self.output_buffers else 0)
+                chosen = side if slot.index in self.output_buffers else 0
+                if addresses_only and not returned:
+                    return Address(pool.address(slot.index, chosen))
+                return pool.view(slot.index, slot.shape, slot.dtype, chosen)
             return slot.value
 
         args = []
@@ -131,7 +146,8 @@ class CallPlan:
             moving = [i for i, _ in inputs] + list(outputs)
             args.append((region, shape, values, inputs, outputs, moving, caller))
         self._args[side] = args
-        self._outs[side] = [None if s.kind == "input" else fixed(s) for s in self.outputs]
+        self._outs[side] = [None if s.kind == "input" else fixed(s, returned=True)
+                            for s in self.outputs]
         self._generation[side] = pool.generation
 
     def output_shapes(self) -> list[tuple[tuple, str]]:
@@ -147,7 +163,7 @@ class CallPlan:
         if not all(backend.has(region, shape) for region, shape, _ in self.regions):
             return None  # evicted by a bounded per-shape cache: the VM records it again
         if self._generation.get(side) != pool.generation:
-            self._materialize(pool, side)
+            self._materialize(pool, side, getattr(backend, "addresses_only", False))
         redirect = {self.outputs[i].index: t for i, t in (out or {}).items()}
         for region, shape, values, from_inputs, outputs, moving, caller in self._args[side]:
             args = list(values)

@@ -47,6 +47,7 @@ class CudaGraphBackend:
     """Captures regions with stream capture and replays them as CUDA graphs."""
 
     name = "cuda-graph"
+    addresses_only = True  # replays read region arguments' addresses, nothing else
 
     def __init__(self, device: tvm.runtime.Device, mode: str = "topology",
                  max_graphs: int = 4096, arch: str | None = None,

@@ -117,7 +117,7 @@ class CapturedGraph:
 
     @staticmethod
     def _addresses(region_args: Sequence[Any]) -> list[int | None]:
-        return [a.data_ptr() if isinstance(a, tvm.runtime.Tensor) else None for a in region_args]
+        return [a.data_ptr() if hasattr(a, "data_ptr") else None for a in region_args]
 
     def replay(self, region_args: Sequence[Any], stream) -> None:
         addresses = self._addresses(region_args)

@@ -39,7 +39,9 @@ def load_onnx(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
         raise ValueError(f"{path} is not a readable ONNX model: {err}") from None
 
 
-def _value_spec(value: onnx.ValueInfoProto) -> TensorSpec:
+def _value_spec(value: onnx.ValueInfoProto, output: bool = False) -> TensorSpec:
+    """An input's or output's name, dtype and shape; an output's unnamed axis (a size that
+    depends on the data, as Unique's) is "?": outputs are not checked against ranges."""
     ttype = value.type.tensor_type
     dtype = _ONNX_DTYPES.get(ttype.elem_type)
     if dtype is None:
@@ -51,6 +53,8 @@ def _value_spec(value: onnx.ValueInfoProto) -> TensorSpec:
             shape.append(int(dim.dim_value))
         elif dim.HasField("dim_param"):
             shape.append(dim.dim_param)
+        elif output:
+            shape.append("?")
         else:
             raise ValueError(f"ONNX value {value.name!r} axis {axis} has neither a size nor a "
                              "dim_param name: name it so that a range can be declared")
@@ -61,7 +65,7 @@ def onnx_signature(model: onnx.ModelProto, dims: Mapping[str, Any]) -> Signature
     """Inputs and outputs of an ONNX graph, with every symbolic dim's declared range."""
     initializers = {i.name for i in model.graph.initializer}
     inputs = tuple(_value_spec(v) for v in model.graph.input if v.name not in initializers)
-    outputs = tuple(_value_spec(v) for v in model.graph.output)
+    outputs = tuple(_value_spec(v, output=True) for v in model.graph.output)
     ranges = {name: ShapeRange.of(r, name) for name, r in dims.items()}
     named = {d for t in inputs for d in t.shape if isinstance(d, str)}
     for spec in inputs:

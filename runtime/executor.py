@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 import tvm
+import tvm_ffi
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
 from .call_plan import BufferPool, CallPlan, CallPlanRecorder
@@ -168,7 +169,7 @@ class GraphExecutor:
             result = self._vm[self.entry](*args)
         finally:
             recorder, self._watch = self._watch, None
-        values = list(result) if not isinstance(result, tvm.runtime.Tensor) else [result]
+        values = _values(result)
         if recorder is not None:
             self._plans[key] = recorder.finish(values, self._pool, self._buffer_of)
         for index, target in out.items():  # the VM allocated its own: copy, and count it
@@ -210,7 +211,7 @@ class GraphExecutor:
         if isinstance(value, tvm.runtime.Tensor):
             tensor = value
         elif copy and (isinstance(value, np.ndarray) or np.isscalar(value)):
-            array = np.ascontiguousarray(value)
+            array = np.asarray(value, order="C")  # keeps a 0-d input 0-d
             self.stats.add("h2d_bytes", array.nbytes)
             return tvm.runtime.tensor(array, self.device)
         elif hasattr(value, "__dlpack__"):
@@ -308,10 +309,24 @@ class GraphExecutor:
         self.close()
 
 
+def _values(result) -> list:
+    """The entry function's outputs: one tensor or shape, or a tuple of them. A shape is a
+    tuple too (``tvm_ffi.Shape``): it is one output, not several."""
+    if isinstance(result, (tvm.runtime.Tensor, tvm_ffi.Shape)):
+        return [result]
+    return list(result)
+
+
+def _numpy(value) -> np.ndarray:
+    if isinstance(value, tvm_ffi.Shape):
+        return np.array(list(value), dtype=np.int64)  # ONNX's Shape: an int64 tensor
+    return value.numpy()
+
+
 def _to_numpy(outputs):
     if isinstance(outputs, dict):
-        return {k: v.numpy() for k, v in outputs.items()}
-    return [v.numpy() for v in outputs]
+        return {k: _numpy(v) for k, v in outputs.items()}
+    return [_numpy(v) for v in outputs]
 
 
 def default_backend(device: tvm.runtime.Device):

@@ -19,18 +19,6 @@ SLICE = ["test_add", "test_add_bcast", "test_matmul_2d", "test_relu", "test_soft
          "test_gather_0", "test_slice", "test_if", "test_affine_grid_2d",
          "test_sequence_map_add_2_sequences", "test_shape"]
 
-# Cases TVM's own path passes and grape fails, for a known grape bug. Each is a strict
-# xfail below: when the bug is fixed, the test says so, and the entry goes.
-KNOWN_GRAPE_BUGS = {  # case: (the failure it gives now, the bug)
-    "test_if": ("If: run: InputError: input 'cond' has rank 1 (shape (1,)), expected rank 0",
-                "runtime/executor.py GraphExecutor._as_tensor: np.ascontiguousarray turns a "
-                "0-d input (If's cond) into shape (1,), which the signature check rejects"),
-    "test_shape": ("Shape: run: RuntimeError: the model returned 3 values for outputs ['y']",
-                   "runtime/executor.py GraphExecutor._call: a model output that is a shape "
-                   "(the VM returns a ShapeTuple) is iterated as if it were several outputs"),
-}
-
-
 def _run(tmp_path, *args) -> dict:
     out = tmp_path / "conformance.json"
     assert conformance.main([*args, "--json", str(out), "--quiet"]) == 0
@@ -62,17 +50,10 @@ def test_report_has_the_keys_and_consistent_counts(report):
 
 
 def test_grape_passes_every_case_tvm_passes(report):
-    unexpected = [c for c in report["grape_fail_where_tvm_passes"] if c not in KNOWN_GRAPE_BUGS]
+    # test_if (a 0-d input) and test_shape (a shape output) failed on grape only, until fixed.
+    unexpected = report["grape_fail_where_tvm_passes"]
     assert unexpected == [], {c: report["failures"][c] for c in unexpected}
-
-
-@pytest.mark.parametrize("case", sorted(KNOWN_GRAPE_BUGS))
-def test_known_grape_bug(report, case):
-    symptom, bug = KNOWN_GRAPE_BUGS[case]
-    if case in report["grape_fail_where_tvm_passes"]:
-        assert report["failures"][case].startswith(symptom), report["failures"][case]
-        pytest.xfail(bug)
-    assert case not in report["failures"], report["failures"][case]
+    assert "test_if" not in report["failures"] and "test_shape" not in report["failures"]
 
 
 _CAUSE = re.compile(r"\b\w*(Error|Exception|NotImplemented)\b|wrong result|crashed: |timeout: ")

@@ -140,3 +140,42 @@ def test_inspect_record_shows_topology_groups_and_tables(models, tmp_path, capsy
     assert sum(g["shapes"] for g in groups) == 20
     assert all(g["table_bytes_compressed"] <= g["table_bytes_uncompressed"] or g["columns"] == 0
                for g in groups)
+
+
+def _model(nodes, inputs, outputs, inits=()):
+    from onnx import helper  # pylint: disable=import-outside-toplevel
+
+    graph = helper.make_graph(nodes, "g", inputs, outputs, list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_scalar_inputs_shape_outputs_and_data_dependent_sizes(tmp_path):
+    """Found by the conformance run: a 0-d input, a Shape output (the VM returns a shape,
+    not a tensor) and an output whose size depends on the data (Unique)."""
+    import onnx  # pylint: disable=import-outside-toplevel
+    from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
+
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    info = helper.make_tensor_value_info
+    cases = {
+        "scalar": (_model([helper.make_node("Neg", ["x"], ["y"])],
+                          [info("x", TensorProto.FLOAT, [])], [info("y", TensorProto.FLOAT, [])]),
+                   {"x": np.array(2.5, np.float32)}),
+        "shape": (_model([helper.make_node("Shape", ["x"], ["y"])],
+                         [info("x", TensorProto.FLOAT, [2, 3, 4])], [info("y", TensorProto.INT64, [3])]),
+                  {"x": np.zeros((2, 3, 4), np.float32)}),
+        "unique": (_model([helper.make_node("Unique", ["x"], ["y"], sorted=1)],
+                          [info("x", TensorProto.FLOAT, [6])], [info("y", TensorProto.FLOAT, [None])]),
+                   {"x": np.array([3, 1, 3, 2, 1, 5], np.float32)}),
+    }
+    for name, (model, inputs) in cases.items():
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(model, str(path))
+        grape_tvm.compile_onnx(path, {}, "llvm").export(tmp_path / f"{name}.grape")
+        got = grape_tvm.load(tmp_path / f"{name}.grape", "cpu").run(inputs)["y"]
+        want = onnxruntime_outputs(path, inputs)[0]
+        assert got.shape == want.shape and got.dtype == want.dtype, name
+        np.testing.assert_array_equal(got, want)

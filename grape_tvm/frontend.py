@@ -20,6 +20,8 @@ _ONNX_DTYPES = {
     onnx.TensorProto.UINT64: "uint64", onnx.TensorProto.UINT32: "uint32",
     onnx.TensorProto.UINT16: "uint16", onnx.TensorProto.UINT8: "uint8",
     onnx.TensorProto.BOOL: "bool",
+    onnx.TensorProto.FLOAT8E4M3FN: "float8_e4m3fn", onnx.TensorProto.FLOAT8E5M2: "float8_e5m2",
+    onnx.TensorProto.FLOAT8E8M0: "float8_e8m0fnu",
 }
 
 
@@ -39,14 +41,31 @@ def load_onnx(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
         raise ValueError(f"{path} is not a readable ONNX model: {err}") from None
 
 
+def _tensor_type(value: onnx.ValueInfoProto, output: bool):
+    """The tensor type of a value: its own, an optional's, or (outputs) a sequence's."""
+    kind = value.type.WhichOneof("value")
+    if kind == "tensor_type":
+        return value.type.tensor_type, False
+    if kind == "optional_type" and value.type.optional_type.elem_type.HasField("tensor_type"):
+        return value.type.optional_type.elem_type.tensor_type, False
+    if output and kind == "sequence_type" and \
+            value.type.sequence_type.elem_type.HasField("tensor_type"):
+        return value.type.sequence_type.elem_type.tensor_type, True
+    raise ValueError(f"ONNX value {value.name!r} is of {kind or 'no'} type: grape-tvm takes "
+                     "tensors (or optional tensors) and returns tensors or sequences of them")
+
+
 def _value_spec(value: onnx.ValueInfoProto, output: bool = False) -> TensorSpec:
     """An input's or output's name, dtype and shape; an output's unnamed axis (a size that
-    depends on the data, as Unique's) is "?": outputs are not checked against ranges."""
-    ttype = value.type.tensor_type
+    depends on the data, as Unique's) is "?": outputs are not checked against ranges. A
+    sequence output's shape is ("...",): its tensors come back as a list."""
+    ttype, sequence = _tensor_type(value, output)
     dtype = _ONNX_DTYPES.get(ttype.elem_type)
     if dtype is None:
         raise ValueError(f"ONNX value {value.name!r} has element type "
                          f"{onnx.TensorProto.DataType.Name(ttype.elem_type)}, not supported")
+    if sequence:
+        return TensorSpec(value.name, dtype, ("...",))
     shape = []
     for axis, dim in enumerate(ttype.shape.dim):
         if dim.HasField("dim_value"):

@@ -169,7 +169,7 @@ class GraphExecutor:
             result = self._vm[self.entry](*args)
         finally:
             recorder, self._watch = self._watch, None
-        values = _values(result)
+        values = _values(result, self.signature)
         if recorder is not None:
             self._plans[key] = recorder.finish(values, self._pool, self._buffer_of)
         for index, target in out.items():  # the VM allocated its own: copy, and count it
@@ -309,18 +309,24 @@ class GraphExecutor:
         self.close()
 
 
-def _values(result) -> list:
+def _values(result, signature: Signature | None = None) -> list:
     """The entry function's outputs: one tensor or shape, or a tuple of them. A shape is a
-    tuple too (``tvm_ffi.Shape``): it is one output, not several."""
+    tuple too (``tvm_ffi.Shape``): it is one output, not several; so is the tuple a model
+    with one sequence output returns."""
     if isinstance(result, (tvm.runtime.Tensor, tvm_ffi.Shape)):
         return [result]
+    if signature is not None and len(signature.outputs) == 1 and \
+            signature.outputs[0].shape == ("...",):
+        return [list(result)]
     return list(result)
 
 
-def _numpy(value) -> np.ndarray:
+def _numpy(value):
     if isinstance(value, tvm_ffi.Shape):
         return np.array(list(value), dtype=np.int64)  # ONNX's Shape: an int64 tensor
-    return value.numpy()
+    if isinstance(value, tvm.runtime.Tensor):
+        return value.numpy()
+    return [_numpy(v) for v in value]  # a sequence of tensors
 
 
 def _to_numpy(outputs):
@@ -346,7 +352,7 @@ def _nbytes(t) -> int:
 
 def _bytes(outputs) -> int:
     values = outputs.values() if isinstance(outputs, dict) else outputs
-    return sum(int(v.nbytes) for v in values)
+    return sum(int(v.nbytes) if isinstance(v, np.ndarray) else _bytes(v) for v in values)
 
 
 def _check_like(target, value, name: str) -> None:

@@ -14,6 +14,7 @@ the next call, as with PyTorch's graph outputs.
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
@@ -74,36 +75,42 @@ class BufferPool:
         held = self.buffers[index]
         return held[side if side < len(held) else 0]._create_view(shape, dtype)
 
-    def address(self, index: int, side: int = 0) -> int:
-        held = self.buffers[index]
-        return held[side if side < len(held) else 0].data_ptr()
+    def address(self, index: int, side: int = 0) -> "Address":
+        """The buffer's address, made once per generation (plans of every dims share it)."""
+        cache = getattr(self, "_addresses", None)
+        if cache is None or cache[0] != self.generation:
+            cache = self._addresses = (self.generation, {})
+        key = (index, side)
+        found = cache[1].get(key)
+        if found is None:
+            held = self.buffers[index]
+            found = cache[1][key] = Address(held[side if side < len(held) else 0].data_ptr())
+        return found
 
-    def spans(self) -> dict[Any, list[tuple[int, int]]]:
-        """Address ranges of the buffers by side: 0 and 1 (output buffers), "single" (the
-        rest). Cached per generation."""
-        cached = getattr(self, "_spans", None)
+    def _ranges(self) -> tuple[list[int], list[tuple[int, Any]]]:
+        """Buffer start addresses, sorted, and (end, side) of each: side 0 or 1 for output
+        buffers, "single" for the rest. Cached per generation."""
+        cached = getattr(self, "_ranges_cache", None)
         if cached is not None and cached[0] == self.generation:
             return cached[1]
-        spans: dict[Any, list[tuple[int, int]]] = {0: [], 1: [], "single": []}
-        for held in self.buffers:
-            for side, b in enumerate(held):
-                if b is not None:
-                    spans[side if len(held) > 1 else "single"].append((b.data_ptr(), b.shape[0]))
-        self._spans = (self.generation, spans)
-        return spans
+        ranges = sorted((b.data_ptr(), b.data_ptr() + b.shape[0], side if len(held) > 1 else "single")
+                        for held in self.buffers for side, b in enumerate(held) if b is not None)
+        value = ([r[0] for r in ranges], [(r[1], r[2]) for r in ranges])
+        self._ranges_cache = (self.generation, value)
+        return value
 
     def side_for(self, tensors: Sequence[Any]) -> int | None:
         """The output side none of ``tensors`` lives on; None if they live in buffers a call
         would overwrite whichever side it takes."""
-        spans = self.spans()
+        starts, ends = self._ranges()
         hit = set()
         for t in tensors:
             address = t.data_ptr()
-            for key, ranges in spans.items():
-                if any(start <= address < start + size for start, size in ranges):
-                    if key == "single":
-                        return None
-                    hit.add(key)
+            i = bisect.bisect_right(starts, address) - 1
+            if i >= 0 and address < ends[i][0]:
+                if ends[i][1] == "single":
+                    return None
+                hit.add(ends[i][1])
         free = [side for side in (0, 1) if side not in hit]
         return free[0] if free else None
 
@@ -130,7 +137,7 @@ class CallPlan:
             if slot.kind == "buffer":
                 chosen = side if slot.index in self.output_buffers else 0
                 if addresses_only and not returned:
-                    return Address(pool.address(slot.index, chosen))
+                    return pool.address(slot.index, chosen)
                 return pool.view(slot.index, slot.shape, slot.dtype, chosen)
             return slot.value
 

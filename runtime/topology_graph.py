@@ -192,7 +192,8 @@ class TopologyGraph:
         self._last_caller: Any = None
         self.dev_nodes = [_device_updatable(n.node) for n in nodes]
         self.buffers = {name: DeviceBuffer(16) for name in
-                        ("columns", "rows", "pointers", "spans", "args", "state", "nodes")}
+                        ("columns", "rows", "pointers", "spans", "args", "applied", "state",
+                         "nodes")}
         self.buffers["nodes"].write(struct.pack(f"<{len(self.dev_nodes)}Q", *self.dev_nodes))
         self.buffers["args"].write(bytes(8 * max(num_args, 1)))
         pointers, self._pointer_spans = encode_pointers(pointer_map, layouts)
@@ -209,6 +210,7 @@ class TopologyGraph:
             ("u64", b["columns"].address), ("u64", b["rows"].address), ("u32", self._row_bytes),
             ("u64", b["pointers"].address), ("u64", b["spans"].address),
             ("u32", len(self.dev_nodes)), ("u64", b["args"].address),
+            ("u64", b["applied"].address), ("u32", self.num_args),
             ("u64", b["state"].address), ("u64", b["nodes"].address)])
 
     def _patch_node_params(self, storage):
@@ -248,8 +250,9 @@ class TopologyGraph:
             moved = True
         self.buffers["rows"].write_at(0, rows)
         # Row layout may have changed: the next launch applies every column again, and
-        # every argument address.
-        self.buffers["state"].write(struct.pack("<4I", 0, NO_ROW, 1, 0))
+        # every argument address (no address is all ones).
+        self.buffers["state"].write(struct.pack("<4I", 0, NO_ROW, 0, 0))
+        self.buffers["applied"].write(b"\xff" * (8 * max(self.num_args, 1)))
         self._written_row, self._written_args = 0, [None] * self.num_args
         self._encoded = (list(self.table.columns), len(self.table))
         self._placement = _placement(self.table, self.layouts)
@@ -285,7 +288,6 @@ class TopologyGraph:
         """Launch at ``row``. A ``caller`` that launched this graph last, with the same
         buffers, names in ``moving`` the only arguments whose address may have changed."""
         state = self.buffers["state"].address
-        dirty = False
         same_caller = caller is not None and caller == self._last_caller
         self._last_caller = caller
         positions = moving if same_caller else range(min(len(region_args), self.num_args))
@@ -296,9 +298,6 @@ class TopologyGraph:
                 check(driver.cuStreamWriteValue64(stream, self.buffers["args"].address + 8 * i,
                                                   address, 0), "cuStreamWriteValue64")
                 self._written_args[i] = address
-                dirty = True
-        if dirty:
-            check(driver.cuStreamWriteValue32(stream, state + 8, 1, 0), "cuStreamWriteValue32")
         if row != self._written_row:
             check(driver.cuStreamWriteValue32(stream, state, row, 0), "cuStreamWriteValue32")
             self._written_row = row

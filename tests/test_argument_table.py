@@ -15,7 +15,8 @@ import pytest
 from grape_tvm.runtime.argument_table import ArgumentTable, NodeRecord, TopologyGroups
 from grape_tvm.runtime.topology_graph import NO_ROW, encode_pointers, encode_spans, encode_table
 
-LAYOUT = [(0, 8), (8, 8), (16, 4)]  # two pointers and one int32, as cuFuncGetParamInfo gives
+LAYOUT = [(0, 8), (8, 8), (16, 4)]
+ALL_ONES = 2 ** 64 - 1  # what TopologyGraph writes as "applied" before the first launch  # two pointers and one int32, as cuFuncGetParamInfo gives
 
 
 def records(n: int, block: int = 128, kernels=("ln", "mm", "gelu")) -> list[NodeRecord]:
@@ -77,17 +78,17 @@ def test_other_block_dims_or_kernels_make_another_group():
 
 
 def apply_patch(columns: bytes, rows: bytes, row_bytes: int, pointers: bytes, spans: bytes,
-                args: list[int], state: list[int], params: list[bytearray],
-                grids: list[list[int]]) -> int:
+                args: list[int], applied: list[int], state: list[int],
+                params: list[bytearray], grids: list[list[int]]) -> int:
     """What patch.cu does, on host memory, node by node as its threads do.
 
     Returns the number of device-side update calls it made.
     """
     updates = 0
-    shape_row, applied, dirty = state[0], state[1], state[2]
-    new_row = shape_row != applied
+    shape_row, applied_row = state[0], state[1]
+    new_row = shape_row != applied_row
     row = rows[shape_row * row_bytes:(shape_row + 1) * row_bytes]
-    before = None if applied == NO_ROW else rows[applied * row_bytes:(applied + 1) * row_bytes]
+    before = None if applied_row == NO_ROW else rows[applied_row * row_bytes:(applied_row + 1) * row_bytes]
     for n in range(len(spans) // 16):
         first_c, count_c, first_p, count_p = struct.unpack_from("<4I", spans, 16 * n)
         for c in range(first_c, first_c + count_c) if new_row else ():
@@ -102,12 +103,15 @@ def apply_patch(columns: bytes, rows: bytes, row_bytes: int, pointers: bytes, sp
             else:
                 grids[node] = list(struct.unpack_from("<III", value))
             updates += 1
-        for p in range(first_p, first_p + count_p) if dirty else ():
+        for p in range(first_p, first_p + count_p):
             node, offset, arg, _, delta = struct.unpack_from("<IIIIQ", pointers, 24 * p)
             assert node == n
+            if args[arg] == applied[arg]:
+                continue
             params[node][offset:offset + 8] = struct.pack("<Q", args[arg] + delta)
             updates += 1
-    state[1], state[2] = shape_row, 0
+    applied[:] = args
+    state[1] = shape_row
     return updates
 
 
@@ -124,17 +128,17 @@ def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
     base = records(1)
     params = [bytearray(b"".join(r.fields[1:])) for r in base]
     grids = [list(r.fields[0]) for r in base]
-    state = [0, NO_ROW, 1, 0]  # what TopologyGraph writes before the first launch
+    state = [0, NO_ROW, 0, 0]  # what TopologyGraph writes before the first launch
+    applied = [ALL_ONES]
     address = None
     last = list(rows.items())[-1]
     calls = list(rows.items()) + [last, last]
     for step, (n, row) in enumerate(calls):  # any order: rows overwrite what differs
         new_address = 0x5000_0000 + 4096 * (step // 3)  # the input moves now and then
         state[0] = row
-        if new_address != address:
-            state[2], address = 1, new_address  # the host marks the arguments dirty
-        updates = apply_patch(columns, packed, row_bytes, pointers, spans, [address], state,
-                              params, grids)
+        address = new_address  # written by the host when it moves
+        updates = apply_patch(columns, packed, row_bytes, pointers, spans, [address], applied,
+                              state, params, grids)
         want = records(n)
         for node in range(3):
             expect = bytearray(b"".join(want[node].fields[1:]))
@@ -185,5 +189,6 @@ def test_columns_found_late_are_grouped_with_their_node():
     assert spans == {0: (0, 1), 1: (1, 1)}
     params, grids = [bytearray(4), bytearray(4)], [[1, 1, 1], [1, 1, 1]]
     state = [2, NO_ROW, 0, 0]
-    apply_patch(columns, rows, row_bytes, b"", encode_spans(2, spans, {}), [], state, params, grids)
+    apply_patch(columns, rows, row_bytes, b"", encode_spans(2, spans, {}), [], [], state,
+                params, grids)
     assert params == [bytearray(struct.pack("<i", 7)), bytearray(struct.pack("<i", 5))]

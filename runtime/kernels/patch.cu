@@ -7,7 +7,7 @@
 // one thread makes them all (bench/results/patch_variants.json), so: a thread per node
 // (one thread owns a node: no two threads update the same node), and only what changed
 // since the launch before: the columns whose value in the current shape's row differs from
-// the row applied last, and the argument addresses only when the host marked them dirty.
+// the row applied last, and the pointers of the arguments whose address moved.
 //
 // Table layout (little endian, in device memory the executor owns):
 //   columns[c]  = {node, kind, offset, size, value_offset, pad x3}, grouped by node
@@ -18,8 +18,8 @@
 //                 of `node` is the address of region argument `arg` plus `delta` bytes
 //   spans[n]    = {first column, columns, first pointer, pointers} of node n
 //   args[a]     = the current call's address of region argument a (written by the host)
-//   state       = {shape_row (host), applied_row (this kernel), args_dirty (host sets,
-//                 this kernel clears), pad}
+//   applied[a]  = the address of argument a the nodes point at now (this kernel's)
+//   state       = {shape_row (host), applied_row (this kernel), pad, pad}
 #include <cuda_runtime.h>
 
 struct Column {
@@ -36,7 +36,7 @@ struct Span {
 };
 
 struct State {
-  unsigned int shape_row, applied_row, args_dirty, pad;
+  unsigned int shape_row, applied_row, pad0, pad1;
 };
 
 #define GRAPE_NO_ROW 0xffffffffu
@@ -53,6 +53,7 @@ extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
                                        const Pointer* __restrict__ pointers,
                                        const Span* __restrict__ spans, unsigned int num_nodes,
                                        const unsigned long long* __restrict__ args,
+                                       unsigned long long* applied, unsigned int num_args,
                                        State* state,
                                        const cudaGraphDeviceNode_t* __restrict__ nodes) {
   __shared__ State seen;
@@ -77,14 +78,14 @@ extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
         cudaGraphKernelNodeSetGridDim(node, dim3(g[0], g[1], g[2]));
       }
     }
-    for (unsigned int p = span.first_pointer; seen.args_dirty && p < span.first_pointer + span.pointers; ++p) {
+    for (unsigned int p = span.first_pointer; p < span.first_pointer + span.pointers; ++p) {
       const Pointer ptr = pointers[p];
+      if (args[ptr.arg] == applied[ptr.arg]) continue;
       const unsigned long long address = args[ptr.arg] + ptr.delta;
       cudaGraphKernelNodeSetParam(node, ptr.offset, &address, sizeof(address));
     }
   }
-  if (threadIdx.x == 0) {
-    state->applied_row = seen.shape_row;
-    state->args_dirty = 0;
-  }
+  __syncthreads();  // every thread compared against `applied` before it changes
+  for (unsigned int a = threadIdx.x; a < num_args; a += blockDim.x) applied[a] = args[a];
+  if (threadIdx.x == 0) state->applied_row = seen.shape_row;
 }

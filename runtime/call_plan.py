@@ -18,8 +18,9 @@ import bisect
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import tvm
+
+from .signature import nbytes
 
 
 @dataclass(frozen=True)
@@ -39,10 +40,6 @@ class Address(int):
 
     def data_ptr(self) -> int:
         return int(self)
-
-
-def _nbytes(t) -> int:
-    return int(np.prod(t.shape, dtype=np.int64)) * np.dtype(str(t.dtype)).itemsize
 
 
 class BufferPool:
@@ -221,15 +218,15 @@ class CallPlanRecorder:
             for i, x in enumerate(self.inputs):
                 if x.data_ptr() == t.data_ptr() and tuple(x.shape) == tuple(t.shape):
                     return Slot("value", value=x) if i in self.fixed else Slot("input", i)
-            address, nbytes = t.data_ptr(), _nbytes(t)
+            address, size_here = t.data_ptr(), nbytes(t)
             for other, (_, size) in seen.items():
-                if other != address and other < address + nbytes and address < other + size:
+                if other != address and other < address + size_here and address < other + size:
                     return None  # overlapping views of one storage: keep the VM
             if address in seen:
                 index = seen[address][0]
             else:
                 index = buffer_of.setdefault(tuple(position), len(buffer_of))
-            seen[address] = (index, max(nbytes, seen.get(address, (0, 0))[1]))
+            seen[address] = (index, max(size_here, seen.get(address, (0, 0))[1]))
             return Slot("buffer", index, tuple(t.shape), str(t.dtype))
 
         regions = []
@@ -248,6 +245,6 @@ class CallPlanRecorder:
         if any(s is None or s.kind == "value" for s in out_slots):
             return None
         outputs = {s.index for s in out_slots if s.kind == "buffer"}
-        for index, nbytes in seen.values():
-            pool.reserve(index, nbytes, sides=2 if index in outputs else 1)
+        for index, size in seen.values():
+            pool.reserve(index, size, sides=2 if index in outputs else 1)
         return CallPlan(regions, out_slots)

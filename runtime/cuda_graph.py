@@ -17,11 +17,11 @@ import ctypes
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-import numpy as np
 import tvm
 
 from .argument_table import NodeRecord
 from .cuda_driver import check, driver
+from .signature import nbytes
 
 
 @dataclass
@@ -79,8 +79,7 @@ def read_kernel_nodes(graph, layouts: dict | None = None) -> list[KernelNode]:
 
 
 def _tensor_span(t) -> tuple[int, int]:
-    nbytes = int(np.prod(t.shape, dtype=np.int64)) * np.dtype(str(t.dtype)).itemsize
-    return t.data_ptr(), nbytes
+    return t.data_ptr(), nbytes(t)
 
 
 def find_pointer_slots(nodes: Sequence[KernelNode], region_args: Sequence[Any]) -> list[PointerSlot]:
@@ -93,8 +92,8 @@ def find_pointer_slots(nodes: Sequence[KernelNode], region_args: Sequence[Any]) 
             if len(value) != 8:
                 continue
             ptr = int.from_bytes(value, "little")
-            for arg, start, nbytes in spans:
-                if nbytes and start <= ptr < start + nbytes:
+            for arg, start, size in spans:
+                if size and start <= ptr < start + size:
                     slots.append(PointerSlot(n, p, arg, ptr - start))
                     break
     return slots

@@ -15,7 +15,7 @@ from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
 from .call_plan import BufferPool, CallPlan, CallPlanRecorder
 from .progress import Progress
-from .signature import InputError, Signature
+from .signature import InputError, Signature, nbytes
 
 REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
 
@@ -175,7 +175,7 @@ class GraphExecutor:
         for index, target in out.items():  # the VM allocated its own: copy, and count it
             _check_like(target, values[index], self.signature.outputs[index].name)
             target.copyfrom(values[index])
-            self.stats.add("d2d_bytes", _nbytes(values[index]))
+            self.stats.add("d2d_bytes", nbytes(values[index]))
             values[index] = target
         return self._name_outputs(values)
 
@@ -344,10 +344,6 @@ def default_backend(device: tvm.runtime.Device):
     from .cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
 
     return CpuReplayBackend(device)
-
-
-def _nbytes(t) -> int:
-    return int(np.prod(t.shape, dtype=np.int64)) * np.dtype(str(t.dtype)).itemsize
 
 
 def _bytes(outputs) -> int:

@@ -147,5 +147,12 @@ class Signature:
         values[want] = got
 
 
+def nbytes(tensor) -> int:
+    """Bytes of a dense tensor (TVM, DLPack or numpy), from its shape and dtype."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    return int(np.prod(tensor.shape, dtype=np.int64)) * np.dtype(str(tensor.dtype)).itemsize
+
+
 def _fmt(shape) -> str:
     return "(" + ", ".join(str(s) for s in shape) + ")"

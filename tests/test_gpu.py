@@ -43,7 +43,6 @@ def _artifact(name: str) -> Path:
 @pytest.fixture(scope="module")
 def blocks():
     """(grape executor, TVM VM on the same library, cuda device) for the bundled example."""
-    import tvm  # pylint: disable=import-outside-toplevel
     from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
 
     from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
@@ -135,7 +134,6 @@ def test_replays_in_random_order_with_new_inputs(blocks):
 
 def test_matches_onnxruntime(blocks):
     ort = pytest.importorskip("onnxruntime")
-    import onnx  # pylint: disable=import-outside-toplevel
     import sys  # pylint: disable=import-outside-toplevel
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))

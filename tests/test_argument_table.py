@@ -192,3 +192,24 @@ def test_columns_found_late_are_grouped_with_their_node():
     apply_patch(columns, rows, row_bytes, b"", encode_spans(2, spans, {}), [], [], state,
                 params, grids)
     assert params == [bytearray(struct.pack("<i", 7)), bytearray(struct.pack("<i", 5))]
+
+
+def test_pointer_parameters_into_region_arguments_are_topology_not_values():
+    """What a capture's kernel parameters become: a pointer into a region argument is part
+    of the topology (argument, delta) and zeros in the fields; a scalar stays a value."""
+    from types import SimpleNamespace
+
+    import tvm
+
+    from grape_tvm.runtime.cuda_graph import KernelNode, find_pointer_slots, node_records
+
+    arg = tvm.runtime.tensor(np.zeros((4, 4), np.float32))
+    params = SimpleNamespace(blockDimX=128, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
+                             gridDimX=3, gridDimY=1, gridDimZ=1, func=7)
+    node = KernelNode(None, params, [(0, 8), (8, 8)],
+                      [(arg.data_ptr() + 16).to_bytes(8, "little"), (5).to_bytes(8, "little")])
+    slots = find_pointer_slots([node], [arg])
+    assert [(s.node, s.param, s.arg, s.delta) for s in slots] == [(0, 0, 0, 16)]
+    (record,) = node_records([node], slots)
+    assert record.fixed == ((128, 1, 1), 0, (8, 8), ((0, 0, 16),))
+    assert record.fields == ((3, 1, 1), bytes(8), (5).to_bytes(8, "little"))

@@ -47,14 +47,15 @@ class CallStats:
 class GraphExecutor:
     """Run a grape-compiled module on one device.
 
-    The VM runs the entry function; each call of a region function is intercepted: at a
-    shape seen before the backend replays it (one graph launch on CUDA) and the VM skips the
-    call; at a new shape the VM runs it while the backend records it. Returned
-    arrays are new numpy arrays, or with ``return_numpy=False`` tensors that the executor's
-    VM allocated for this call.
+    The first call at given dims runs the entry function on TVM's VM; each call of a region
+    function is intercepted: at a shape seen before the backend replays it (one graph launch
+    on CUDA) and the VM skips the call; at a new shape the VM runs it while the backend
+    records it. When the entry function has no host step (``plan_calls``), later calls at
+    those dims skip the VM altogether (``CallPlan``) and run on buffers the executor owns.
 
-    Calls are serialized: one executor has one VM and one stream; use one executor per
-    thread for parallel calls.
+    The executor owns its VM, its backend (streams, graphs) and its buffers; ``close()``
+    frees them. Calls are serialized by a lock; use one executor per thread for parallel
+    calls.
     """
 
     def __init__(self, executable: tvm.runtime.Module, device: tvm.runtime.Device,

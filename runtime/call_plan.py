@@ -111,10 +111,6 @@ class BufferPool:
         free = [side for side in (0, 1) if side not in hit]
         return free[0] if free else None
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.shape[0] for held in self.buffers for b in held if b is not None)
-
 
 class CallPlan:
     """The regions of one call at fixed dims, and where each argument and output lives."""
@@ -153,9 +149,6 @@ class CallPlan:
         self._outs[side] = [None if s.kind == "input" else fixed(s, returned=True)
                             for s in self.outputs]
         self._generation[side] = pool.generation
-
-    def output_shapes(self) -> list[tuple[tuple, str]]:
-        return [(s.shape, s.dtype) for s in self.outputs]
 
     def run(self, inputs: Sequence[Any], pool: BufferPool, backend, side: int = 0,
             out: dict[int, Any] | None = None) -> list[Any] | None:

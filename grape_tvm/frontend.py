@@ -6,7 +6,9 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import onnx
+import onnx.numpy_helper
 import tvm
 from tvm import relax
 
@@ -100,10 +102,56 @@ def onnx_signature(model: onnx.ModelProto, dims: Mapping[str, Any]) -> Signature
     return Signature(inputs, outputs, ranges)
 
 
+_CONSTANT_VALUES = {  # Constant's typed value attributes, as a tensor (dtype, 0-d or 1-d)
+    "value_float": (np.float32, 0), "value_floats": (np.float32, 1),
+    "value_int": (np.int64, 0), "value_ints": (np.int64, 1),
+}
+
+
+def _constant_as_tensor(node: onnx.NodeProto) -> None:
+    for attr in list(node.attribute):
+        if attr.name in _CONSTANT_VALUES and not attr.ref_attr_name:
+            dtype, rank = _CONSTANT_VALUES[attr.name]
+            value = onnx.helper.get_attribute_value(attr)
+            array = np.array(value if rank else value, dtype=dtype).reshape(-1 if rank else ())
+            node.attribute.remove(attr)
+            node.attribute.append(onnx.helper.make_attribute(
+                "value", onnx.numpy_helper.from_array(array, node.output[0])))
+            return
+
+
+def normalize_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Constant nodes given as ``value_float(s)``/``value_int(s)`` rewritten to ``value``.
+
+    TVM 0.27's importer reads only ``value`` ("no value in Constant"): the ONNX function
+    expansions of Celu, Elu, Selu, LeakyRelu, HardSigmoid, Swish, the window functions and
+    others use the typed forms. Works on a copy, subgraphs included.
+    """
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+
+    def visit(graph: onnx.GraphProto) -> None:
+        for node in graph.node:
+            if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+                _constant_as_tensor(node)
+            for attr in node.attribute:
+                if attr.type == onnx.AttributeProto.GRAPH:
+                    visit(attr.g)
+                for sub in attr.graphs:
+                    visit(sub)
+
+    visit(model.graph)
+    return model
+
+
 def import_onnx(model: onnx.ModelProto) -> tvm.IRModule:
-    """TVM's Relax ONNX importer, with its failures turned into one clear error."""
+    """TVM's Relax ONNX importer, with its failures turned into one clear error.
+
+    grape's own fixes to the ONNX it is given run first (``normalize_constants``);
+    docs/tvm_onnx_frontend.md lists them, upstream-style.
+    """
     from tvm.relax.frontend.onnx import from_onnx  # pylint: disable=import-outside-toplevel
 
+    model = normalize_constants(model)
     try:
         mod = from_onnx(model, keep_params_in_input=False)
     except Exception as err:  # pylint: disable=broad-except

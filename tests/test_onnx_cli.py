@@ -179,3 +179,28 @@ def test_scalar_inputs_shape_outputs_and_data_dependent_sizes(tmp_path):
         want = onnxruntime_outputs(path, inputs)[0]
         assert got.shape == want.shape and got.dtype == want.dtype, name
         np.testing.assert_array_equal(got, want)
+
+
+def test_constants_given_as_value_float_or_ints(tmp_path):
+    """TVM's importer reads only Constant's ``value``; grape rewrites the typed forms."""
+    import onnx  # pylint: disable=import-outside-toplevel
+    from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
+    from tvm.relax.frontend.onnx import from_onnx  # pylint: disable=import-outside-toplevel
+
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    info = helper.make_tensor_value_info
+    model = _model(
+        [helper.make_node("Constant", [], ["a"], value_float=0.5),
+         helper.make_node("Constant", [], ["shape"], value_ints=[3, 2]),
+         helper.make_node("Mul", ["x", "a"], ["h"]),
+         helper.make_node("Reshape", ["h", "shape"], ["y"])],
+        [info("x", TensorProto.FLOAT, [2, 3])], [info("y", TensorProto.FLOAT, [3, 2])])
+    with pytest.raises(Exception, match="no value in Constant"):
+        from_onnx(model)  # TVM alone
+    path = tmp_path / "const.onnx"
+    onnx.save(model, str(path))
+    grape_tvm.compile_onnx(path, {}).export(tmp_path / "const.grape")
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got = grape_tvm.load(tmp_path / "const.grape").run({"x": x})["y"]
+    np.testing.assert_array_equal(got, onnxruntime_outputs(path, {"x": x})[0])

@@ -8,7 +8,7 @@ import tvm
 from tvm import relax
 from tvm.ir.transform import PassContext, module_pass
 
-from grape_tvm.passes import BoundShapeRanges, CheckDeviceKernels, LiftGraphRegions
+from grape_tvm.passes import BoundShapeRanges, CheckDeviceKernels, IfToSelect, LiftGraphRegions
 from grape_tvm.runtime.signature import ShapeRange
 
 
@@ -51,16 +51,19 @@ def _backend(target: tvm.target.Target):
 
 @module_pass(opt_level=0, name="GrapePipeline")
 class GrapePipeline:
-    """Lower a Relax module for grape: bound shapes, TVM's per-target lowering, regions.
+    """Lower a Relax module for grape: bound shapes, branches to selects, TVM's per-target
+    lowering, regions.
 
     ``dims`` may be omitted when the functions already carry ``tir_var_upper_bound``. The
     target is the one given or, as with TVM's own pipelines, the one in scope.
     """
 
     def __init__(self, target: tvm.target.Target | None = None,
-                 dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None):
+                 dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
+                 select_ops: int = 16):
         self.target = target
         self.dims = dict(dims or {})
+        self.select_ops = select_ops
 
     def transform_module(self, mod: tvm.IRModule, ctx: PassContext) -> tvm.IRModule:
         target = self.target or tvm.target.Target.current(allow_none=False)
@@ -69,6 +72,11 @@ class GrapePipeline:
             passes = []
             if self.dims:
                 passes.append(BoundShapeRanges(self.dims))
+            # Branches cheap enough to run both: no host read of the condition, and the
+            # dataflow blocks (hence fusion) that an ``if`` from the ONNX importer removed.
+            if self.select_ops > 0:
+                passes += [IfToSelect(self.select_ops), relax.transform.Normalize()]
+            passes.append(relax.transform.ConvertToDataflow())
             passes += lowering.library_dispatch_passes(target) + lowering.legalize_passes(target)
             if is_gpu(target):
                 passes.append(CheckDeviceKernels())
@@ -77,9 +85,14 @@ class GrapePipeline:
 
 
 def grape_pipeline(target: tvm.target.Target | None = None,
-                   dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None) -> tvm.transform.Pass:
-    """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes."""
-    return GrapePipeline(target, dims)
+                   dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
+                   select_ops: int = 16) -> tvm.transform.Pass:
+    """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes.
+
+    ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
+    0 keeps every ``if`` on the host.
+    """
+    return GrapePipeline(target, dims, select_ops)
 
 
 if "grape" not in relax.pipeline.PIPELINE_MAP:

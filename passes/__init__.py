@@ -6,12 +6,14 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``LiftGraphRegions``: runs of kernel launches become region functions; the rest stays on
   the host. ``graph_plan`` reads the result back for ``inspect``.
 - ``CheckDeviceKernels``: a GPU build with a kernel left on the host is an error.
+- ``IfToSelect``: cheap, pure branches on a tensor condition become selects (no host read).
 
 Passes touch IR only: nothing here launches a kernel or owns a device resource.
 """
 
 from .bound_shapes import BoundShapeRanges, signature_dims
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
+from .if_to_select import IfToSelect
 from .lift_regions import REGION_ATTR, REGION_PREFIX, GraphPlan, LiftGraphRegions, graph_plan
 
 __all__ = [
@@ -19,6 +21,7 @@ __all__ = [
     "CheckDeviceKernels",
     "GraphPlan",
     "HostFallbackError",
+    "IfToSelect",
     "LiftGraphRegions",
     "REGION_ATTR",
     "REGION_PREFIX",

@@ -154,7 +154,7 @@ def mlp_lowered():
 
 @pytest.fixture(scope="module")
 def branchy_lowered():
-    return grape_pipeline(LLVM, DIMS)(fresh(_Branchy))
+    return grape_pipeline(LLVM, DIMS, select_ops=0)(fresh(_Branchy))  # keep the if
 
 
 def region_functions(mod: tvm.IRModule) -> dict[str, relax.Function]:
@@ -212,6 +212,13 @@ def test_branch_is_a_host_step_between_two_regions(branchy_lowered):
     assert order == [f"{REGION_PREFIX}0", "if", f"{REGION_PREFIX}1"]
 
 
+def test_cheap_branches_become_selects_in_one_region():
+    lowered = grape_pipeline(LLVM, DIMS)(fresh(_Branchy))
+    plan = graph_plan(lowered)
+    assert plan.host_steps == [] and len(plan.regions) == 1
+    assert any("where" in k for k in plan.regions[0].kernels)
+
+
 def test_static_model_region_takes_an_empty_shape():
     @I.ir_module
     class Static:
@@ -223,7 +230,7 @@ def test_static_model_region_takes_an_empty_shape():
 
     lowered = grape_pipeline(LLVM)(Static)
     plan = graph_plan(lowered)
-    assert [r.kernels for r in plan.regions] == [["relu", "add"]]
+    assert [r.kernels for r in plan.regions] == [["fused_relu_add"]]  # dataflow blocks: fused
     assert plan.regions[0].symbolic_vars == []
     assert plan.host_steps == []
     assert list(lowered[f"{REGION_PREFIX}0"].params[-1].ty.values) == []
@@ -303,6 +310,23 @@ def branchy_plain_vm():
 @pytest.fixture(scope="module")
 def branchy_lifted_vm(branchy_lowered):
     return _vm(tvm.compile(branchy_lowered, target=LLVM, relax_pipeline=None))
+
+
+@pytest.fixture(scope="module")
+def branchy_selected_vm():
+    return _vm(tvm.compile(grape_pipeline(LLVM, DIMS)(fresh(_Branchy)), target=LLVM,
+                           relax_pipeline=None))
+
+
+@pytest.mark.parametrize("cond", [True, False])
+def test_selected_branch_matches_plain_vm(cond, branchy_plain_vm, branchy_selected_vm):
+    for n in (1, 9, 64):
+        rng = np.random.default_rng(n)
+        x = rng.standard_normal((n, D)).astype("float32")
+        w = rng.standard_normal((D, D)).astype("float32")
+        c = np.array(cond)
+        np.testing.assert_allclose(_run(branchy_selected_vm, x, w, c),
+                                   _run(branchy_plain_vm, x, w, c), rtol=1e-5, atol=1e-5)
 
 
 # -- CheckDeviceKernels / unbound_kernels ------------------------------------------------
@@ -405,3 +429,32 @@ def test_unbound_kernels_on_handwritten_primfuncs():
     mod = tvm.IRModule(funcs)
     assert unbound_kernels(mod) == []
     assert CheckDeviceKernels()(mod).same_as(mod)
+
+
+# -- IfToSelect ------------------------------------------------------------------------------
+
+@I.ir_module
+class _IntBranch:
+    @R.function
+    def main(a: R.Tensor((4,), "int32"), b: R.Tensor((4,), "int32"), cond: R.Tensor((), "bool")):
+        if cond:
+            r = R.floor_divide(a, b)  # would trap on b == 0 when not taken
+        else:
+            r = R.add(a, b)
+        return r
+
+
+def _has_if(mod) -> bool:
+    return any(isinstance(b.value, relax.If) for blk in mod["main"].body.blocks for b in blk.bindings)
+
+
+def test_if_to_select_keeps_branches_outside_its_rule():
+    from grape_tvm.passes import IfToSelect
+
+    assert _has_if(IfToSelect()(fresh(_IntBranch)))  # integer division
+    assert _has_if(IfToSelect(max_ops=0)(fresh(_Branchy)))  # too many ops for the bound
+    selected = relax.transform.Normalize()(IfToSelect()(fresh(_Branchy)))
+    assert not _has_if(selected)
+    calls = [b.value.op.name for blk in selected["main"].body.blocks for b in blk.bindings
+             if isinstance(b.value, relax.Call) and hasattr(b.value.op, "name")]
+    assert "relax.where" in calls and "relax.nn.relu" in calls and "relax.multiply" in calls

@@ -1,0 +1,115 @@
+"""Cheap, side-effect-free branches on a tensor condition become element-wise selects."""
+
+from __future__ import annotations
+
+from tvm import IRModule, relax
+from tvm.ir import Op
+from tvm.ir.transform import PassContext
+from tvm.relax.transform import function_pass
+
+# Ops that could trap on the branch not taken (integer division by zero): never hoisted.
+_TRAPPING_OPS = {"relax.divide", "relax.floor_divide", "relax.mod", "relax.floor_mod"}
+
+
+def _branch_bindings(branch: relax.Expr) -> list[relax.Binding] | None:
+    if not isinstance(branch, relax.SeqExpr):
+        return None
+    return [b for block in branch.blocks for b in block.bindings]
+
+
+def _hoistable(bindings: list[relax.Binding], max_ops: int) -> bool:
+    """Plain bindings of pure relax ops (or variables), at most ``max_ops`` ops, none that
+    could trap on integers."""
+    ops = 0
+    for binding in bindings:
+        if not isinstance(binding, relax.VarBinding):
+            return False
+        value = binding.value
+        if isinstance(value, relax.Var):
+            continue
+        if not isinstance(value, relax.Call) or not isinstance(value.op, Op):
+            return False
+        name = value.op.name
+        if not name.startswith("relax.") or name.startswith(("relax.call_", "relax.memory.",
+                                                             "relax.builtin.", "relax.vm.")):
+            return False
+        if name in _TRAPPING_OPS and "int" in str(binding.var.ty.dtype):
+            return False
+        if relax.analysis.contains_impure_call(value):
+            return False
+        ops += 1
+    return ops <= max_ops
+
+
+def _selectable(binding: relax.Binding, max_ops: int) -> bool:
+    value = binding.value
+    if not isinstance(value, relax.If) or not isinstance(binding, relax.VarBinding):
+        return False
+    cond_ty = value.cond.ty
+    result_ty = binding.var.ty
+    if not (isinstance(cond_ty, relax.TensorType) and cond_ty.ndim == 0
+            and str(cond_ty.dtype) == "bool" and isinstance(result_ty, relax.TensorType)):
+        return False
+    branches = [_branch_bindings(value.true_branch), _branch_bindings(value.false_branch)]
+    return all(b is not None and _hoistable(b, max_ops) for b in branches)
+
+
+@function_pass(opt_level=0, name="IfToSelect")
+class IfToSelect:
+    """Replace ``if`` on a 0-d bool tensor by computing both branches and selecting.
+
+    The rule: both branches are plain bindings of pure relax operators (no calls into
+    functions, no packed calls, no allocation, no nested ``if``), at most ``max_ops``
+    operators each, none that could trap when its branch is not taken (integer
+    division or modulo), and the result is one tensor. Both branches then always run, so
+    the condition is never read on the host: the whole function can stay one graph, and
+    TVM's fusion, which the ONNX importer's ``if`` turns off, works again
+    (``ConvertToDataflow`` after this pass). Larger branches keep their ``if``.
+
+    Before::
+
+        if gv4:
+            gv5 = R.add(gv2, R.const(1.0))
+            gv7 = gv5
+        else:
+            gv6 = R.subtract(gv3, R.const(3.0))
+            gv7 = gv6
+
+    After::
+
+        gv5 = R.add(gv2, R.const(1.0))
+        gv6 = R.subtract(gv3, R.const(3.0))
+        gv7 = R.where(gv4, gv5, gv6)
+    """
+
+    def __init__(self, max_ops: int = 16):
+        self.max_ops = max_ops
+
+    def transform_function(self, func: relax.Function, mod: IRModule,
+                           ctx: PassContext) -> relax.Function:
+        if not isinstance(func.body, relax.SeqExpr):
+            return func
+        changed = False
+        blocks = []
+        for block in func.body.blocks:
+            bindings = []
+            for binding in block.bindings:
+                if _selectable(binding, self.max_ops):
+                    bindings += self._select(binding)
+                    changed = True
+                else:
+                    bindings.append(binding)
+            blocks.append(block.__class__(bindings))
+        if not changed:
+            return func
+        body = relax.SeqExpr(blocks, func.body.body)
+        return relax.Function(func.params, body, func.ret_ty, func.is_pure, func.attrs)
+
+    @staticmethod
+    def _select(binding: relax.VarBinding) -> list[relax.Binding]:
+        branch = binding.value
+        hoisted = []
+        for side in (branch.true_branch, branch.false_branch):
+            hoisted += _branch_bindings(side)
+        select = relax.op.where(branch.cond, branch.true_branch.body, branch.false_branch.body)
+        return hoisted + [relax.VarBinding(binding.var, select)]

@@ -60,14 +60,14 @@ def _tensor_type(value: onnx.ValueInfoProto, output: bool):
 def _value_spec(value: onnx.ValueInfoProto, output: bool = False) -> TensorSpec:
     """An input's or output's name, dtype and shape; an output's unnamed axis (a size that
     depends on the data, as Unique's) is "?": outputs are not checked against ranges. A
-    sequence output's shape is ("...",): its tensors come back as a list."""
+    sequence output is of kind "sequence": its tensors come back as a list."""
     ttype, sequence = _tensor_type(value, output)
     dtype = _ONNX_DTYPES.get(ttype.elem_type)
     if dtype is None:
         raise ValueError(f"ONNX value {value.name!r} has element type "
                          f"{onnx.TensorProto.DataType.Name(ttype.elem_type)}, not supported")
     if sequence:
-        return TensorSpec(value.name, dtype, ("...",))
+        return TensorSpec(value.name, dtype, (), kind="sequence")
     shape = []
     for axis, dim in enumerate(ttype.shape.dim):
         if dim.HasField("dim_value"):
@@ -113,7 +113,7 @@ def _constant_as_tensor(node: onnx.NodeProto) -> None:
         if attr.name in _CONSTANT_VALUES and not attr.ref_attr_name:
             dtype, rank = _CONSTANT_VALUES[attr.name]
             value = onnx.helper.get_attribute_value(attr)
-            array = np.array(value if rank else value, dtype=dtype).reshape(-1 if rank else ())
+            array = np.array(value, dtype=dtype).reshape(-1 if rank else ())
             node.attribute.remove(attr)
             node.attribute.append(onnx.helper.make_attribute(
                 "value", onnx.numpy_helper.from_array(array, node.output[0])))

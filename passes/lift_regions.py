@@ -165,8 +165,9 @@ class _RegionBuilder:
         return [*self.hoisted, done, *self.sunk]
 
 
-def _uses_outside(bindings: list[relax.Binding], body: relax.Expr) -> set:
-    """Variables read by ``bindings`` or the function result (to keep kernel results honest)."""
+def _used_vars(bindings: list[relax.Binding], body: relax.Expr) -> set:
+    """Variables read by ``bindings`` or the function result. Bindings are in SSA form, so a
+    kernel whose result var is in this set has its result read after it (on the host)."""
     used = set(relax.analysis.free_vars(body))
     for b in bindings:
         used.update(relax.analysis.free_vars(b.value))
@@ -246,9 +247,10 @@ class LiftGraphRegions:
     def _lift_block(self, bb, mod, bindings, result, index):
         out: list[relax.Binding] = []
         region = _RegionBuilder()
-        for i, binding in enumerate(bindings):
+        used = _used_vars(bindings, result)
+        for binding in bindings:
             kind, _, _ = classify(binding, mod)
-            if kind == "kernel" and binding.var not in _uses_outside(bindings[i + 1:], result):
+            if kind == "kernel" and binding.var not in used:
                 region.add_kernel(binding)
                 continue
             if region and kind in ("alloc", "view") and not region.depends_on_region(binding):

@@ -99,7 +99,37 @@ def find_pointer_slots(nodes: Sequence[KernelNode], region_args: Sequence[Any]) 
     return slots
 
 
-class CapturedGraph:
+class OwnedGraph:
+    """A ``CUgraph`` and its one instantiation, freed together by ``close()``."""
+
+    graph = None
+    exec = None
+
+    def instantiate(self, stream) -> None:
+        self.exec = check(driver.cuGraphInstantiate(self.graph, 0), "cuGraphInstantiate")
+        self.upload(stream)
+
+    def upload(self, stream) -> None:
+        # The first launch after instantiation, or after a host-side change, showed stale
+        # parameters on some nodes on our H200 unless the graph was uploaded (DESIGN.md).
+        check(driver.cuGraphUpload(self.exec, stream), "cuGraphUpload")
+
+    def close(self) -> None:
+        if self.exec is not None:
+            driver.cuGraphExecDestroy(self.exec)
+            self.exec = None
+        if self.graph is not None:
+            driver.cuGraphDestroy(self.graph)
+            self.graph = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # pylint: disable=broad-except
+            pass  # interpreter shutdown: the driver may already be gone
+
+
+class CapturedGraph(OwnedGraph):
     """One region at one shape: an instantiated CUDA graph and where its pointers come from."""
 
     def __init__(self, graph, nodes: list[KernelNode], slots: list[PointerSlot],
@@ -108,11 +138,7 @@ class CapturedGraph:
         self.nodes = nodes
         self.slots = slots
         self._bound = self._addresses(region_args)
-        self.exec = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        # The first launch after instantiation showed stale parameters on some nodes on
-        # our H200 unless the graph was uploaded first (DESIGN.md).
-        check(driver.cuGraphUpload(self.exec, stream), "cuGraphUpload")
-        self.patched_nodes = 0
+        self.instantiate(stream)
 
     @staticmethod
     def _addresses(region_args: Sequence[Any]) -> list[int | None]:
@@ -132,7 +158,6 @@ class CapturedGraph:
                 values[s.param] = (addresses[s.arg] + s.delta).to_bytes(8, "little")
         for n, values in changed.items():
             self._set_node_params(self.nodes[n], values)
-        self.patched_nodes += len(changed)
         self._bound = addresses
         for n, values in changed.items():
             self.nodes[n].values = values
@@ -151,20 +176,6 @@ class CapturedGraph:
         check(driver.cuGraphExecKernelNodeSetParams(self.exec, node.node, params),
               "cuGraphExecKernelNodeSetParams")
 
-    def close(self) -> None:
-        if getattr(self, "exec", None) is not None:
-            driver.cuGraphExecDestroy(self.exec)
-            self.exec = None
-        if getattr(self, "graph", None) is not None:
-            driver.cuGraphDestroy(self.graph)
-            self.graph = None
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # pylint: disable=broad-except
-            pass  # interpreter shutdown: the driver may already be gone
-
 
 class Capture:
     """An open stream capture of one region call."""
@@ -177,8 +188,6 @@ class Capture:
 
     def on_call(self, func, symbol: str, args: Sequence[Any]) -> None:
         pass  # stream capture sees the launches itself
-
-
 
 
 def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> list[NodeRecord]:

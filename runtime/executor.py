@@ -32,7 +32,6 @@ class CallStats:
     d2h_bytes: int = 0  # outputs copied back to numpy
     d2d_bytes: int = 0  # device copies the executor made (out= on the VM path)
     graph_launches: int = 0
-    recordings_by_region: dict[str, int] = field(default_factory=dict)
     last: dict[str, Any] = field(default_factory=dict)
 
     def begin_call(self) -> None:
@@ -81,6 +80,7 @@ class GraphExecutor:
         inputs = signature.inputs if signature is not None else ()
         self._position = {t.name: i for i, t in enumerate(inputs)}
         self._template: list[Any] = [None] * len(inputs)  # bound inputs in place
+        self._fixed: list[int] = []  # their positions
 
     # -- calls ---------------------------------------------------------------------------
     def bind_inputs(self, inputs: Mapping[str, Any]) -> None:
@@ -100,6 +100,7 @@ class GraphExecutor:
             self._bound.update(tensors)
             self._bound_dims.update(dims)
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
+            self._fixed = [i for i, t in enumerate(self._template) if t is not None]
             self._plans.clear()
 
     def run(self, inputs: Mapping[str, Any] | Sequence[Any], *, return_numpy: bool = True,
@@ -164,8 +165,7 @@ class GraphExecutor:
                 self.stats.last["path"] = "planned"
                 return self._name_outputs(outputs)
         watch = self._plan_calls and key is not None and key not in self._plans
-        fixed = [i for i, t in enumerate(self._template) if t is not None]
-        self._watch = CallPlanRecorder(args, fixed) if watch else None
+        self._watch = CallPlanRecorder(args, self._fixed) if watch else None
         try:
             result = self._vm[self.entry](*args)
         finally:
@@ -182,14 +182,11 @@ class GraphExecutor:
 
     def _check_out(self, out: dict[int, Any], plan: CallPlan) -> None:
         for index, target in out.items():
-            shape, dtype = plan.outputs[index].shape, plan.outputs[index].dtype
+            name = self.signature.outputs[index].name
             if plan.outputs[index].kind != "buffer":
-                raise InputError(f"output {self.signature.outputs[index].name!r} is an input "
-                                 "passed through: it cannot be written to out=")
-            if tuple(target.shape) != tuple(shape) or str(target.dtype) != dtype:
-                raise InputError(f"out[{self.signature.outputs[index].name!r}] is "
-                                 f"{target.dtype}{tuple(target.shape)}, this call's output is "
-                                 f"{dtype}{tuple(shape)}")
+                raise InputError(f"output {name!r} is an input passed through: it cannot be "
+                                 "written to out=")
+            _check_like(target, plan.outputs[index], name)  # a Slot has the output's shape
 
     def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None, list]:
         """The entry function's arguments, the call's dims key, and the tensors passed."""
@@ -263,19 +260,18 @@ class GraphExecutor:
             self._open = None
             self.backend.end(recorder)
             self.stats.region_recordings += 1
-            self.stats.recordings_by_region[region] = self.stats.recordings_by_region.get(region, 0) + 1
         elif before_run:
             recorder.on_call(func, symbol, args)
         return VMInstrumentReturnKind.NO_OP
 
     # -- recording ahead of time ----------------------------------------------------------
     def record_all(self, dims: Mapping[str, Sequence[int]] | None = None, *,
-                   fixed: Mapping[str, Any] | None = None, progress: bool = True) -> float:
+                   progress: bool = True) -> float:
         """Record every shape of the declared ranges now, instead of on first sight.
 
         Runs the model once per combination of dim values (``dims`` narrows them) on zero
-        inputs, or on ``fixed`` ones for inputs whose shape never changes (weights); returns
-        the seconds it took. Shapes already recorded are replayed, not recorded again.
+        inputs (bound inputs, see ``bind_inputs``, as they are); returns the seconds it took.
+        Shapes already recorded are replayed, not recorded again.
         """
         if self.signature is None:
             raise ValueError("record_all needs the model's signature (load it from an artifact)")
@@ -285,9 +281,8 @@ class GraphExecutor:
         bar = Progress(len(combos), "grape-tvm: recording shapes", enabled=progress)
         for combo in combos:
             bound = dict(zip(values, combo))
-            self.run({spec.name: fixed[spec.name] if fixed and spec.name in fixed else
-                      np.zeros([bound[d] if isinstance(d, str) else d for d in spec.shape],
-                               spec.dtype)
+            self.run({spec.name: np.zeros([bound[d] if isinstance(d, str) else d
+                                           for d in spec.shape], spec.dtype)
                       for spec in self.signature.inputs if spec.name not in self._bound},
                      return_numpy=False)
             bar.step()
@@ -317,7 +312,7 @@ def _values(result, signature: Signature | None = None) -> list:
     if isinstance(result, (tvm.runtime.Tensor, tvm_ffi.Shape)):
         return [result]
     if signature is not None and len(signature.outputs) == 1 and \
-            signature.outputs[0].shape == ("...",):
+            signature.outputs[0].kind == "sequence":
         return [list(result)]
     return list(result)
 

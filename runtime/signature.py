@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 
 @dataclass(frozen=True)
 class ShapeRange:
@@ -54,18 +56,24 @@ class InputError(ValueError):
 
 @dataclass(frozen=True)
 class TensorSpec:
-    """Name, dtype and shape of a model input or output; a str in ``shape`` is a symbolic dim."""
+    """Name, dtype and shape of a model input or output; a str in ``shape`` is a symbolic dim.
+
+    ``kind`` is "tensor", or "sequence" for an output that is a list of tensors (its
+    ``shape`` is then empty: each tensor has its own).
+    """
 
     name: str
     dtype: str
     shape: tuple[int | str, ...]
+    kind: str = "tensor"
 
     def to_json(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape),
+                "kind": self.kind}
 
     @classmethod
     def from_json(cls, obj: dict) -> "TensorSpec":
-        return cls(obj["name"], obj["dtype"], tuple(obj["shape"]))
+        return cls(obj["name"], obj["dtype"], tuple(obj["shape"]), obj.get("kind", "tensor"))
 
 
 @dataclass(frozen=True)
@@ -149,8 +157,6 @@ class Signature:
 
 def nbytes(tensor) -> int:
     """Bytes of a dense tensor (TVM, DLPack or numpy), from its shape and dtype."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
-
     return int(np.prod(tensor.shape, dtype=np.int64)) * np.dtype(str(tensor.dtype)).itemsize
 
 

@@ -19,6 +19,7 @@ from typing import Any, Sequence
 from .argument_table import ArgumentTable
 from .cuda_compile import CubinStore
 from .cuda_driver import check, driver
+from .cuda_graph import OwnedGraph
 
 MAX_PARAM_BYTES = 16  # the widest kernel parameter a column may patch
 NO_ROW = 0xFFFFFFFF  # state.applied_row before anything was applied
@@ -177,7 +178,7 @@ def _kernel_params(values: Sequence[tuple[str, int]]):
     return boxes, array
 
 
-class TopologyGraph:
+class TopologyGraph(OwnedGraph):
     """The one graph of a topology group, with its argument table on the device."""
 
     def __init__(self, graph, nodes, layouts: list[list[tuple[int, int]]],
@@ -200,8 +201,7 @@ class TopologyGraph:
         self.buffers["pointers"].write(pointers)
         self._encode_table()
         self.patch_node = self._add_patch_node(graph)
-        self.exec = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
-        self._upload()
+        self.instantiate(stream)
 
     # -- building ----------------------------------------------------------------------
     def _patch_params(self):
@@ -258,11 +258,6 @@ class TopologyGraph:
         self._placement = _placement(self.table, self.layouts)
         return moved
 
-    def _upload(self) -> None:
-        # Device-updatable nodes updated from inside the graph: upload before launching,
-        # and again after any host-side change (CUDA docs; stale parameters seen otherwise).
-        check(driver.cuGraphUpload(self.exec, self.stream), "cuGraphUpload")
-
     def refresh(self) -> None:
         """The table gained rows (append them) or columns (write it all again)."""
         columns, rows = self._encoded
@@ -280,7 +275,7 @@ class TopologyGraph:
         check(driver.cuGraphExecKernelNodeSetParams(
             self.exec, self.patch_node, self._patch_node_params(storage)),
             "cuGraphExecKernelNodeSetParams(patch)")
-        self._upload()
+        self.upload(self.stream)  # device-updatable nodes: again after a host-side change
 
     # -- calls -------------------------------------------------------------------------
     def replay(self, row: int, region_args: Sequence[Any], stream,
@@ -307,17 +302,6 @@ class TopologyGraph:
         return sum(b.nbytes for b in self.buffers.values())
 
     def close(self) -> None:
-        if getattr(self, "exec", None) is not None:
-            driver.cuGraphExecDestroy(self.exec)
-            self.exec = None
-        if getattr(self, "graph", None) is not None:
-            driver.cuGraphDestroy(self.graph)
-            self.graph = None
+        super().close()
         for buffer in getattr(self, "buffers", {}).values():
             buffer.close()
-
-    def __del__(self):
-        try:
-            self.close()
-        except Exception:  # pylint: disable=broad-except
-            pass

@@ -131,12 +131,13 @@ def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
     state = [0, NO_ROW, 0, 0]  # what TopologyGraph writes before the first launch
     applied = [ALL_ONES]
     address = None
-    last = list(rows.items())[-1]
-    calls = list(rows.items()) + [last, last]
-    for step, (n, row) in enumerate(calls):  # any order: rows overwrite what differs
-        new_address = 0x5000_0000 + 4096 * (step // 3)  # the input moves now and then
+    steps = list(rows.items())
+    # any order: rows overwrite what differs; the input moves every third step, then the
+    # last shape comes again at the same address: nothing left to patch.
+    calls = [(n, row, 0x5000_0000 + 4096 * (i // 3)) for i, (n, row) in enumerate(steps)]
+    calls.append(calls[-1])
+    for step, (n, row, address) in enumerate(calls):
         state[0] = row
-        address = new_address  # written by the host when it moves
         updates = apply_patch(columns, packed, row_bytes, pointers, spans, [address], applied,
                               state, params, grids)
         want = records(n)

@@ -84,7 +84,7 @@ def test_inspect_reports_dims_io_regions_and_host_steps(models, tmp_path, capsys
     d = _inspect_json(artifact)
     assert {"dims", "inputs", "outputs", "regions", "host_steps"} <= set(d)
     assert d["dims"] == {"n": {"lo": 2, "hi": 50}}
-    assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["n", 64]}]
+    assert d["inputs"] == [{"name": "x", "dtype": "float32", "shape": ["n", 64], "kind": "tensor"}]
     assert d["outputs"][0]["name"] == "y"
     assert len(d["regions"]) == 1 and d["regions"][0]["symbolic_vars"] == ["n"]
     assert len(d["regions"][0]["kernels"]) >= 2 and d["host_steps"] == []

@@ -130,5 +130,5 @@ def compile_onnx(model: Any, dims: Mapping[str, Any] | None = None, target: Any 
     """Import an ONNX model (path or ``ModelProto``) and ``build`` it."""
     proto = load_onnx(model)
     signature = onnx_signature(proto, dims or {})
-    mod = import_onnx(proto)
+    mod = import_onnx(proto, signature.dims)
     return build(mod, signature.dims, target, signature=signature, **kwargs)

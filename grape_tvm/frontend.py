@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -143,17 +143,45 @@ def normalize_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     return model
 
 
-def import_onnx(model: onnx.ModelProto) -> tvm.IRModule:
+def initializers_as_inputs(model: onnx.ModelProto, names: Collection[str]) -> onnx.ModelProto:
+    """The named initializers (weights) moved to graph inputs, on a copy.
+
+    The compiled artifact then holds no weights: they are passed at run time, once, with
+    ``GraphExecutor.bind_inputs``. Shape constants should stay initializers (leave them
+    out of ``names``): TVM's converters read their values while importing.
+    """
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    wanted = set(names)
+    inits = {i.name: i for i in model.graph.initializer}
+    missing = sorted(wanted - set(inits))
+    if missing:
+        raise ValueError(f"no initializer named {missing[:5]} in graph {model.graph.name!r}")
+    kept = [i for i in model.graph.initializer if i.name not in wanted]
+    lifted = [inits[n] for n in inits if n in wanted]
+    del model.graph.initializer[:]
+    model.graph.initializer.extend(kept)
+    listed = {v.name for v in model.graph.input}
+    model.graph.input.extend(
+        onnx.helper.make_tensor_value_info(i.name, i.data_type, list(i.dims))
+        for i in lifted if i.name not in listed)
+    return model
+
+
+def import_onnx(model: onnx.ModelProto,
+                dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None) -> tvm.IRModule:
     """TVM's Relax ONNX importer, with its failures turned into one clear error.
 
-    grape's own fixes to the ONNX it is given run first (``normalize_constants``);
-    docs/tvm_onnx_frontend.md lists them, upstream-style.
+    grape's own fixes to the ONNX it is given run first (``normalize_constants``), and
+    grape's converters replace TVM's where TVM's fail (``grape_tvm.onnx_fixes``);
+    docs/tvm_onnx_frontend.md lists them, upstream-style. ``dims``, the declared ranges,
+    let those converters prove slices and ranges in bounds.
     """
-    from tvm.relax.frontend.onnx import from_onnx  # pylint: disable=import-outside-toplevel
+    from grape_tvm.onnx_fixes import from_onnx  # pylint: disable=import-outside-toplevel
 
     model = normalize_constants(model)
     try:
-        mod = from_onnx(model, keep_params_in_input=False)
+        ranges = {k: (ShapeRange.of(v, k).lo, ShapeRange.of(v, k).hi) for k, v in (dims or {}).items()}
+        mod = from_onnx(model, ranges)
     except Exception as err:  # pylint: disable=broad-except
         first = str(err).strip().splitlines()
         raise ImportError_(f"TVM's ONNX importer cannot import graph {model.graph.name!r}: "

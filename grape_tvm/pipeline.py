@@ -8,7 +8,8 @@ import tvm
 from tvm import relax
 from tvm.ir.transform import PassContext, module_pass
 
-from grape_tvm.passes import BoundShapeRanges, CheckDeviceKernels, IfToSelect, LiftGraphRegions
+from grape_tvm.passes import (BoundShapeRanges, CheckDeviceKernels, IfToSelect,
+                              LiftGraphRegions, NameDerivedDims, gpu_legalize_passes)
 from grape_tvm.runtime.signature import ShapeRange
 
 
@@ -72,14 +73,21 @@ class GrapePipeline:
             passes = []
             if self.dims:
                 passes.append(BoundShapeRanges(self.dims))
+            if is_gpu(target):
+                # A dim computed with a division defeats the GPU schedules: name it.
+                passes.append(NameDerivedDims())
             # Branches cheap enough to run both: no host read of the condition, and the
             # dataflow blocks (hence fusion) that an ``if`` from the ONNX importer removed.
             if self.select_ops > 0:
                 passes += [IfToSelect(self.select_ops), relax.transform.Normalize()]
             passes.append(relax.transform.ConvertToDataflow())
-            passes += lowering.library_dispatch_passes(target) + lowering.legalize_passes(target)
+            passes += lowering.library_dispatch_passes(target)
             if is_gpu(target):
-                passes.append(CheckDeviceKernels())
+                # TVM's GPU legalization, with schedule rules that pass a kernel on when
+                # they fail on it (passes/gpu_schedules.py).
+                passes += gpu_legalize_passes() + [CheckDeviceKernels()]
+            else:
+                passes += lowering.legalize_passes(target)
             passes += lowering.dataflow_lower_passes(target) + _finalize_passes()
             return tvm.transform.Sequential(passes)(mod)
 

@@ -1,0 +1,290 @@
+"""Export Hugging Face GPT-2 and Wav2Vec2 to ONNX with random weights (no downloads).
+
+    python bench/export_hf.py OUTDIR            # GPT-2 124M and Wav2Vec2 base, weightless ONNX
+    python bench/export_hf.py OUTDIR --tiny     # the tiny configurations
+    python bench/export_hf.py --tests           # tiny models WITH weights into tests/data/
+
+Needs torch and transformers (not project dependencies). For every model it writes:
+
+- ``NAME.onnx``: the graph with its weights lifted to graph inputs (no initializer holds a
+  model weight), so the file and any artifact compiled from it stay small;
+- ``NAME.weights.json``: for each weight input, the ``state_dict()`` key it is read from
+  and the transform applied (``"none"`` or ``"transpose"``), plus the model, config and
+  seed that recreate the weights (``make_model``).
+
+On the GPU host ``hf_weights(map_path)`` recreates the model from config and seed and
+returns ``{input name: array}`` for ``GraphExecutor.bind_inputs``.
+
+Models (dynamic axes named ``batch``, ``seq``, ``past``, ``samples``):
+
+- ``gpt2_prefill``: ``input_ids [batch, seq]`` -> ``logits``, ``present_{i}_{key,value}``.
+- ``gpt2_decode``: ``input_ids [batch, 1]``, ``past_{i}_{key,value} [batch, heads, past,
+  head_dim]`` -> ``logits [batch, 1, vocab]``, ``present_* [batch, heads, past + 1, head_dim]``.
+  Every past position is attended (no padding), position ids start at ``past``.
+- ``wav2vec2``: ``input_values [batch, samples]`` -> ``last_hidden_state``.
+
+Exporter: the legacy TorchScript exporter (``dynamo=False``) with constant folding off.
+It keeps every parameter as an initializer named by its ``state_dict`` key, which makes the
+weight map exact; the dynamo exporter also works for GPT-2 but renames and folds weights
+and emits ``Reshape`` on shape values, which TVM's importer needs grape's fixes for.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+
+ROOT = Path(__file__).resolve().parents[1]
+OPSET = 17
+
+GPT2_TINY = {"n_layer": 2, "n_embd": 64, "n_head": 4, "vocab_size": 1000, "n_positions": 128,
+             "bos_token_id": 0, "eos_token_id": 0}
+WAV2VEC2_TINY = {
+    "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 2,
+    "intermediate_size": 64, "conv_dim": (16,) * 7, "num_conv_pos_embeddings": 16,
+    "num_conv_pos_embedding_groups": 2,
+}
+
+
+def _perturbed(model):
+    import torch  # pylint: disable=import-outside-toplevel
+
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.02)
+    return model
+
+
+def make_model(kind: str, config: dict[str, Any], seed: int = 0):
+    """The transformers model ``kind`` ("gpt2" or "wav2vec2") with random weights: the
+    config's own initialization under ``torch.manual_seed(seed)``, then noise (std 0.02)
+    on every parameter, fp32, eval mode.
+
+    The noise makes every weight distinct: the exporter merges initializers of equal
+    value (all zero biases, all-one norm scales) into one, which would tie inputs that
+    trained weights keep apart, and zero biases would hide a wrong weight map.
+    """
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    torch.manual_seed(seed)
+    if kind == "gpt2":
+        cfg = transformers.GPT2Config(**config)
+        cfg._attn_implementation = "eager"  # pylint: disable=protected-access
+        return _perturbed(transformers.GPT2LMHeadModel(cfg).eval())
+    if kind == "wav2vec2":
+        cfg = transformers.Wav2Vec2Config(**config)
+        cfg._attn_implementation = "eager"  # pylint: disable=protected-access
+        return _perturbed(transformers.Wav2Vec2Model(cfg).eval())
+    raise ValueError(f"unknown model kind {kind!r}: expected 'gpt2' or 'wav2vec2'")
+
+
+def _gpt2_wrappers(model):
+    import torch  # pylint: disable=import-outside-toplevel
+    from transformers.cache_utils import DynamicCache  # pylint: disable=import-outside-toplevel
+
+    def presents(cache) -> list:
+        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+    class Prefill(torch.nn.Module):
+        """input_ids -> logits and the layers' keys and values."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids):
+            out = self.model(input_ids, use_cache=True)
+            return (out.logits, *presents(out.cache))
+
+        # transformers 5 names the cache ``cache`` (a DynamicCache): explicit tensors here.
+
+    class Decode(torch.nn.Module):
+        """One token per sequence with an explicit KV cache of ``past`` positions."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, *past):
+            cache = DynamicCache(list(zip(past[0::2], past[1::2])))
+            out = self.model(input_ids, cache=cache, use_cache=True)
+            return (out.logits, *presents(out.cache))
+
+    return Prefill().eval(), Decode().eval()
+
+
+def _kv_names(prefix: str, layers: int) -> list[str]:
+    return [f"{prefix}_{i}_{kv}" for i in range(layers) for kv in ("key", "value")]
+
+
+def _export(module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
+            dynamic_axes: dict) -> onnx.ModelProto:
+    import torch  # pylint: disable=import-outside-toplevel
+
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, args, str(path), input_names=inputs, output_names=outputs,
+                          dynamic_axes=dynamic_axes, opset_version=OPSET,
+                          do_constant_folding=False, dynamo=False)
+    return onnx.load(str(path))
+
+
+def export_gpt2(config: dict[str, Any], seed: int = 0) -> dict[str, onnx.ModelProto]:
+    """GPT-2's prefill and decode step, weights embedded as initializers."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tempfile  # pylint: disable=import-outside-toplevel
+
+    model = make_model("gpt2", config, seed)
+    cfg = model.config
+    layers, heads, head_dim = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
+    prefill, decode = _gpt2_wrappers(model)
+    kv_axes = {0: "batch", 2: "past"}
+    present_axes = {0: "batch", 2: "seq"}
+    with tempfile.TemporaryDirectory() as tmp:
+        ids = torch.randint(0, cfg.vocab_size, (2, 5))
+        pre = _export(prefill, (ids,), Path(tmp, "prefill.onnx"), ["input_ids"],
+                      ["logits", *_kv_names("present", layers)],
+                      {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"},
+                       **{n: present_axes for n in _kv_names("present", layers)}})
+        past = [torch.randn(2, heads, 3, head_dim) for _ in range(2 * layers)]
+        dec = _export(decode, (ids[:, :1], *past), Path(tmp, "decode.onnx"),
+                      ["input_ids", *_kv_names("past", layers)],
+                      ["logits", *_kv_names("present", layers)],
+                      {"input_ids": {0: "batch"}, "logits": {0: "batch"},
+                       **{n: kv_axes for n in _kv_names("past", layers)},
+                       **{n: {0: "batch", 2: "past_plus_1"} for n in _kv_names("present", layers)}})
+    return {"gpt2_prefill": pre, "gpt2_decode": dec}
+
+
+def export_wav2vec2(config: dict[str, Any], seed: int = 0) -> dict[str, onnx.ModelProto]:
+    """Wav2Vec2Model: input_values -> last_hidden_state, weights embedded."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tempfile  # pylint: disable=import-outside-toplevel
+
+    model = make_model("wav2vec2", config, seed)
+
+    class Encoder(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_values):
+            return self.model(input_values).last_hidden_state
+
+    with tempfile.TemporaryDirectory() as tmp:
+        proto = _export(Encoder().eval(), (torch.randn(1, 16000),), Path(tmp, "w2v.onnx"),
+                        ["input_values"], ["last_hidden_state"],
+                        {"input_values": {0: "batch", 1: "samples"},
+                         "last_hidden_state": {0: "batch", 1: "frames"}})
+    return {"wav2vec2": proto}
+
+
+def weight_map(proto: onnx.ModelProto, state_dict: dict[str, Any]) -> dict[str, dict]:
+    """Each initializer that holds a model weight -> ``{"key", "transform"}``.
+
+    By name first (the legacy exporter names parameters by their ``state_dict`` key,
+    behind the wrapper's ``model.`` prefix); otherwise by value, exact or transposed
+    (an exporter that folded a transpose). Initializers matching nothing (shape constants)
+    stay in the graph.
+    """
+    arrays = {k: v.detach().cpu().numpy() for k, v in state_dict.items()}
+    found = {}
+    for init in proto.graph.initializer:
+        name = init.name.removeprefix("model.")
+        if name in arrays:
+            found[init.name] = {"key": name, "transform": "none"}
+            continue
+        value = onnx.numpy_helper.to_array(init)
+        if value.size < 64:
+            continue
+        for key, array in arrays.items():
+            if array.shape == value.shape and np.array_equal(array, value):
+                found[init.name] = {"key": key, "transform": "none"}
+                break
+            if array.ndim == 2 and array.T.shape == value.shape and np.array_equal(array.T, value):
+                found[init.name] = {"key": key, "transform": "transpose"}
+                break
+    return found
+
+
+def _spec(kind: str, config: dict, seed: int) -> dict:
+    return {"model": kind, "config": config, "seed": seed}
+
+
+def _write(outdir: Path, name: str, proto: onnx.ModelProto, spec: dict, state_dict,
+           embed_weights: bool) -> None:
+    from grape_tvm.frontend import initializers_as_inputs  # pylint: disable=import-outside-toplevel
+
+    weights = weight_map(proto, state_dict)
+    if not embed_weights:
+        proto = initializers_as_inputs(proto, list(weights))
+    onnx.save(proto, str(outdir / f"{name}.onnx"))
+    (outdir / f"{name}.weights.json").write_text(json.dumps({**spec, "inputs": weights}, indent=1))
+    size = (outdir / f"{name}.onnx").stat().st_size
+    print(f"{outdir / name}.onnx: {size} bytes, {len(weights)} weight inputs", flush=True)
+
+
+def export_all(outdir: Path, tiny: bool, embed_weights: bool, seed: int = 0,
+               models: tuple[str, ...] = ("gpt2", "wav2vec2")) -> None:
+    outdir.mkdir(parents=True, exist_ok=True)
+    suffix = "_tiny" if tiny else ""
+    if "gpt2" in models:
+        config = GPT2_TINY if tiny else {}
+        state = make_model("gpt2", config, seed).state_dict()
+        for name, proto in export_gpt2(config, seed).items():
+            _write(outdir, name + suffix, proto, _spec("gpt2", config, seed), state, embed_weights)
+    if "wav2vec2" in models:
+        config = WAV2VEC2_TINY if tiny else {}
+        state = make_model("wav2vec2", config, seed).state_dict()
+        for name, proto in export_wav2vec2(config, seed).items():
+            _write(outdir, name + suffix, proto, _spec("wav2vec2", config, seed), state,
+                   embed_weights)
+
+
+def hf_weights(map_path: str | Path) -> dict[str, np.ndarray]:
+    """The weight inputs a ``NAME.weights.json`` describes, recreated from config and seed:
+    ``{input name: array}`` for ``GraphExecutor.bind_inputs``."""
+    spec = json.loads(Path(map_path).read_text())
+    config = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()}
+    state = make_model(spec["model"], config, spec["seed"]).state_dict()
+    weights = {}
+    for name, entry in spec["inputs"].items():
+        array = state[entry["key"]].detach().cpu().numpy()
+        if entry["transform"] == "transpose":
+            array = array.T
+        elif entry["transform"] != "none":
+            raise ValueError(f"{map_path}: input {name!r} has unknown transform {entry['transform']!r}")
+        weights[name] = np.ascontiguousarray(array)
+    return weights
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("outdir", nargs="?", type=Path, default=ROOT / "build" / "hf")
+    parser.add_argument("--tiny", action="store_true", help="the tiny configurations")
+    parser.add_argument("--tests", action="store_true",
+                        help="tiny models with their weights embedded, into tests/data/")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--models", default="gpt2,wav2vec2")
+    args = parser.parse_args(argv)
+    models = tuple(args.models.split(","))
+    if args.tests:
+        export_all(ROOT / "tests" / "data", tiny=True, embed_weights=True, seed=args.seed,
+                   models=models)
+    else:
+        export_all(args.outdir, tiny=args.tiny, embed_weights=False, seed=args.seed, models=models)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(ROOT))
+    sys.exit(main())

@@ -1,0 +1,46 @@
+"""TVM's default GPU schedules (dlight), with a rule that fails on a kernel passing it on."""
+
+from __future__ import annotations
+
+import tvm
+from tvm import relax, tirx
+from tvm.s_tir import dlight as dl
+from tvm.s_tir.dlight.base import ScheduleRule
+from tvm.s_tir.schedule.schedule import ScheduleError
+
+
+class TolerantRule(ScheduleRule):
+    """A dlight rule whose ``ScheduleError`` means "not mine": the next rule is tried.
+
+    dlight's ``ApplyDefaultSchedule`` tries its rules in order and moves on when one
+    returns ``None``; a rule that accepts a kernel and then fails on a schedule primitive
+    aborts the whole build instead. In TVM 0.27 ``GeneralReduction`` does that on GPT-2's
+    decode attention (``q @ k^T`` over ``past + 1`` keys fused with the scale and mask add:
+    "'bind' ... neither a local complete block nor a local reduction block").
+    """
+
+    def __init__(self, rule: ScheduleRule):
+        self.rule = rule
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, tunable: bool):
+        try:
+            return self.rule.apply(func, target, tunable)
+        except ScheduleError:
+            return None
+
+    def __repr__(self) -> str:
+        return f"TolerantRule({type(self.rule).__name__})"
+
+
+def default_gpu_rules() -> list[ScheduleRule]:
+    """TVM's CUDA rules in TVM's order, each ``TolerantRule``; ``Fallback`` last binds
+    whatever the others left."""
+    return [TolerantRule(rule) for rule in (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+                                            dl.gpu.GeneralReduction())] + [dl.gpu.Fallback()]
+
+
+def gpu_legalize_passes() -> list[tvm.transform.Pass]:
+    """``tvm.relax.backend.cuda.pipeline.legalize_passes`` with tolerant schedule rules."""
+    t = relax.transform
+    return [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(),
+            t.FuseTIR(), dl.ApplyDefaultSchedule(*default_gpu_rules())]

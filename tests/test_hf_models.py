@@ -1,0 +1,86 @@
+"""Hugging Face GPT-2 and Wav2Vec2 (tiny configs, random weights) through grape, against
+onnxruntime. The ONNX files in tests/data/ come from ``bench/export_hf.py --tests``: no
+torch here."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+import pytest
+
+import grape_tvm
+from conftest import onnxruntime_outputs
+from grape_tvm.frontend import initializers_as_inputs
+from grape_tvm.passes import HostFallbackError
+
+DATA = Path(__file__).resolve().parent / "data"
+LAYERS, HEADS, HEAD_DIM, VOCAB = 2, 4, 16, 1000
+DIMS = {
+    "gpt2_prefill_tiny": {"batch": (1, 2), "seq": (1, 32)},
+    "gpt2_decode_tiny": {"batch": (1, 2), "past": (1, 32)},
+    "wav2vec2_tiny": {"batch": (1, 1), "samples": (400, 4000)},
+}
+
+
+def _decode_inputs(rng, batch: int, past: int) -> dict[str, np.ndarray]:
+    feeds = {"input_ids": rng.integers(0, VOCAB, (batch, 1)).astype(np.int64)}
+    for i in range(LAYERS):
+        for kv in ("key", "value"):
+            feeds[f"past_{i}_{kv}"] = rng.standard_normal((batch, HEADS, past, HEAD_DIM)).astype(np.float32)
+    return feeds
+
+
+CASES = {
+    "gpt2_prefill_tiny": lambda rng: [
+        {"input_ids": rng.integers(0, VOCAB, (b, s)).astype(np.int64)} for b, s in [(1, 1), (2, 7), (1, 32)]],
+    "gpt2_decode_tiny": lambda rng: [_decode_inputs(rng, b, p) for b, p in [(1, 1), (2, 9), (1, 32), (2, 31)]],
+    "wav2vec2_tiny": lambda rng: [
+        {"input_values": rng.standard_normal((1, n)).astype(np.float32)} for n in (400, 1999, 4000)],
+}
+
+
+def _artifact(module, tmp_path, name: str):
+    path = module.export(tmp_path / f"{name}.grape")
+    return grape_tvm.load(path)
+
+
+@pytest.mark.parametrize("name", sorted(DIMS))
+def test_tiny_model_equals_onnxruntime(name, tmp_path):
+    path = DATA / f"{name}.onnx"
+    executor = _artifact(grape_tvm.compile_onnx(path, dims=DIMS[name]), tmp_path, name)
+    for feeds in CASES[name](np.random.default_rng(0)):
+        got = executor.run(feeds)
+        want = onnxruntime_outputs(path, feeds)
+        assert list(got) == [o.name for o in onnx.load(str(path)).graph.output]
+        for value, ref in zip(got.values(), want):
+            np.testing.assert_allclose(value, ref, rtol=1e-4, atol=2e-5)
+
+
+def test_weights_as_inputs_bound_once(tmp_path):
+    """The GPU host's path: a weightless artifact, weights bound by name from the map."""
+    path = DATA / "gpt2_decode_tiny.onnx"
+    spec = json.loads((DATA / "gpt2_decode_tiny.weights.json").read_text())
+    proto = onnx.load(str(path))
+    weightless = initializers_as_inputs(proto, list(spec["inputs"]))
+    assert not any(i.name in spec["inputs"] for i in weightless.graph.initializer)
+    module = grape_tvm.compile_onnx(weightless, dims=DIMS["gpt2_decode_tiny"])
+    executor = _artifact(module, tmp_path, "weightless")
+    executor.bind_inputs({i.name: onnx.numpy_helper.to_array(i) for i in proto.graph.initializer
+                          if i.name in spec["inputs"]})
+    for feeds in CASES["gpt2_decode_tiny"](np.random.default_rng(1))[:2]:
+        for value, ref in zip(executor.run(feeds).values(), onnxruntime_outputs(path, feeds)):
+            np.testing.assert_allclose(value, ref, rtol=1e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["gpt2_prefill_tiny", "gpt2_decode_tiny"])
+def test_tiny_gpt2_compiles_for_cuda_without_host_fallback(name):
+    try:
+        module = grape_tvm.compile_onnx(DATA / f"{name}.onnx", dims=DIMS[name], target="cuda",
+                                        prebuild_cubin=False)
+    except HostFallbackError as err:  # pragma: no cover - the failure this test guards
+        pytest.fail(str(err))
+    assert module.target["kind"] == "cuda"

@@ -1,0 +1,140 @@
+"""grape's converter fixes (grape_tvm/onnx_fixes.py) and GPU scheduling passes, each on a
+tiny hand-made model, against onnxruntime at several shapes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+
+import grape_tvm
+from conftest import onnxruntime_outputs
+from grape_tvm.frontend import import_onnx
+from grape_tvm.passes import BoundShapeRanges, NameDerivedDims, TolerantRule
+from tvm.s_tir.schedule.schedule import ScheduleError
+
+
+def _model(nodes, inputs, outputs, inits) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "fix", inputs, outputs, inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def _int64(name: str, values) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.array(values, np.int64), name)
+
+
+def _out_shape(mod: tvm.IRModule) -> str:
+    return str(mod["main"].ret_ty)
+
+
+def _check(model, tmp_path, dims: dict, sizes, make) -> None:
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    executor = grape_tvm.load(grape_tvm.compile_onnx(path, dims=dims).export(tmp_path / "m.grape"))
+    for n in sizes:
+        feeds = make(n)
+        got = list(executor.run(feeds).values())
+        for value, ref in zip(got, onnxruntime_outputs(path, feeds)):
+            np.testing.assert_allclose(value, ref, rtol=1e-6, atol=1e-6)
+
+
+def make_range_model() -> onnx.ModelProto:
+    """``y = x + arange(past, past + n)[:, None]``: a Range over shape values (GPT-2's
+    position ids), with ``past`` from a second input."""
+    info = helper.make_tensor_value_info
+    nodes = [
+        helper.make_node("Shape", ["x"], ["sx"]), helper.make_node("Shape", ["cache"], ["sc"]),
+        helper.make_node("Gather", ["sx", "zero"], ["n"], axis=0),
+        helper.make_node("Gather", ["sc", "zero"], ["past"], axis=0),
+        helper.make_node("Add", ["past", "n"], ["limit"]),
+        helper.make_node("Range", ["past", "limit", "one"], ["r"]),
+        helper.make_node("Cast", ["r"], ["rf"], to=TensorProto.FLOAT),
+        helper.make_node("Unsqueeze", ["rf", "axis1"], ["col"]),
+        helper.make_node("Add", ["x", "col"], ["y"]),
+    ]
+    return _model(nodes, [info("x", TensorProto.FLOAT, ["n", 4]), info("cache", TensorProto.FLOAT, ["past"])],
+                  [info("y", TensorProto.FLOAT, ["n", 4])],
+                  [_int64("zero", 0), _int64("one", 1), _int64("axis1", [1])])
+
+
+def test_range_over_shape_values_keeps_its_length(tmp_path):
+    model = make_range_model()
+    mod = import_onnx(model, {"n": (1, 16), "past": (0, 16)})
+    assert "range_len" not in mod.script() and "(n, 4)" in _out_shape(mod)
+    rng = np.random.default_rng(0)
+    _check(model, tmp_path, {"n": (1, 16), "past": (1, 16)}, [(1, 1), (5, 3), (16, 16)],
+           lambda s: {"x": rng.standard_normal((s[0], 4)).astype(np.float32),
+                      "cache": np.zeros(s[1], np.float32)})
+
+
+def make_slice_model() -> onnx.ModelProto:
+    """``y = x[:-1] + x[1:]``: Wav2Vec2's positional-conv trim on a symbolic length."""
+    info = helper.make_tensor_value_info
+    nodes = [
+        helper.make_node("Slice", ["x", "zero", "minus1", "axis0"], ["head"]),
+        helper.make_node("Slice", ["x", "one", "big", "axis0"], ["tail"]),
+        helper.make_node("Add", ["head", "tail"], ["y"]),
+    ]
+    return _model(nodes, [info("x", TensorProto.FLOAT, ["n", 4])], [info("y", TensorProto.FLOAT, ["m", 4])],
+                  [_int64("zero", [0]), _int64("one", [1]), _int64("minus1", [-1]),
+                   _int64("big", [np.iinfo(np.int64).max]), _int64("axis0", [0])])
+
+
+def test_slice_to_minus_one_on_a_symbolic_length(tmp_path):
+    model = make_slice_model()
+    mod = import_onnx(model, {"n": (2, 64)})
+    assert "(n - 1, 4)" in _out_shape(mod), _out_shape(mod)
+    # Without a declared range n = 0 is allowed: the bound is not proven, TVM's clamp stays.
+    assert "n - 1, 4" not in _out_shape(import_onnx(model))
+    rng = np.random.default_rng(0)
+    _check(model, tmp_path, {"n": (2, 64)}, [2, 17, 64],
+           lambda n: {"x": rng.standard_normal((n, 4)).astype(np.float32)})
+
+
+class _Raises:
+    def apply(self, func, target, tunable):
+        raise ScheduleError("not a reduction block")
+
+
+def test_tolerant_rule_passes_a_failing_kernel_on():
+    assert TolerantRule(_Raises()).apply(None, None, False) is None
+
+
+def _frames_module() -> tvm.IRModule:
+    """``softmax(reshape(x[:(samples // 4) * 4], (samples // 4, 4)))``: a dim with a division."""
+    samples = tvm.tirx.Var("samples", "int64")
+    x = relax.Var("x", relax.TensorType([samples], "float32"))
+    bb = relax.BlockBuilder()
+    frames = samples // 4
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            head = bb.emit(relax.op.strided_slice(x, [0], [0], [frames * 4], assume_inbound=True))
+            rows = bb.emit(relax.op.reshape(head, relax.ShapeExpr([frames, 4])))
+            out = bb.emit_output(relax.op.nn.softmax(relax.op.permute_dims(rows), axis=-1))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_name_derived_dims_names_division_dims_and_bounds_them():
+    mod = BoundShapeRanges({"samples": (8, 400)})(_frames_module())
+    named = NameDerivedDims()(mod)
+    text = named.script()
+    assert "R.match_cast" in text and "dim1" in text  # dim0: samples // 4 * 4, dim1: samples // 4
+    attrs = named["main"].attrs
+    assert {k: int(v) for k, v in attrs["tir_var_upper_bound"].items()} == {
+        "samples": 400, "dim0": 400, "dim1": 100}
+    assert int(attrs["tir_var_lower_bound"]["dim1"]) == 2
+    # Same values as before the pass, on TVM's VM.
+    x = np.random.default_rng(0).standard_normal(37).astype(np.float32)
+    outs = []
+    for m in (mod, named):
+        ex = tvm.compile(m, target="llvm")
+        vm = relax.VirtualMachine(ex, tvm.cpu())
+        outs.append(vm["main"](tvm.runtime.tensor(x)).numpy())
+    np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6)
+    assert outs[1].shape == (4, 9)

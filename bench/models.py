@@ -178,3 +178,159 @@ def gpt2_numpy(x, caches, weights, heads: int, layers: int):
         h = h + f @ w["w_proj"] + w["b_proj"]
     y = ln(h, weights["lnf_g"], weights["lnf_b"])
     return y.astype(np.float32), presents
+
+
+# -- a whole-token decoder step with a static KV cache: the decode-loop benchmark's model --
+
+# The decode-loop benchmark's decoder, and a tiny one for the tests (``decoder_step`` kwargs).
+DECODER_BENCH = {"vocab": 4096, "hidden": 256, "heads": 4, "layers": 4, "max_len": 272}
+DECODER_SMALL = {"vocab": 1024, "hidden": 128, "heads": 2, "layers": 2, "max_len": 272}
+DECODER_TINY = {"vocab": 64, "hidden": 32, "heads": 2, "layers": 2, "max_len": 24}
+
+
+def decoder_weights(vocab: int, hidden: int, layers: int, max_len: int,
+                    seed: int = 0) -> dict[str, np.ndarray]:
+    """Weights of ``decoder_step``: GPT-2's layers, token and position embeddings and an
+    output head of its own (with random weights, a tied head repeats the input token)."""
+    rng = np.random.default_rng(seed)
+    out = gpt2_weights(hidden, layers, seed)
+    out["wte"] = (0.5 * rng.standard_normal((vocab, hidden))).astype(np.float32)
+    out["wpe"] = (0.1 * rng.standard_normal((max_len, hidden))).astype(np.float32)
+    out["head"] = (rng.standard_normal((hidden, vocab)) / np.sqrt(hidden)).astype(np.float32)
+    return out
+
+
+def decoder_state_names(layers: int) -> list[str]:
+    """The loop state of ``decoder_step``, in parameter and output order."""
+    caches = [f"{kv}{i}" for i in range(layers) for kv in ("k", "v")]
+    return ["token", "pos", *caches, "tokens", "done"]
+
+
+def _cache_write(heads: int, max_len: int, head_dim: int):
+    """cache[b, h, pos, :] = new[b, h, :], in place (a Relax ``call_tir_inplace`` kernel)."""
+    from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
+
+    @T.prim_func(private=True, s_tir=True)
+    def write_cache(var_cache: T.handle, var_new: T.handle, pos: T.Buffer((1,), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        batch = T.int64()
+        cache = T.match_buffer(var_cache, (batch, heads, max_len, head_dim), "float32")
+        new = T.match_buffer(var_new, (batch, heads, head_dim), "float32")
+        for b, h, d in T.grid(batch, heads, head_dim):
+            with T.sblock("write"):
+                vb, vh, vd = T.axis.remap("SSS", [b, h, d])
+                cache[vb, vh, T.Cast("int64", pos[0]), vd] = new[vb, vh, vd]
+
+    return write_cache
+
+
+def _token_write(max_len: int):
+    """tokens[b, pos + 1] = next[b], in place."""
+    from tvm.script import tirx as T  # pylint: disable=import-outside-toplevel
+
+    @T.prim_func(private=True, s_tir=True)
+    def write_token(var_tokens: T.handle, var_next: T.handle, pos: T.Buffer((1,), "int32")):
+        T.func_attr({"tirx.noalias": True})
+        batch = T.int64()
+        tokens = T.match_buffer(var_tokens, (batch, max_len), "int32")
+        new = T.match_buffer(var_next, (batch,), "int32")
+        for b in T.grid(batch):
+            with T.sblock("write"):
+                vb = T.axis.remap("S", [b])
+                tokens[vb, T.Cast("int64", pos[0]) + T.int64(1)] = new[vb]
+
+    return write_token
+
+
+def decoder_step(vocab: int = 2048, hidden: int = 256, heads: int = 4, layers: int = 4,
+                 max_len: int = 288, dim: str = "batch"):
+    """One greedy decode step of a GPT-2-style decoder with a static KV cache.
+
+    State (parameters, and outputs in the same order, then ``stop``):
+    ``token`` (batch,) int32, the last token; ``pos`` (1,) int32, its position;
+    ``k{i}``/``v{i}`` (batch, heads, max_len, head_dim), written in place at ``pos``;
+    ``tokens`` (batch, max_len) int32, the sequence, written in place at ``pos + 1``;
+    ``done`` (batch,) int32, 1 once a sequence has produced ``eos``. ``stop`` (1,) int32 is
+    1 when every sequence is done. A finished sequence keeps producing ``eos``. Loop
+    invariants follow the state: ``eos`` (1,) int32, then the weights (``decoder_weights``).
+    """
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    op = relax.op
+    head_dim = hidden // heads
+    batch = tirx.Var(dim, "int64")
+    i32 = "int32"
+    state = {"token": relax.Var("token", relax.TensorType((batch,), i32)),
+             "pos": relax.Var("pos", relax.TensorType((1,), i32))}
+    cache_type = relax.TensorType((batch, heads, max_len, head_dim), "float32")
+    for i in range(layers):
+        for kv in ("k", "v"):
+            state[f"{kv}{i}"] = relax.Var(f"{kv}{i}", cache_type)
+    state["tokens"] = relax.Var("tokens", relax.TensorType((batch, max_len), i32))
+    state["done"] = relax.Var("done", relax.TensorType((batch,), i32))
+    shapes = {**gpt2_shapes(hidden, layers), "wte": (vocab, hidden), "wpe": (max_len, hidden),
+              "head": (hidden, vocab)}
+    weights = {k: relax.Var(k, relax.TensorType(s, "float32")) for k, s in shapes.items()}
+    eos = relax.Var("eos", relax.TensorType((1,), i32))
+    bb = relax.BlockBuilder()
+    write_cache = bb.add_func(_cache_write(heads, max_len, head_dim), "write_cache")
+    write_token = bb.add_func(_token_write(max_len), "write_token")
+    positions = relax.const(np.arange(max_len, dtype=np.int32))
+    with bb.function("main", [*state.values(), eos, *weights.values()]):
+        with bb.dataflow():
+            pos = state["pos"]
+            h = bb.emit(op.add(op.take(weights["wte"], state["token"], axis=0),
+                               op.take(weights["wpe"], pos, axis=0)))  # (batch, hidden)
+            visible = bb.emit(op.less_equal(positions, pos))  # (max_len,): j <= pos
+            caches = []
+            for i in range(layers):
+                w = {kind: weights[f"{kind}{i}"] for kind in GPT2_LAYER}
+                ln = bb.emit(op.nn.layer_norm(h, w["ln1_g"], w["ln1_b"], axes=[-1], epsilon=1e-5))
+                qkv = bb.emit(op.add(op.matmul(ln, w["w_qkv"]), w["b_qkv"]))  # (batch, 3h)
+                q, k, v = [bb.emit(op.reshape(op.strided_slice(
+                    qkv, axes=[1], begin=[j * hidden], end=[(j + 1) * hidden]),
+                    (batch, heads, head_dim))) for j in range(3)]
+                for kv, new in (("k", k), ("v", v)):
+                    caches.append(bb.emit(relax.call_tir_inplace(
+                        write_cache, [state[f"{kv}{i}"], new, pos], 0, cache_type)))
+                kc, vc = caches[-2], caches[-1]
+                scores = bb.emit(op.multiply(
+                    op.matmul(op.reshape(q, (batch, heads, 1, head_dim)),
+                              op.permute_dims(kc, [0, 1, 3, 2])),
+                    relax.const(1.0 / head_dim ** 0.5, "float32")))  # (batch, heads, 1, max_len)
+                scores = bb.emit(op.where(visible, scores, relax.const(-1e30, "float32")))
+                attn = bb.emit(op.matmul(op.nn.softmax(scores, axis=-1), vc))
+                merged = bb.emit(op.reshape(attn, (batch, hidden)))
+                h = bb.emit(op.add(h, op.add(op.matmul(merged, w["w_o"]), w["b_o"])))
+                ln2 = bb.emit(op.nn.layer_norm(h, w["ln2_g"], w["ln2_b"], axes=[-1], epsilon=1e-5))
+                fc = bb.emit(op.nn.gelu(op.add(op.matmul(ln2, w["w_fc"]), w["b_fc"])))
+                h = bb.emit(op.add(h, op.add(op.matmul(fc, w["w_proj"]), w["b_proj"])))
+            h = bb.emit(op.nn.layer_norm(h, weights["lnf_g"], weights["lnf_b"], axes=[-1],
+                                         epsilon=1e-5))
+            logits = bb.emit(op.matmul(h, weights["head"]))  # (batch, vocab)
+            best = bb.emit(op.astype(op.argmax(logits, axis=1), i32))  # (batch,)
+            done = state["done"]
+            token = bb.emit(op.where(op.greater(done, relax.const(np.int32(0))), eos, best))
+            done_next = bb.emit(op.maximum(done, op.astype(op.equal(token, eos), i32)))
+            tokens = bb.emit(relax.call_tir_inplace(
+                write_token, [state["tokens"], token, pos], 0,
+                relax.TensorType((batch, max_len), i32)))
+            pos_next = bb.emit(op.add(pos, relax.const(np.array([1], np.int32))))
+            stop = bb.emit(op.reshape(op.min(done_next, axis=[0]), (1,)))  # all done
+            out = bb.emit_output(relax.Tuple([token, pos_next, *caches, tokens, done_next, stop]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def decoder_initial_state(batch: int, heads: int, head_dim: int, layers: int, max_len: int,
+                          bos: int = 1) -> dict[str, np.ndarray]:
+    """Sequence b starts from token ``bos + b`` at position 0, with an empty cache."""
+    state = {"token": (bos + np.arange(batch)).astype(np.int32), "pos": np.zeros((1,), np.int32)}
+    for i in range(layers):
+        for kv in ("k", "v"):
+            state[f"{kv}{i}"] = np.zeros((batch, heads, max_len, head_dim), np.float32)
+    tokens = np.zeros((batch, max_len), np.int32)
+    tokens[:, 0] = state["token"]
+    state["tokens"] = tokens
+    state["done"] = np.zeros((batch,), np.int32)
+    return state

@@ -60,6 +60,7 @@ class Setup:
         library, _, dev = load_library(path, "cuda")
         self.vm = VirtualMachine(library, dev)
         self.weight_order = list(self.weights_np)
+        self.host_us: dict[str, dict[str, float]] = {}  # host time of a call, before its sync
         rng = np.random.default_rng(0)
         self.start = {n: tvm.runtime.tensor(
             (0.1 * rng.standard_normal((HEADS, 1, HEAD_DIM))).astype(np.float32), self.dev)
@@ -75,13 +76,15 @@ class Setup:
 
 def grape_loop(s: Setup, max_past: int, timed: bool, check_every: int = 0) -> dict:
     """Decode from past length 1 to ``max_past``, each step's cache fed to the next."""
-    past, per_length, copied, worst = dict(s.start), {}, [], 0.0
+    past, per_length, host, copied, worst = dict(s.start), {}, {}, [], 0.0
     for length in range(1, max_past + 1):
         x = s.xs[length]
         t0 = time.perf_counter()
         out = s.grape.run({"x": x, **past}, return_numpy=False)
+        t1 = time.perf_counter()
         s.grape.backend.synchronize()
         per_length[length] = (time.perf_counter() - t0) * 1e6
+        host[length] = (t1 - t0) * 1e6
         last = s.grape.stats.last
         copied.append(last["h2d_bytes"] + last["d2d_bytes"] + last["d2h_bytes"])
         if check_every and length % check_every == 1:
@@ -90,8 +93,21 @@ def grape_loop(s: Setup, max_past: int, timed: bool, check_every: int = 0) -> di
             for i, name in enumerate(gpt2_output_names(LAYERS)[1:], start=1):
                 worst = max(worst, float(np.abs(out[name].numpy() - want[i].numpy()).max()))
         past = {n: out["present_" + n[len("past_"):]] for n in NAMES}
-    return {"us": per_length, "bytes": copied, "max_abs_err": worst,
+    return {"us": per_length, "host_us": host, "bytes": copied, "max_abs_err": worst,
             "planned": s.grape.stats.planned_calls}
+
+
+def grape_loop_unsynchronized(s: Setup, max_past: int) -> float:
+    """The same loop as a decoder runs it: nothing read back, one sync at the end.
+    Microseconds per step: host work overlaps the GPU's."""
+    past = dict(s.start)
+    s.grape.backend.synchronize()
+    t0 = time.perf_counter()
+    for length in range(1, max_past + 1):
+        out = s.grape.run({"x": s.xs[length], **past}, return_numpy=False)
+        past = {n: out["present_" + n[len("past_"):]] for n in NAMES}
+    s.grape.backend.synchronize()
+    return (time.perf_counter() - t0) * 1e6 / max_past
 
 
 def per_shape_steps(s: Setup, length: int, copy: bool, reps: int) -> tuple[float, int]:
@@ -107,15 +123,18 @@ def per_shape_steps(s: Setup, length: int, copy: bool, reps: int) -> tuple[float
     for _ in range(2):  # record, then one planned call
         s.per_shape.run({"x": x, **placeholders}, return_numpy=False)
     s.per_shape.backend.synchronize()
-    times = []
+    times, host = [], []
     for _ in range(reps):
         t0 = time.perf_counter()
         if copy:
             for n in NAMES:
                 placeholders[n].copyfrom(incoming[n])
         s.per_shape.run({"x": x, **placeholders}, return_numpy=False)
+        host.append((time.perf_counter() - t0) * 1e6)
         s.per_shape.backend.synchronize()
         times.append((time.perf_counter() - t0) * 1e6)
+    s.host_us.setdefault("graph_per_shape_copy" if copy else "graph_per_shape_in_place", {})[
+        str(length)] = statistics.median(host)
     return statistics.median(times), cache_bytes(length) if copy else 0
 
 
@@ -191,8 +210,10 @@ def main() -> None:
     cold = time.perf_counter() - t0
     print(f"grape: first decode loop 1..{args.max_past} (records every length) {cold:.1f} s", flush=True)
     second = grape_loop(s, args.max_past, timed=True, check_every=64)
+    unsynchronized = grape_loop_unsynchronized(s, args.max_past)
     sampled = [n for n in SAMPLED if n <= args.max_past]
     curves = {"grape": {str(n): second["us"][n] for n in sampled}}
+    s.host_us["grape"] = {str(n): second["host_us"][n] for n in sampled}
     bytes_curves = {"grape": {str(n): second["bytes"][n - 1] for n in sampled}}
     for name, copy in (("graph_per_shape_copy", True), ("graph_per_shape_in_place", False)):
         curves[name], bytes_curves[name] = {}, {}
@@ -220,11 +241,14 @@ def main() -> None:
         "bytes_copied_per_step": {k: v[at] for k, v in bytes_curves.items()},
         "step_us": {k: v[at] for k, v in curves.items()},
         "step_us_by_past": curves,
+        "host_us_by_past": s.host_us,
         "bytes_copied_by_past": bytes_curves,
         "grape_loop": {"steps": args.max_past, "bytes_copied_total": int(sum(second["bytes"])),
                        "planned_calls_second_loop": second["planned"] - first["planned"],
                        "first_loop_s": cold,
                        "median_step_us": statistics.median(second["us"].values()),
+                       "median_host_us": statistics.median(second["host_us"].values()),
+                       "unsynchronized_step_us": unsynchronized,
                        "max_abs_err_vs_tvm_vm_every_64th_step": second["max_abs_err"]},
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["build", "compile_onnx", "load", "grape_pipeline", "__version__"]
+__all__ = ["build", "compile_onnx", "compile_loop", "load", "load_loop", "grape_pipeline",
+           "__version__"]
 
 
 def __getattr__(name):
@@ -30,6 +31,10 @@ def __getattr__(name):
         from grape_tvm.pipeline import grape_pipeline  # pylint: disable=import-outside-toplevel
 
         return grape_pipeline
+    if name in ("compile_loop", "load_loop"):
+        from grape_tvm import loop  # pylint: disable=import-outside-toplevel
+
+        return getattr(loop, name)
     if name == "load":
         from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 

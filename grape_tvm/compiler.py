@@ -17,6 +17,7 @@ from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature
 from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.pipeline import grape_pipeline, is_gpu
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
+from grape_tvm.runtime.device_loop import LOOP_SOURCE
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 from grape_tvm.target import parse_target, target_json
@@ -31,9 +32,12 @@ class GrapeModule:
     plan: dict
     target: dict
     cubins: dict[str, bytes] = field(default_factory=dict)
+    loop: dict | None = None  # a LoopSpec's JSON, for modules made by compile_loop
 
     def manifest(self) -> dict:
+        extra = {"loop": self.loop} if self.loop is not None else {}
         return {
+            **extra,
             "grape_tvm_version": grape_tvm.__version__,
             "tvm_version": tvm.__version__,
             "target": self.target,
@@ -117,8 +121,8 @@ def package(executable, signature: Signature, target: Any, plan: dict | None = N
     info = target_json(tgt)
     cubins = {}
     if is_gpu(tgt) and prebuild_cubin and nvcc_available():
-        # The model's kernels and the runtime's patch kernel, for the target's arch.
-        sources = _cuda_sources(executable) + [PATCH_SOURCE.read_text()]
+        # The model's kernels and the runtime's own (patch, loop), for the target's arch.
+        sources = _cuda_sources(executable) + [PATCH_SOURCE.read_text(), LOOP_SOURCE.read_text()]
         cubins = {source_key(code): compile_cubin(code, info.get("arch", "sm_90"))
                   for code in sources}
     plan = plan if plan is not None else {"regions": [], "host_steps": [], "host_bookkeeping": 0}

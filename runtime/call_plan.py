@@ -19,8 +19,11 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 import tvm
+import tvm_ffi
 
 from .signature import nbytes
+
+MEMO_LIMIT = 1 << 16  # entries of the pool's shared caches before they start over
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,12 @@ class BufferPool:
         self.device = device
         self.buffers: list[list[Any]] = []  # per slot: [side 0] or [side 0, side 1]
         self.generation = 0  # bumped when a buffer moves: views made before are stale
+        # What plans of every dims share, valid for one generation: region argument lists
+        # (addresses do not depend on dims) and output views. A decode loop meets a new
+        # past length, so a new plan, on every step: making these once is most of its cost.
+        self.memo: dict[Any, Any] = {}
+        self._memo_generation = 0
+        self._shapes: dict[tuple, tvm_ffi.Shape] = {}
 
     def reserve(self, index: int, nbytes: int, sides: int = 1) -> None:
         while len(self.buffers) <= index:
@@ -68,9 +77,24 @@ class BufferPool:
                 held[side] = tvm.runtime.empty((size,), "uint8", self.device)
                 self.generation += 1
 
+    def shared(self, key: Any, make) -> Any:
+        """``make()``, made once per generation for ``key``."""
+        if self._memo_generation != self.generation or len(self.memo) > MEMO_LIMIT:
+            self.memo, self._memo_generation = {}, self.generation
+        found = self.memo.get(key)
+        if found is None:
+            found = self.memo[key] = make()
+        return found
+
     def view(self, index: int, shape: tuple, dtype: str, side: int = 0):
         held = self.buffers[index]
-        return held[side if side < len(held) else 0]._create_view(shape, dtype)
+        base = held[side if side < len(held) else 0]
+        ffi_shape = self._shapes.get(shape)
+        if ffi_shape is None:  # building a Shape costs more than the view itself
+            if len(self._shapes) > MEMO_LIMIT:
+                self._shapes.clear()
+            ffi_shape = self._shapes[shape] = tvm_ffi.Shape(shape)
+        return base._create_view(ffi_shape, dtype)
 
     def address(self, index: int, side: int = 0) -> "Address":
         """The buffer's address, made once per generation (plans of every dims share it)."""
@@ -96,11 +120,12 @@ class BufferPool:
         self._ranges_cache = (self.generation, value)
         return value
 
-    def side_for(self, tensors: Sequence[Any]) -> int | None:
-        """The output side none of ``tensors`` lives on; None if they live in buffers a call
-        would overwrite whichever side it takes."""
+    def side_for(self, tensors: Sequence[Any], hit: set | None = None) -> int | None:
+        """The output side none of ``tensors`` lives on, nor any side in ``hit`` (those of
+        tensors known to be output views); None if they live in buffers a call would
+        overwrite whichever side it takes."""
         starts, ends = self._ranges()
-        hit = set()
+        hit = set(hit or ())
         for t in tensors:
             address = t.data_ptr()
             i = bisect.bisect_right(starts, address) - 1
@@ -122,6 +147,24 @@ class CallPlan:
         self._generation: dict[int, int] = {}
         self._args: dict[int, list[tuple]] = {}  # per side
         self._outs: dict[int, list[Any]] = {}
+        self._described: dict[int, dict[int, tuple]] = {}  # per side, see ``described``
+        self._layouts = [self._layout(slots) for _, _, slots in regions]
+
+    def _layout(self, slots: list[Slot]) -> tuple:
+        """What a region call's argument list is made of, independent of the pool: the key
+        its address list is shared under, the positions of inputs, of dims passed by value
+        and of outputs, and the positions that may move between calls."""
+        def is_scalar(slot: Slot) -> bool:  # a dim passed by value: differs between dims
+            return slot.kind == "value" and not isinstance(slot.value, tvm.runtime.Tensor)
+
+        key = tuple((s.kind, "scalar" if is_scalar(s) else
+                     id(s.value) if s.kind == "value" else s.index) for s in slots)
+        inputs = [(i, s.index) for i, s in enumerate(slots) if s.kind == "input"]
+        scalars = [(i, s.value) for i, s in enumerate(slots) if is_scalar(s)]
+        outputs = {i: s.index for i, s in enumerate(slots)
+                   if s.kind == "buffer" and s.index in self.output_buffers}
+        shared = [i for i, s in enumerate(slots) if s.kind != "input" and not is_scalar(s)]
+        return key, inputs, scalars, outputs, shared, [i for i, _ in inputs] + list(outputs)
 
     def _materialize(self, pool: BufferPool, side: int, addresses_only: bool) -> None:
         # Made once per pool generation and side, not per call. A backend that reads only
@@ -131,24 +174,61 @@ class CallPlan:
                 chosen = side if slot.index in self.output_buffers else 0
                 if addresses_only and not returned:
                     return pool.address(slot.index, chosen)
+                if returned:
+                    return pool.shared(("view", slot.index, chosen, slot.shape, slot.dtype),
+                                       lambda: pool.view(slot.index, slot.shape, slot.dtype, chosen))
                 return pool.view(slot.index, slot.shape, slot.dtype, chosen)
             return slot.value
 
+        def region_values(slots: list[Slot], shared: list[int]) -> list[Any]:
+            values = [None] * len(slots)
+            for i in shared:
+                values[i] = fixed(slots[i])
+            return values
+
         args = []
-        for region, shape, slots in self.regions:
-            values = [None if s.kind == "input" else fixed(s) for s in slots]
-            inputs = [(i, s.index) for i, s in enumerate(slots) if s.kind == "input"]
-            outputs = {i: s.index for i, s in enumerate(slots)
-                       if s.kind == "buffer" and s.index in self.output_buffers}
+        for (region, shape, slots), layout in zip(self.regions, self._layouts):
+            key, inputs, scalars, outputs, shared, moving = layout
+            if addresses_only:  # the same list for plans of any dims: share it
+                values = pool.shared(("args", region, side, key),
+                                     lambda slots=slots, shared=shared: region_values(slots, shared))
+            else:
+                values = region_values(slots, shared)
             # Calls of any dims whose region arguments sit in the same pool buffers share
             # this key: between them only the inputs and the output side move.
-            caller = (pool.generation, region, tuple((s.kind, s.index) for s in slots))
-            moving = [i for i, _ in inputs] + list(outputs)
-            args.append((region, shape, values, inputs, outputs, moving, caller))
+            caller = (pool.generation, region, key)
+            args.append((region, shape, values, inputs, scalars, outputs, moving, caller))
         self._args[side] = args
         self._outs[side] = [None if s.kind == "input" else fixed(s, returned=True)
                             for s in self.outputs]
+        self._described[side] = {id(view): (view, slot.shape, slot.dtype, side)
+                                 for slot, view in zip(self.outputs, self._outs[side])
+                                 if view is not None and slot.kind == "buffer"}
         self._generation[side] = pool.generation
+
+    def described(self, side: int) -> dict[int, tuple]:
+        """The output views a call on ``side`` returns, by ``id``: (view, shape, dtype, side).
+
+        The plan holds the views, so an ``id`` names one of them for as long as it is here:
+        an executor given one back as an input knows its shape and dtype without asking TVM
+        (reading a tensor's dtype costs about 2 us, and a decode step passes dozens).
+        """
+        return self._described.get(side, {})
+
+    def calls(self, inputs: Sequence[Any], pool: BufferPool, side: int
+              ) -> tuple[list[tuple[str, tuple, list[Any]]], list[Any]]:
+        """Each region's call on ``inputs`` as tensors (pool views, inputs, values), and
+        the outputs: what a caller re-issuing the call itself needs (a device loop's body)."""
+        def value(slot: Slot):
+            if slot.kind == "input":
+                return inputs[slot.index]
+            if slot.kind == "buffer":
+                chosen = side if slot.index in self.output_buffers else 0
+                return pool.view(slot.index, slot.shape, slot.dtype, chosen)
+            return slot.value
+
+        regions = [(region, shape, [value(s) for s in slots]) for region, shape, slots in self.regions]
+        return regions, [value(s) for s in self.outputs]
 
     def run(self, inputs: Sequence[Any], pool: BufferPool, backend, side: int = 0,
             out: dict[int, Any] | None = None) -> list[Any] | None:
@@ -162,10 +242,12 @@ class CallPlan:
         if self._generation.get(side) != pool.generation:
             self._materialize(pool, side, getattr(backend, "addresses_only", False))
         redirect = {self.outputs[i].index: t for i, t in (out or {}).items()}
-        for region, shape, values, from_inputs, outputs, moving, caller in self._args[side]:
+        for region, shape, values, from_inputs, scalars, outputs, moving, caller in self._args[side]:
             args = list(values)
             for position, index in from_inputs:
                 args[position] = inputs[index]
+            for position, value in scalars:
+                args[position] = value
             for position, index in outputs.items():
                 if index in redirect:
                     args[position] = redirect[index]

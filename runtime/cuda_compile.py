@@ -80,3 +80,25 @@ class CubinStore:
 
         tvm_ffi.register_global_func("tvm_callback_cuda_compile", tvm_callback_cuda_compile,
                                      override=True)
+
+
+class RuntimeKernel:
+    """One of the runtime's own kernels (``runtime/kernels/*.cu``), loaded from its cubin.
+
+    The cubin comes from the artifact (built beside the model's kernels), else from the
+    cache or nvcc (``CubinStore``). Owns its CUmodule; ``close()`` unloads it.
+    """
+
+    def __init__(self, store: CubinStore, source: Path, name: str):
+        from .cuda_driver import check, driver  # pylint: disable=import-outside-toplevel
+
+        self._driver = driver
+        cubin = store.lookup(source.read_text())
+        self.module = check(driver.cuModuleLoadData(cubin), f"cuModuleLoadData({source.name})")
+        self.function = check(driver.cuModuleGetFunction(self.module, name.encode()),
+                              f"cuModuleGetFunction({name})")
+
+    def close(self) -> None:
+        if self.module is not None:
+            self._driver.cuModuleUnload(self.module)
+            self.module = None

@@ -81,6 +81,10 @@ class GraphExecutor:
         self._position = {t.name: i for i, t in enumerate(inputs)}
         self._template: list[Any] = [None] * len(inputs)  # bound inputs in place
         self._fixed: list[int] = []  # their positions
+        # Fast paths of a call's checks: the last planned call's outputs (an autoregressive
+        # caller passes them straight back) and the dims of input shapes seen before.
+        self._returned: dict[int, tuple] = {}
+        self._dims_of: dict[tuple, tuple] = {}
 
     # -- calls ---------------------------------------------------------------------------
     def bind_inputs(self, inputs: Mapping[str, Any]) -> None:
@@ -102,6 +106,7 @@ class GraphExecutor:
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
             self._fixed = [i for i, t in enumerate(self._template) if t is not None]
             self._plans.clear()
+            self._returned, self._dims_of = {}, {}
 
     def run(self, inputs: Mapping[str, Any] | Sequence[Any], *, return_numpy: bool = True,
             out: Mapping[str, Any] | None = None) -> dict[str, Any] | list[Any]:
@@ -155,15 +160,21 @@ class GraphExecutor:
 
     def _call(self, args: list, key: tuple | None, passed: list, out: dict[int, Any]):
         plan = self._plans.get(key) if key is not None else None
-        side = self._pool.side_for(passed + list(out.values())) if plan is not None else None
+        side = None
+        if plan is not None:
+            unknown = [t for t in passed if id(t) not in self._returned] + list(out.values())
+            side = self._pool.side_for(unknown, {self._returned[id(t)][3] for t in passed
+                                                 if id(t) in self._returned})
         if plan is not None and side is not None:
             self._check_out(out, plan)
             outputs = plan.run(args, self._pool, self.backend, side, out)
+            self._returned = plan.described(side)
             if outputs is not None:
                 self.stats.planned_calls += 1
                 self.stats.region_replays += len(plan.regions)
                 self.stats.last["path"] = "planned"
                 return self._name_outputs(outputs)
+        self._returned = {}
         watch = self._plan_calls and key is not None and key not in self._plans
         self._watch = CallPlanRecorder(args, self._fixed) if watch else None
         try:
@@ -196,14 +207,29 @@ class GraphExecutor:
         if not isinstance(inputs, Mapping):
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
-        tensors = {name: self._as_tensor(name, value) for name, value in inputs.items()}
-        dims = self.signature.bind({k: t.shape for k, t in tensors.items()},
-                                   {k: str(t.dtype) for k, t in tensors.items()},
-                                   bound=self._bound_dims, skip=self._bound)
+        tensors, described = {}, []
+        for name, value in inputs.items():
+            known = self._returned.get(id(value))
+            if known is not None and known[0] is value:  # our own output, checked when made
+                tensors[name] = value
+                described.append((name, known[1], known[2]))
+            else:
+                tensor = tensors[name] = self._as_tensor(name, value)
+                described.append((name, tuple(tensor.shape), str(tensor.dtype)))
+        described = tuple(described)
+        key = self._dims_of.get(described)
+        if key is None:
+            dims = self.signature.bind({n: s for n, s, _ in described},
+                                       {n: d for n, _, d in described},
+                                       bound=self._bound_dims, skip=self._bound)
+            key = tuple(sorted(dims.items()))
+            if len(self._dims_of) >= 1 << 16:  # a bound: shapes are many, memory is not
+                self._dims_of.clear()
+            self._dims_of[described] = key
         args = list(self._template)
         for name, tensor in tensors.items():
             args[self._position[name]] = tensor
-        return args, tuple(sorted(dims.items())), list(tensors.values())
+        return args, key, list(tensors.values())
 
     def _as_tensor(self, name: str, value: Any, copy: bool = True) -> tvm.runtime.Tensor:
         if isinstance(value, tvm.runtime.Tensor):
@@ -239,6 +265,26 @@ class GraphExecutor:
         if self._open is not None:
             self.backend.abort(self._open[1])
             self._open = None
+
+    def trace(self, inputs: Mapping[str, Any]) -> tuple[list[tuple[str, tuple, list]], list]:
+        """The region calls (name, shape, arguments) and outputs of a call on ``inputs``,
+        without running it: for a caller that issues them itself (``DeviceLoop``).
+
+        Needs a plan at these dims (``plan_calls`` and a call made before at them); the
+        arguments are the given input tensors, bound inputs and the executor's buffers.
+        """
+        with self._lock:
+            args, key, passed = self._prepare(inputs)
+            plan = self._plans.get(key)
+            if plan is None:
+                raise RuntimeError(f"no call plan at dims {dict(key or ())}: run the model once "
+                                   "at these dims first (an entry function with host steps has "
+                                   "none)")
+            side = self._pool.side_for(passed)
+            if side is None:
+                raise InputError("the inputs live in the executor's own buffers: pass tensors "
+                                 "of your own")
+            return plan.calls(args, self._pool, side)
 
     # -- region interception -------------------------------------------------------------
     def _instrument(self, func, symbol: str, before_run: bool, _ret, *args) -> int:

@@ -4,9 +4,10 @@
 block dims: the graph captured at the group's first shape, its instantiation, and the device
 buffers of its argument table. Its kernel nodes are device-updatable; a ``PatchKernel`` node
 at the head applies the current shape's row (grid dims, scalar parameters) and the current
-call's argument addresses. A call writes the row index and any argument address that moved
-(``cuStreamWriteValue32/64``, stream-ordered) and launches: no capture, no instantiation, no
-host-side node update. The patch kernel applies only what differs from the launch before.
+call's argument addresses. A call that changes the row or moves an argument writes its launch
+record (row index and argument addresses) with one stream-ordered copy, and launches: no
+capture, no instantiation, no host-side node update. The patch kernel applies only what
+differs from the launch before.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .argument_table import ArgumentTable
-from .cuda_compile import CubinStore
+from .cuda_compile import CubinStore, RuntimeKernel
 from .cuda_driver import check, driver
 from .cuda_graph import OwnedGraph
 
@@ -26,23 +27,11 @@ NO_ROW = 0xFFFFFFFF  # state.applied_row before anything was applied
 PATCH_SOURCE = Path(__file__).with_name("kernels") / "patch.cu"
 
 
-class PatchKernel:
-    """The compiled patch kernel, loaded once per backend (owns its CUmodule).
-
-    Its cubin comes from the artifact (built with the model's kernels), else from the
-    cache or nvcc (``CubinStore``).
-    """
+class PatchKernel(RuntimeKernel):
+    """The compiled patch kernel, loaded once per backend."""
 
     def __init__(self, store: CubinStore):
-        cubin = store.lookup(PATCH_SOURCE.read_text())
-        self.module = check(driver.cuModuleLoadData(cubin), "cuModuleLoadData(patch kernel)")
-        self.function = check(driver.cuModuleGetFunction(self.module, b"grape_patch"),
-                              "cuModuleGetFunction(grape_patch)")
-
-    def close(self) -> None:
-        if self.module is not None:
-            driver.cuModuleUnload(self.module)
-            self.module = None
+        super().__init__(store, PATCH_SOURCE, "grape_patch")
 
 
 class DeviceBuffer:
@@ -193,10 +182,14 @@ class TopologyGraph(OwnedGraph):
         self._last_caller: Any = None
         self.dev_nodes = [_device_updatable(n.node) for n in nodes]
         self.buffers = {name: DeviceBuffer(16) for name in
-                        ("columns", "rows", "pointers", "spans", "args", "applied", "state",
+                        ("columns", "rows", "pointers", "spans", "launch", "applied", "state",
                          "nodes")}
         self.buffers["nodes"].write(struct.pack(f"<{len(self.dev_nodes)}Q", *self.dev_nodes))
-        self.buffers["args"].write(bytes(8 * max(num_args, 1)))
+        # The launch record {u32 row, u32 pad, u64 args[num_args]}: its host copy, and what
+        # the device holds (the last copy queued); a call queues a copy only if they differ.
+        self._launch = bytearray(8 + 8 * max(num_args, 1))
+        self._launched = bytes(self._launch)
+        self.buffers["launch"].write(self._launched)
         pointers, self._pointer_spans = encode_pointers(pointer_map, layouts)
         self.buffers["pointers"].write(pointers)
         self._encode_table()
@@ -209,7 +202,7 @@ class TopologyGraph(OwnedGraph):
         return _kernel_params([
             ("u64", b["columns"].address), ("u64", b["rows"].address), ("u32", self._row_bytes),
             ("u64", b["pointers"].address), ("u64", b["spans"].address),
-            ("u32", len(self.dev_nodes)), ("u64", b["args"].address),
+            ("u32", len(self.dev_nodes)), ("u64", b["launch"].address),
             ("u64", b["applied"].address), ("u32", self.num_args),
             ("u64", b["state"].address), ("u64", b["nodes"].address)])
 
@@ -251,9 +244,8 @@ class TopologyGraph(OwnedGraph):
         self.buffers["rows"].write_at(0, rows)
         # Row layout may have changed: the next launch applies every column again, and
         # every argument address (no address is all ones).
-        self.buffers["state"].write(struct.pack("<4I", 0, NO_ROW, 0, 0))
+        self.buffers["state"].write(struct.pack("<4I", NO_ROW, 0, 0, 0))
         self.buffers["applied"].write(b"\xff" * (8 * max(self.num_args, 1)))
-        self._written_row, self._written_args = 0, [None] * self.num_args
         self._encoded = (list(self.table.columns), len(self.table))
         self._placement = _placement(self.table, self.layouts)
         return moved
@@ -282,20 +274,20 @@ class TopologyGraph(OwnedGraph):
                caller: Any = None, moving: Sequence[int] | None = None) -> None:
         """Launch at ``row``. A ``caller`` that launched this graph last, with the same
         buffers, names in ``moving`` the only arguments whose address may have changed."""
-        state = self.buffers["state"].address
         same_caller = caller is not None and caller == self._last_caller
         self._last_caller = caller
-        positions = moving if same_caller else range(min(len(region_args), self.num_args))
-        for i in positions:
+        record = self._launch
+        struct.pack_into("<I", record, 0, row)
+        for i in (moving if same_caller else range(min(len(region_args), self.num_args))):
             arg = region_args[i]
-            address = arg.data_ptr() if hasattr(arg, "data_ptr") else 0
-            if address != self._written_args[i]:
-                check(driver.cuStreamWriteValue64(stream, self.buffers["args"].address + 8 * i,
-                                                  address, 0), "cuStreamWriteValue64")
-                self._written_args[i] = address
-        if row != self._written_row:
-            check(driver.cuStreamWriteValue32(stream, state, row, 0), "cuStreamWriteValue32")
-            self._written_row = row
+            struct.pack_into("<Q", record, 8 + 8 * i, arg.data_ptr() if hasattr(arg, "data_ptr") else 0)
+        if record != self._launched:
+            # From pageable memory: the driver stages the bytes before it returns, so the
+            # record can be rewritten for the next call at once; the copy itself is ordered
+            # before the launch on the stream, whatever runs before it.
+            self._launched = bytes(record)
+            check(driver.cuMemcpyHtoDAsync(self.buffers["launch"].address, self._launched,
+                                           len(self._launched), stream), "cuMemcpyHtoDAsync(launch)")
         check(driver.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
 
     def device_bytes(self) -> int:

@@ -78,14 +78,15 @@ def test_other_block_dims_or_kernels_make_another_group():
 
 
 def apply_patch(columns: bytes, rows: bytes, row_bytes: int, pointers: bytes, spans: bytes,
-                args: list[int], applied: list[int], state: list[int],
+                shape_row: int, args: list[int], applied: list[int], state: list[int],
                 params: list[bytearray], grids: list[list[int]]) -> int:
-    """What patch.cu does, on host memory, node by node as its threads do.
+    """What patch.cu does, on host memory, node by node as its threads do: ``shape_row``
+    and ``args`` are the launch record, ``state[0]`` the row applied last.
 
     Returns the number of device-side update calls it made.
     """
     updates = 0
-    shape_row, applied_row = state[0], state[1]
+    applied_row = state[0]
     new_row = shape_row != applied_row
     row = rows[shape_row * row_bytes:(shape_row + 1) * row_bytes]
     before = None if applied_row == NO_ROW else rows[applied_row * row_bytes:(applied_row + 1) * row_bytes]
@@ -111,7 +112,7 @@ def apply_patch(columns: bytes, rows: bytes, row_bytes: int, pointers: bytes, sp
             params[node][offset:offset + 8] = struct.pack("<Q", args[arg] + delta)
             updates += 1
     applied[:] = args
-    state[1] = shape_row
+    state[0] = shape_row
     return updates
 
 
@@ -128,7 +129,7 @@ def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
     base = records(1)
     params = [bytearray(b"".join(r.fields[1:])) for r in base]
     grids = [list(r.fields[0]) for r in base]
-    state = [0, NO_ROW, 0, 0]  # what TopologyGraph writes before the first launch
+    state = [NO_ROW, 0, 0, 0]  # what TopologyGraph writes before the first launch
     applied = [ALL_ONES]
     address = None
     steps = list(rows.items())
@@ -137,9 +138,8 @@ def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
     calls = [(n, row, 0x5000_0000 + 4096 * (i // 3)) for i, (n, row) in enumerate(steps)]
     calls.append(calls[-1])
     for step, (n, row, address) in enumerate(calls):
-        state[0] = row
-        updates = apply_patch(columns, packed, row_bytes, pointers, spans, [address], applied,
-                              state, params, grids)
+        updates = apply_patch(columns, packed, row_bytes, pointers, spans, row, [address],
+                              applied, state, params, grids)
         want = records(n)
         for node in range(3):
             expect = bytearray(b"".join(want[node].fields[1:]))
@@ -189,8 +189,8 @@ def test_columns_found_late_are_grouped_with_their_node():
     assert [struct.unpack_from("<I", columns, 32 * c)[0] for c in range(2)] == [0, 1]
     assert spans == {0: (0, 1), 1: (1, 1)}
     params, grids = [bytearray(4), bytearray(4)], [[1, 1, 1], [1, 1, 1]]
-    state = [2, NO_ROW, 0, 0]
-    apply_patch(columns, rows, row_bytes, b"", encode_spans(2, spans, {}), [], [], state,
+    state = [NO_ROW, 0, 0, 0]
+    apply_patch(columns, rows, row_bytes, b"", encode_spans(2, spans, {}), 2, [], [], state,
                 params, grids)
     assert params == [bytearray(struct.pack("<i", 7)), bytearray(struct.pack("<i", 5))]
 

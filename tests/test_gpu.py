@@ -164,6 +164,24 @@ def test_device_inputs_at_new_addresses_are_repointed(blocks):
         np.testing.assert_allclose(got, _vm_reference(vm, dev, x), rtol=1e-5, atol=1e-5)
 
 
+def test_torch_views_are_read_in_place_and_strided_ones_refused(blocks):
+    """DLPack from torch: a view at an offset into a larger tensor is read where it is (no
+    copy counted), and equals the VM; a transposed view gets one clear error."""
+    torch = pytest.importorskip("torch")
+    from grape_tvm.runtime.signature import InputError  # pylint: disable=import-outside-toplevel
+
+    executor, vm, dev, _ = blocks
+    big = torch.randn(300, 64, device="cuda")
+    for start, n in ((5, 40), (17, 1), (100, 200)):
+        view = big[start:start + n]  # contiguous, at an offset into big's storage
+        got = executor.run({"x": view})["y"]
+        assert executor.stats.last["h2d_bytes"] == 0 and executor.stats.last["d2d_bytes"] == 0
+        np.testing.assert_allclose(got, _vm_reference(vm, dev, view.cpu().numpy()),
+                                   rtol=1e-5, atol=1e-5)
+    with pytest.raises((InputError, ValueError), match="not contiguous"):
+        executor.run({"x": torch.randn(64, 30, device="cuda").t()})
+
+
 def test_first_launch_after_instantiation_is_fresh(blocks):
     """Each new shape is captured, instantiated, uploaded and launched at once: check it."""
     executor, vm, dev, manifest = blocks
@@ -245,3 +263,81 @@ def test_decode_loop_feeds_its_cache_back_with_no_copies():
             executor.backend.describe()["topology_groups"]["grape_region_0"])
     finally:
         executor.close()
+
+
+# -- a whole decode loop as one graph launch (compile_loop / load_loop) -----------------
+
+@pytest.fixture(scope="module")
+def decoder():
+    """(config, weights, TVM's VM on its own build of the step, cuda device)."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load_library  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import DECODER_TINY, decoder_weights  # pylint: disable=import-outside-toplevel
+
+    config = DECODER_TINY
+    weights = decoder_weights(config["vocab"], config["hidden"], config["layers"],
+                              config["max_len"], seed=3)
+    library, _, dev = load_library(_artifact("decoder_tiny.tvm_vm.cuda.grape"), "cuda")
+    del tvm
+    return config, weights, VirtualMachine(library, dev), dev
+
+
+def _initial(config, batch):
+    from models import decoder_initial_state  # pylint: disable=import-outside-toplevel
+
+    return decoder_initial_state(batch, config["heads"], config["hidden"] // config["heads"],
+                                 config["layers"], config["max_len"])
+
+
+def _vm_decode(decoder, batch, eos):
+    import tvm  # pylint: disable=import-outside-toplevel
+    from models import decoder_state_names  # pylint: disable=import-outside-toplevel
+
+    config, weights, vm, dev = decoder
+    carried = decoder_state_names(config["layers"])
+    state = {k: tvm.runtime.tensor(v, dev) for k, v in _initial(config, batch).items()}
+    fixed = [tvm.runtime.tensor(np.array([eos], np.int32), dev)]
+    fixed += [tvm.runtime.tensor(w, dev) for w in weights.values()]
+    steps = 0
+    while steps < config["max_len"] - 1:
+        out = vm["main"](*[state[n] for n in carried], *fixed)
+        steps += 1
+        state = dict(zip(carried, out[:len(carried)]))
+        if out[len(carried)].numpy().any():
+            break
+    return state["tokens"].numpy(), steps
+
+
+def test_device_loop_generates_the_vm_tokens_in_one_launch(decoder):
+    """WHILE-node loop, host-driven grape loop and TVM's VM: same tokens, same stop step,
+    for a loop stopped by EOS and one stopped by the step limit, batch 1 and 3."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    config, weights, _, _ = decoder
+    path = _artifact("decoder_tiny.loop.cuda.grape")
+    free, _ = _vm_decode(decoder, 1, eos=config["vocab"] + 1)
+    for batch in (1, 3):
+        for eos in (config["vocab"] + 1, int(free[0, 5])):
+            want, want_steps = _vm_decode(decoder, batch, eos)
+            results = {}
+            for mode in ("device", "host"):
+                with grape_tvm.load_loop(path, "cuda", mode=mode) as loop:
+                    loop.bind_inputs({"eos": np.array([eos], np.int32), **weights})
+                    first = loop.run(_initial(config, batch))
+                    again = loop.run(_initial(config, batch))  # the same graph, relaunched
+                    results[mode] = (first.steps, first.state["tokens"].numpy(), again.steps,
+                                     again.state["tokens"].numpy())
+                    if mode == "device":
+                        assert loop.runner.launches == 2 and len(loop.runner._graphs) == 1
+            for mode, (steps, tokens, steps2, tokens2) in results.items():
+                assert steps == steps2 == want_steps, (mode, batch, eos)
+                np.testing.assert_array_equal(tokens, want, err_msg=f"{mode} batch {batch}")
+                np.testing.assert_array_equal(tokens2, want)
+            if eos <= config["vocab"] and batch == 1:
+                assert want_steps <= 5  # stopped by EOS, early

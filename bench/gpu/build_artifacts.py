@@ -5,6 +5,9 @@
 - ``blocks.cuda.grape``: the bundled example (tests, demo).
 - ``gpt2_tiny.cuda.grape``, ``gpt2.grape.cuda.grape``: decode steps with a KV cache (tests,
   zero-copy benchmark).
+- ``decoder_tiny.{loop,tvm_vm}.cuda.grape``, ``decoder{,_small}.{loop,tvm_vm}.cuda.grape``: a greedy
+  decoder's step (static KV cache) compiled as a loop by ``compile_loop`` and by TVM's
+  default pipeline (tests, decode-loop benchmark).
 - ``blocks24.{grape,tvm_vm,tvm_cuda_graph}.cuda.grape``: the argument-table benchmark's
   model (24 blocks, width 768, n = 1..1024; weights are inputs, made on the GPU from a seed)
   built by grape, by TVM's default pipeline, and by TVM's default pipeline with its own
@@ -27,7 +30,16 @@ sys.path.insert(0, str(ROOT / "examples"))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from blocks import make_blocks  # noqa: E402  pylint: disable=wrong-import-position
-from models import blocks_relax, gpt2_decode_step, gpt2_output_names  # noqa: E402  pylint: disable=wrong-import-position
+from models import (  # noqa: E402  pylint: disable=wrong-import-position
+    DECODER_BENCH,
+    DECODER_SMALL,
+    DECODER_TINY,
+    blocks_relax,
+    decoder_state_names,
+    decoder_step,
+    gpt2_decode_step,
+    gpt2_output_names,
+)
 
 import grape_tvm  # noqa: E402  pylint: disable=wrong-import-position
 from grape_tvm.compiler import _relax_signature, package  # noqa: E402  pylint: disable=wrong-import-position
@@ -79,6 +91,21 @@ def build_decode(out: Path) -> None:
     full.export(out / "gpt2.grape.cuda.grape")
 
 
+def build_loop(out: Path) -> None:
+    """The decode loop: grape's ``compile_loop`` and TVM's default build of the same step."""
+    for name, config in (("decoder_tiny", DECODER_TINY), ("decoder", DECODER_BENCH),
+                         ("decoder_small", DECODER_SMALL)):
+        step = decoder_step(**config)
+        carried = decoder_state_names(config["layers"])
+        loop = _timed(f"{name}.loop", lambda: grape_tvm.compile_loop(
+            step, carried, max_steps=config["max_len"] - 1, dims={"batch": (1, 8)}, target=CUDA))
+        loop.export(out / f"{name}.loop.cuda.grape")
+        bounded = step.clone()
+        bounded["main"] = bounded["main"].with_attr("tir_var_upper_bound", {"batch": 8})
+        vm = _timed(f"{name}.tvm_vm", lambda: tvm.compile(bounded, target=CUDA))
+        package(vm, loop.signature, CUDA).export(out / f"{name}.tvm_vm.cuda.grape")
+
+
 HF_DIMS = {
     "gpt2_prefill": {"batch": (1, 8), "seq": (1, 1024)},
     "gpt2_decode": {"batch": (1, 8), "past": (1, 1024)},
@@ -115,6 +142,7 @@ def main(out: Path) -> None:
     build_bench(out)
     build_decode(out)
     build_hf_models(out)
+    build_loop(out)
     for path in sorted(out.glob("*.grape")):
         print(f"{path}: {path.stat().st_size} bytes")
 

@@ -18,4 +18,5 @@ python3 examples/demo.py --device cuda --artifact build/gpu/blocks.cuda.grape 2>
 python3 -P -m grape_tvm.cli inspect build/gpu/blocks.cuda.grape --record --device cuda 2>&1 | tee "$out/inspect.log" || status=1
 python3 -P bench/argument_tables.py --artifacts build/gpu --out "$out" ${GRAPE_BENCH_ARGS:-} 2>&1 | tee "$out/argument_tables.log" || status=1
 python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} 2>&1 | tee "$out/zero_copy.log" || status=1
+python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} 2>&1 | tee "$out/decode_loop.log" || status=1
 exit $status

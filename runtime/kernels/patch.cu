@@ -17,9 +17,10 @@
 //   pointers[p] = {node, offset, arg, pad, delta}, grouped by node: parameter at `offset`
 //                 of `node` is the address of region argument `arg` plus `delta` bytes
 //   spans[n]    = {first column, columns, first pointer, pointers} of node n
-//   args[a]     = the current call's address of region argument a (written by the host)
+//   launch      = {shape_row, pad, args[num_args]}: the current call's row and the address
+//                 of each region argument, written by the host in one stream-ordered copy
 //   applied[a]  = the address of argument a the nodes point at now (this kernel's)
-//   state       = {shape_row (host), applied_row (this kernel), pad, pad}
+//   state       = {applied_row (this kernel), pad x3}
 #include <cuda_runtime.h>
 
 struct Column {
@@ -35,8 +36,13 @@ struct Span {
   unsigned int first_column, columns, first_pointer, pointers;
 };
 
+struct Launch {
+  unsigned int shape_row, pad;
+  unsigned long long args[1];  // num_args of them
+};
+
 struct State {
-  unsigned int shape_row, applied_row, pad0, pad1;
+  unsigned int applied_row, pad0, pad1, pad2;
 };
 
 #define GRAPE_NO_ROW 0xffffffffu
@@ -52,17 +58,21 @@ extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
                                        unsigned int row_bytes,
                                        const Pointer* __restrict__ pointers,
                                        const Span* __restrict__ spans, unsigned int num_nodes,
-                                       const unsigned long long* __restrict__ args,
+                                       const Launch* __restrict__ launch,
                                        unsigned long long* applied, unsigned int num_args,
                                        State* state,
                                        const cudaGraphDeviceNode_t* __restrict__ nodes) {
-  __shared__ State seen;
-  if (threadIdx.x == 0) seen = *state;
+  __shared__ unsigned int shape_row, applied_row;
+  if (threadIdx.x == 0) {
+    shape_row = launch->shape_row;
+    applied_row = state->applied_row;
+  }
   __syncthreads();
-  const bool new_row = seen.shape_row != seen.applied_row;
-  const unsigned char* row = rows + (size_t)seen.shape_row * row_bytes;
+  const unsigned long long* args = launch->args;
+  const bool new_row = shape_row != applied_row;
+  const unsigned char* row = rows + (size_t)shape_row * row_bytes;
   const unsigned char* before =
-      seen.applied_row == GRAPE_NO_ROW ? nullptr : rows + (size_t)seen.applied_row * row_bytes;
+      applied_row == GRAPE_NO_ROW ? nullptr : rows + (size_t)applied_row * row_bytes;
   for (unsigned int n = threadIdx.x; n < num_nodes; n += blockDim.x) {
     const Span span = spans[n];
     const cudaGraphDeviceNode_t node = nodes[n];
@@ -87,5 +97,5 @@ extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
   }
   __syncthreads();  // every thread compared against `applied` before it changes
   for (unsigned int a = threadIdx.x; a < num_args; a += blockDim.x) applied[a] = args[a];
-  if (threadIdx.x == 0) state->applied_row = seen.shape_row;
+  if (threadIdx.x == 0) state->applied_row = shape_row;
 }

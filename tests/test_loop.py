@@ -1,0 +1,146 @@
+"""compile_loop / load_loop on the CPU: a greedy decoder's loop against TVM's VM.
+
+The reference is a Python loop over TVM's own build of the same step (its default
+pipeline), reading the stop flag on the host after each step. grape's loop on the CPU
+(``HostLoop``) must give the same tokens and stop at the same step: early (EOS), late
+(the step limit) and, for a batch, only once every sequence is done.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+import grape_tvm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from models import (  # noqa: E402  pylint: disable=wrong-import-position
+    decoder_initial_state,
+    decoder_state_names,
+    decoder_step,
+    decoder_weights,
+)
+
+VOCAB, HIDDEN, HEADS, LAYERS, MAX_LEN = 64, 32, 2, 2, 24
+CARRIED = decoder_state_names(LAYERS)
+
+
+@pytest.fixture(scope="module")
+def step():
+    return decoder_step(VOCAB, HIDDEN, HEADS, LAYERS, MAX_LEN)
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return decoder_weights(VOCAB, HIDDEN, LAYERS, MAX_LEN, seed=3)
+
+
+@pytest.fixture(scope="module")
+def loop_artifact(step, tmp_path_factory):
+    module = grape_tvm.compile_loop(step, CARRIED, max_steps=MAX_LEN - 1,
+                                    dims={"batch": (1, 4)}, target="llvm")
+    return module.export(tmp_path_factory.mktemp("loop") / "decoder.grape")
+
+
+@pytest.fixture(scope="module")
+def reference_vm(step):
+    return relax.VirtualMachine(tvm.compile(step, target="llvm"), tvm.cpu())
+
+
+def vm_loop(vm, state: dict, eos: int, weights: dict, max_steps: int) -> tuple[np.ndarray, int]:
+    """TVM's VM, one step per call, stop read on the host: (tokens, steps)."""
+    dev = tvm.cpu()
+    current = {k: tvm.runtime.tensor(v, dev) for k, v in state.items()}
+    fixed = [tvm.runtime.tensor(np.array([eos], np.int32), dev)]
+    fixed += [tvm.runtime.tensor(weights[k], dev) for k in weights]
+    steps = 0
+    while steps < max_steps:
+        out = vm["main"](*[current[n] for n in CARRIED], *fixed)
+        steps += 1
+        current = dict(zip(CARRIED, out[:len(CARRIED)]))
+        if out[len(CARRIED)].numpy().any():
+            break
+    return current["tokens"].numpy(), steps
+
+
+def grape_loop(artifact, weights: dict, eos: int):
+    loop = grape_tvm.load_loop(artifact, "cpu")
+    loop.bind_inputs({"eos": np.array([eos], np.int32), **weights})
+    return loop
+
+
+def initial(batch: int) -> dict:
+    return decoder_initial_state(batch, HEADS, HIDDEN // HEADS, LAYERS, MAX_LEN)
+
+
+def test_loop_runs_to_the_step_limit_like_the_vm(loop_artifact, reference_vm, weights):
+    eos = VOCAB + 7  # never produced: the step limit stops the loop
+    for batch in (1, 3):
+        want, want_steps = vm_loop(reference_vm, initial(batch), eos, weights, MAX_LEN - 1)
+        with grape_loop(loop_artifact, weights, eos) as loop:
+            assert loop.mode == "host"
+            got = loop.run(initial(batch))
+        assert want_steps == got.steps == MAX_LEN - 1
+        np.testing.assert_array_equal(got.state["tokens"].numpy(), want)
+        assert len(set(want[0, 1:].tolist())) > 1  # a real sequence, not one token repeated
+
+
+def test_loop_stops_early_at_eos_like_the_vm(loop_artifact, reference_vm, weights):
+    free, _ = vm_loop(reference_vm, initial(1), VOCAB + 7, weights, MAX_LEN - 1)
+    # The token first produced at step 4 becomes EOS: the loop must stop right there.
+    eos = int(free[0, 4])
+    first = 1 + list(free[0, 1:]).index(eos)
+    want, want_steps = vm_loop(reference_vm, initial(1), eos, weights, MAX_LEN - 1)
+    with grape_loop(loop_artifact, weights, eos) as loop:
+        got = loop.run(initial(1))
+        limited = loop.run(initial(1), max_steps=2)  # a limit below the stop wins
+    assert got.steps == want_steps == first <= 4
+    np.testing.assert_array_equal(got.state["tokens"].numpy(), want)
+    assert limited.steps == 2
+
+
+def test_a_batch_stops_when_every_sequence_is_done(loop_artifact, reference_vm, weights):
+    free, _ = vm_loop(reference_vm, initial(2), VOCAB + 7, weights, MAX_LEN - 1)
+    eos = int(free[1, 6])  # sequence 1 produces it at step 6 (or before); sequence 0 may not
+    want, want_steps = vm_loop(reference_vm, initial(2), eos, weights, MAX_LEN - 1)
+    with grape_loop(loop_artifact, weights, eos) as loop:
+        got = loop.run(initial(2))
+    assert got.steps == want_steps
+    np.testing.assert_array_equal(got.state["tokens"].numpy(), want)
+    done = got.state["done"].numpy()
+    assert done.all() or got.steps == MAX_LEN - 1
+    # After its EOS, a finished sequence only repeats EOS.
+    row = want[1, 1:want_steps + 1].tolist()
+    assert all(t == eos for t in row[row.index(eos):])
+
+
+def test_compile_loop_checks_the_step(step):
+    with pytest.raises(ValueError, match="not inputs of the step"):
+        grape_tvm.compile_loop(step, ["nope", *CARRIED[1:]], max_steps=4)
+    with pytest.raises(ValueError, match="returns"):
+        grape_tvm.compile_loop(step, CARRIED[:-1], max_steps=4)
+    with pytest.raises(ValueError, match="keeps its shape and dtype"):
+        grape_tvm.compile_loop(step, [CARRIED[1], CARRIED[0], *CARRIED[2:]], max_steps=4)
+    with pytest.raises(ValueError, match="at least 1"):
+        grape_tvm.compile_loop(step, CARRIED, max_steps=0)
+
+
+def test_loop_state_and_loading_errors(loop_artifact, weights, tmp_path):
+    with grape_loop(loop_artifact, weights, 0) as loop:
+        state = initial(1)
+        del state["done"]
+        with pytest.raises(ValueError, match=r"missing \['done'\]"):
+            loop.run(state)
+        with pytest.raises(ValueError, match="at least 1"):
+            loop.run(initial(1), max_steps=0)
+    with pytest.raises(ValueError, match="needs a CUDA artifact"):
+        grape_tvm.load_loop(loop_artifact, "cpu", mode="device")
+    plain = grape_tvm.build(decoder_step(VOCAB, HIDDEN, HEADS, LAYERS, MAX_LEN),
+                            {"batch": (1, 2)}, "llvm").export(tmp_path / "plain.grape")
+    with pytest.raises(ValueError, match="not compiled by compile_loop"):
+        grape_tvm.load_loop(plain, "cpu")

@@ -110,6 +110,7 @@ class LoopGraph(OwnedGraph):
         self.stream = stream
         self.graph = check(driver.cuGraphCreate(0), "cuGraphCreate")
         self.body_copy_bytes = 0  # per step, inside the graph
+        self.bound_version = -1  # the executor's bound inputs it was captured with
 
     def add_while(self, context):
         """The WHILE node, its handle set to 1 at each launch; returns (handle, body graph)."""
@@ -179,6 +180,9 @@ class DeviceLoop:
         tensors = {n: self.executor._as_tensor(n, state[n]) for n in self.spec.carried}
         key = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items())
         graph = self._graphs.get(key)
+        if graph is not None and graph.bound_version != self.executor.bound_version:
+            graph.close()  # its body reads the invariants bound before: build it again
+            graph = None
         if graph is None:
             graph = self._graphs[key] = self._build(key)
         self._load(graph, state, tensors)
@@ -220,6 +224,7 @@ class DeviceLoop:
         regions, outputs = self.executor.trace(state)
         counter = check(driver.cuMemAlloc(8), "cuMemAlloc(loop counter)")
         graph = LoopGraph(state, counter, self.backend.stream)
+        graph.bound_version = self.executor.bound_version
         try:
             handle, body = graph.add_while(self.backend._context)
             self._capture_body(graph, body, handle, regions, outputs)

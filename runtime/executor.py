@@ -77,6 +77,7 @@ class GraphExecutor:
         self._buffer_of: dict[tuple, int] = {}
         self._bound: dict[str, tvm.runtime.Tensor] = {}
         self._bound_dims: dict[str, int] = {}
+        self.bound_version = 0  # bumped by bind_inputs: graphs holding bound addresses are stale
         inputs = signature.inputs if signature is not None else ()
         self._position = {t.name: i for i, t in enumerate(inputs)}
         self._template: list[Any] = [None] * len(inputs)  # bound inputs in place
@@ -107,6 +108,7 @@ class GraphExecutor:
             self._fixed = [i for i, t in enumerate(self._template) if t is not None]
             self._plans.clear()
             self._returned, self._dims_of = {}, {}
+            self.bound_version += 1
 
     def run(self, inputs: Mapping[str, Any] | Sequence[Any], *, return_numpy: bool = True,
             out: Mapping[str, Any] | None = None) -> dict[str, Any] | list[Any]:
@@ -239,7 +241,12 @@ class GraphExecutor:
             self.stats.add("h2d_bytes", array.nbytes)
             return tvm.runtime.tensor(array, self.device)
         elif hasattr(value, "__dlpack__"):
-            tensor = tvm.runtime.from_dlpack(value)
+            try:
+                tensor = tvm.runtime.from_dlpack(value)
+            except Exception as err:  # pylint: disable=broad-except
+                # TVM refuses strided DLPack tensors itself ("Tensor is not contiguous").
+                raise ValueError(f"input {name!r} cannot be read in place: {err} (the kernels "
+                                 "read dense row-major tensors; pass a contiguous copy)") from None
         else:
             raise TypeError(f"input {name!r}: expected a numpy array or a DLPack tensor, got "
                             f"{type(value).__name__}")

@@ -94,6 +94,9 @@ def test_out_buffers_are_written_directly(blocks_artifact):
         executor.run({"x": x}, out={"y": tvm.runtime.empty((8, 64), "float32", tvm.cpu())})
     with pytest.raises(InputError, match="unknown output"):
         executor.run({"x": x}, out={"z": target})
+    strided = np.zeros((64, 7), np.float32).T  # a DLPack tensor, but not dense row-major
+    with pytest.raises(ValueError, match="cannot be read in place: .*not contiguous"):
+        executor.run({"x": x}, out={"y": strided})
 
 
 def test_a_growing_cache_fed_back_copies_nothing(tmp_path):

@@ -341,3 +341,21 @@ def test_device_loop_generates_the_vm_tokens_in_one_launch(decoder):
                 np.testing.assert_array_equal(tokens2, want)
             if eos <= config["vocab"] and batch == 1:
                 assert want_steps <= 5  # stopped by EOS, early
+
+
+def test_device_loop_follows_rebound_invariants(decoder):
+    """Binding a new EOS after the loop graph was built: the next run must read it (the
+    graph is rebuilt), not the value captured before."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    config, weights, _, _ = decoder
+    free, _ = _vm_decode(decoder, 1, eos=config["vocab"] + 1)
+    with grape_tvm.load_loop(_artifact("decoder_tiny.loop.cuda.grape"), "cuda") as loop:
+        loop.bind_inputs({"eos": np.array([config["vocab"] + 1], np.int32), **weights})
+        assert loop.run(_initial(config, 1)).steps == config["max_len"] - 1
+        eos = int(free[0, 5])
+        loop.bind_inputs({"eos": np.array([eos], np.int32)})
+        want, want_steps = _vm_decode(decoder, 1, eos)
+        got = loop.run(_initial(config, 1))
+        assert got.steps == want_steps <= 5
+        np.testing.assert_array_equal(got.state["tokens"].numpy(), want)

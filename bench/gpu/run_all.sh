@@ -10,13 +10,18 @@ mkdir -p "$out"
 site=/tmp/grape-site
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "$site" build/gpu/grape_tvm-*.whl
 export PYTHONPATH="$site:$PYTHONPATH" PYTHONUNBUFFERED=1 GRAPE_TVM_CACHE=/tmp/grape-cache
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/machine.txt"
-python3 -P -c "import tvm, grape_tvm; print('tvm', tvm.__version__, 'grape_tvm', grape_tvm.__version__)" | tee -a "$out/machine.txt"
+# Few files come back from the GPU machine: every log goes to one, $out/run.log.
+exec > >(tee "$out/run.log") 2>&1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+python3 -P -c "import tvm, grape_tvm; print('tvm', tvm.__version__, 'grape_tvm', grape_tvm.__version__)"
+# GRAPE_GPU_ONLY="tests zero_copy" runs only the steps named (device time is scarce).
+want() { [ -z "${GRAPE_GPU_ONLY:-}" ] || [[ " $GRAPE_GPU_ONLY " == *" $1 "* ]]; }
 status=0
-python3 -P -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py 2>&1 | tee "$out/gpu_tests.log" || status=1
-python3 examples/demo.py --device cuda --artifact build/gpu/blocks.cuda.grape 2>&1 | tee "$out/demo.log" || status=1
-python3 -P -m grape_tvm.cli inspect build/gpu/blocks.cuda.grape --record --device cuda 2>&1 | tee "$out/inspect.log" || status=1
-python3 -P bench/argument_tables.py --artifacts build/gpu --out "$out" ${GRAPE_BENCH_ARGS:-} 2>&1 | tee "$out/argument_tables.log" || status=1
-python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} 2>&1 | tee "$out/zero_copy.log" || status=1
-python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} 2>&1 | tee "$out/decode_loop.log" || status=1
+want tests && { python3 -P -m pytest -m gpu -v -s -p no:cacheprovider tests/test_gpu.py || status=1; }
+want demo && { python3 examples/demo.py --device cuda --artifact build/gpu/blocks.cuda.grape || status=1; }
+want inspect && { python3 -P -m grape_tvm.cli inspect build/gpu/blocks.cuda.grape --record --device cuda || status=1; }
+want argument_tables && { python3 -P bench/argument_tables.py --artifacts build/gpu --out "$out" ${GRAPE_BENCH_ARGS:-} || status=1; }
+want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
+want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
+want hf_models && { python3 -P bench/hf_models.py --artifacts build/gpu --out "$out" ${GRAPE_HF_MODELS_ARGS:-} || status=1; }
 exit $status

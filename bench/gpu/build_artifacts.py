@@ -13,7 +13,9 @@
   built by grape, by TVM's default pipeline, and by TVM's default pipeline with its own
   CUDA graph option (``relax.backend.use_cuda_graph``).
 - ``gpt2_prefill.cuda.grape``, ``gpt2_decode.cuda.grape`` (+ ``.weights.json``): Hugging
-  Face GPT-2 124M with weights as inputs (``build_hf_models``; needs torch+transformers).
+  Face GPT-2 124M with weights as inputs (``build_hf_models``; needs torch+transformers),
+  and TVM's own builds of them, ``gpt2_{prefill,decode}.{tvm_vm,tvm_cuda_graph}.cuda.grape``
+  (``hf_baselines.json`` says how each was built, or why not), for ``bench/hf_models.py``.
 """
 
 from __future__ import annotations
@@ -113,27 +115,94 @@ HF_DIMS = {
 }
 
 
-def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_decode")) -> None:
+def _tvm_baselines(onnx_path: Path, dims: dict, out: Path, name: str) -> dict:
+    """TVM as a TVM user runs the same imported module: ``tvm_vm`` (TVM's default CUDA
+    pipeline, memory planned at the declared bounds) and ``tvm_cuda_graph`` (the same with
+    ``relax.backend.use_cuda_graph``). Where TVM's default schedules fail on a kernel, TVM's
+    pipeline with grape's tolerant schedule rules (``gpu_legalize_passes``) and named
+    derived dims instead, recorded in the returned notes (also a failure, with its reason)."""
+    from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature  # pylint: disable=import-outside-toplevel
+
+    proto = load_onnx(onnx_path)
+    signature = onnx_signature(proto, dims)
+    mod = import_onnx(proto, signature.dims)
+    bounded = mod.clone()
+    bounded["main"] = bounded["main"].with_attr(
+        "tir_var_upper_bound", {k: v.hi for k, v in signature.dims.items()})
+    notes = {}
+    for system, config in (("tvm_vm", {}), ("tvm_cuda_graph", {"relax.backend.use_cuda_graph": True})):
+        note: dict = {"built": False}
+        for pipeline in ("default", "default+grape_schedules"):
+            try:
+                with tvm.transform.PassContext(config=config):
+                    vm = _timed(f"{name}.{system} ({pipeline})", lambda p=pipeline: tvm.compile(
+                        bounded, target=CUDA,
+                        relax_pipeline="default" if p == "default" else _tvm_pipeline_grape_schedules()))
+                package(vm, signature, CUDA).export(out / f"{name}.{system}.cuda.grape")
+                note.update(built=True, pipeline=pipeline)
+                break
+            except Exception as err:  # pylint: disable=broad-except
+                lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+                reason = next((ln.strip() for ln in lines if "Error" in ln), lines[-1] if lines else
+                              type(err).__name__)
+                note[f"{pipeline}_error"] = reason[:400]
+                print(f"{name}.{system} ({pipeline}) failed: {reason[:400]}", flush=True)
+        notes[system] = note
+    return notes
+
+
+def _tvm_pipeline_grape_schedules():
+    """TVM's CUDA pipeline (its finalize passes: ``RewriteCUDAGraph`` where configured) with
+    grape's tolerant schedule rules and named derived dims: no graph regions, no grape runtime."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+    from tvm.relax.backend.cuda import pipeline as cuda  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.passes import NameDerivedDims, gpu_legalize_passes  # pylint: disable=import-outside-toplevel
+
+    @tvm.transform.module_pass(opt_level=0, name="TVMWithGrapeSchedules")
+    def _pipeline(mod, _ctx):
+        with CUDA:
+            return tvm.transform.Sequential(
+                [NameDerivedDims(), relax.transform.ConvertToDataflow()]
+                + cuda.library_dispatch_passes(CUDA) + gpu_legalize_passes()
+                + cuda.dataflow_lower_passes(CUDA) + cuda.finalize_passes(CUDA))(mod)
+
+    return _pipeline
+
+
+def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_decode"),
+                    baselines: bool = True) -> None:
     """Hugging Face GPT-2 (124M) and Wav2Vec2 base, weights as inputs: ``NAME.cuda.grape``
     plus ``NAME.weights.json``, which ``bench/export_hf.py``'s ``hf_weights`` turns into
     the arrays to ``bind_inputs`` on the GPU host. Skipped without torch/transformers.
-    Wav2Vec2 is left out by default: its CUDA build fails in codegen (docs/tvm_onnx_frontend.md)."""
+    Wav2Vec2 is left out by default: its CUDA build fails in codegen (docs/tvm_onnx_frontend.md).
+
+    With ``baselines``, TVM's own builds of the same imported modules for
+    ``bench/hf_models.py``: ``NAME.tvm_vm.cuda.grape`` and ``NAME.tvm_cuda_graph.cuda.grape``
+    (``_tvm_baselines``), and ``hf_baselines.json`` saying how each was built or why not."""
     try:
         import torch  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
         import transformers  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     except ImportError:
         print("build_hf_models: torch/transformers not installed, skipped", flush=True)
         return
+    import json  # pylint: disable=import-outside-toplevel
+
     from export_hf import export_all  # pylint: disable=import-outside-toplevel
 
     onnx_dir = out / "hf_onnx"
     kinds = tuple(sorted({m.split("_")[0] for m in models}))
     export_all(onnx_dir, tiny=False, embed_weights=False, models=kinds)
+    notes_path = out / "hf_baselines.json"
+    notes = json.loads(notes_path.read_text()) if notes_path.exists() else {}
     for name in models:
         module = _timed(f"{name}.cuda.grape", lambda n=name: grape_tvm.compile_onnx(
             onnx_dir / f"{n}.onnx", dims=HF_DIMS[n], target=CUDA))
         module.export(out / f"{name}.cuda.grape")
         (out / f"{name}.weights.json").write_bytes((onnx_dir / f"{name}.weights.json").read_bytes())
+        if baselines:
+            notes[name] = _tvm_baselines(onnx_dir / f"{name}.onnx", HF_DIMS[name], out, name)
+            notes_path.write_text(json.dumps(notes, indent=1))
 
 
 def main(out: Path) -> None:

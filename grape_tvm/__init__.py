@@ -18,7 +18,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"
 
-__all__ = ["build", "compile_onnx", "compile_loop", "load", "load_loop", "grape_pipeline",
+__all__ = ["build", "compile_onnx", "compile_loop", "load", "load_loop", "load_onnx_loop",
+           "grape_pipeline",
            "__version__"]
 
 
@@ -35,6 +36,10 @@ def __getattr__(name):
         from grape_tvm import loop  # pylint: disable=import-outside-toplevel
 
         return getattr(loop, name)
+    if name == "load_onnx_loop":
+        from grape_tvm.onnx_loop import load_onnx_loop  # pylint: disable=import-outside-toplevel
+
+        return load_onnx_loop
     if name == "load":
         from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 

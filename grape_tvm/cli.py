@@ -44,6 +44,8 @@ def cmd_run(args: argparse.Namespace) -> int:
 
     with np.load(args.inputs) as npz:
         inputs = {k: npz[k] for k in npz.files}
+    if _is_onnx_loop(args.model):
+        return _run_onnx_loop(args, inputs)
     executor = load(args.model, device=args.device)
     try:
         outputs = executor.run(inputs)
@@ -52,6 +54,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     np.savez(args.outputs, **outputs)
     shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
     print(f"wrote {args.outputs}: {shapes}")
+    return 0
+
+
+def _is_onnx_loop(path: Path) -> bool:
+    from grape_tvm.artifact import Artifact  # pylint: disable=import-outside-toplevel
+    from grape_tvm.onnx_loop import is_onnx_loop  # pylint: disable=import-outside-toplevel
+
+    return is_onnx_loop(Artifact.load(path).manifest)
+
+
+def _run_onnx_loop(args: argparse.Namespace, inputs: dict) -> int:
+    from grape_tvm.onnx_loop import load_onnx_loop  # pylint: disable=import-outside-toplevel
+
+    with load_onnx_loop(args.model, args.device) as loop:
+        outputs = loop.run(inputs)
+    np.savez(args.outputs, **outputs)
+    shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
+    print(f"wrote {args.outputs}: {shapes} after {loop.steps} loop step(s) ({loop.mode})")
     return 0
 
 

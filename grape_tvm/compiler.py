@@ -131,8 +131,13 @@ def package(executable, signature: Signature, target: Any, plan: dict | None = N
 
 def compile_onnx(model: Any, dims: Mapping[str, Any] | None = None, target: Any = "llvm",
                  **kwargs) -> GrapeModule:
-    """Import an ONNX model (path or ``ModelProto``) and ``build`` it."""
+    """Import an ONNX model (path or ``ModelProto``) and ``build`` it. A graph whose
+    computing node is a ``Loop`` becomes a loop module (``grape_tvm.onnx_loop``)."""
+    from grape_tvm.onnx_loop import compile_onnx_loop, find_loop  # pylint: disable=import-outside-toplevel
+
     proto = load_onnx(model)
+    if find_loop(proto) is not None:
+        return compile_onnx_loop(proto, dims, target, **kwargs)
     signature = onnx_signature(proto, dims or {})
     mod = import_onnx(proto, signature.dims)
     return build(mod, signature.dims, target, signature=signature, **kwargs)

@@ -1,0 +1,495 @@
+"""ONNX ``Loop`` as a grape loop: one CUDA graph with a WHILE node on a GPU.
+
+TVM 0.27's ONNX importer rejects ``Loop`` (``OpNotImplemented``). grape imports a graph whose
+computing node is one ``Loop`` (fed by graph inputs, initializers, ``Constant`` and
+``Identity`` nodes) as a ``compile_loop`` step::
+
+    ONNX:  Loop(M, cond, v...)  body(iter_num, cond_in, v_in...) -> (cond_out, v_out...)
+    grape: main(grape_loop_iter, grape_loop_cond, grape_carried_k..., grape_invariant_j...)
+             -> (iter + 1, cond_out, v_out..., grape_stop = not cond_out)
+
+The body is cut out as its own ONNX graph (its inputs renamed through ``Identity`` nodes, the
+values it reads from the outer scope added as initializers, for constants, or as inputs, for
+graph inputs: loop invariants, bound once per run) and imported with grape's importer. At run
+time the host knows ``M`` and the initial ``cond``: if ``M == 0`` or ``cond`` is false the
+initial values are the outputs and nothing runs; else the loop runs at most ``M`` steps
+(without ``M``: at most ``max_steps``, the declared limit) and stops after the first step
+whose ``cond_out`` is false. Like onnxruntime and onnx's reference implementation, ``cond_out``
+is read even when the ``Loop`` has no ``cond`` input.
+
+    m = grape_tvm.compile_onnx("loop.onnx", dims={"n": (1, 64)}, target="cuda")
+    m.export("loop.grape")
+    with grape_tvm.load_onnx_loop("loop.grape", "cuda") as loop:
+        outputs = loop.run({"M": np.array(100), "x": x})    # named as the graph's outputs
+        loop.steps                                            # steps the last run took
+
+Not supported (a clear error names the node): scan outputs, carried values whose shape or
+dtype changes from step to step, a ``Loop`` (or ``Scan``) inside the body, and graphs with
+other computing nodes around the ``Loop``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+import onnx.numpy_helper
+from onnx import helper
+
+ITER, COND, STOP = "grape_loop_iter", "grape_loop_cond", "grape_stop"
+DEFAULT_MAX_STEPS = 4096  # the step limit of a Loop without a trip count M
+_CHUNK = 2**31 - 1  # the most steps one device launch counts (a u32 counter)
+_PASSIVE = ("Constant", "Identity")
+_NESTED = ("Loop", "Scan")
+
+
+class OnnxLoopError(ValueError):
+    """The ONNX ``Loop`` is of a form grape cannot run as a loop; names the node."""
+
+
+def find_loop(model: onnx.ModelProto) -> onnx.NodeProto | None:
+    """The graph's top-level ``Loop`` node, if it has one."""
+    return next((n for n in model.graph.node if n.op_type == "Loop"
+                 and n.domain in ("", "ai.onnx")), None)
+
+
+def _node_name(node: onnx.NodeProto) -> str:
+    return node.name or (node.output[0] if node.output else node.op_type)
+
+
+def _npy(array: np.ndarray) -> str:
+    buf = io.BytesIO()
+    np.save(buf, np.asarray(array), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def _from_npy(text: str) -> np.ndarray:
+    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
+
+
+# -- analysis of the outer graph ---------------------------------------------------------
+
+@dataclass
+class _Outer:
+    """Where each outer value comes from: a graph input, a constant, or a Loop output."""
+
+    inputs: dict[str, onnx.ValueInfoProto]
+    constants: dict[str, np.ndarray]
+    alias: dict[str, str]  # Identity outputs -> their input
+    loop_outputs: dict[str, int]
+
+    def resolve(self, name: str) -> str:
+        while name in self.alias:
+            name = self.alias[name]
+        return name
+
+    def source(self, name: str) -> dict | None:
+        """``{"input": name}``, ``{"const": npy}``, ``{"loop_output": k}`` or None."""
+        name = self.resolve(name)
+        if name in self.inputs:
+            return {"input": name}
+        if name in self.constants:
+            return {"const": _npy(self.constants[name])}
+        if name in self.loop_outputs:
+            return {"loop_output": self.loop_outputs[name]}
+        return None
+
+
+def _outer(model: onnx.ModelProto, loop: onnx.NodeProto) -> _Outer:
+    graph = model.graph
+    constants = {i.name: onnx.numpy_helper.to_array(i) for i in graph.initializer}
+    inputs = {v.name: v for v in graph.input if v.name not in constants}
+    loops = [n for n in graph.node if n.op_type == "Loop"]
+    if len(loops) > 1:
+        raise OnnxLoopError(f"the graph has {len(loops)} Loop nodes "
+                            f"{[_node_name(n) for n in loops]}: grape imports one")
+    alias: dict[str, str] = {}
+    for node in graph.node:
+        if node is loop:
+            continue
+        if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
+            attr = next((a for a in node.attribute if a.name == "value"), None)
+            if attr is None:
+                raise OnnxLoopError(f"Constant node {_node_name(node)!r} feeding Loop node "
+                                    f"{_node_name(loop)!r} has no tensor value "
+                                    f"({[a.name for a in node.attribute]})")
+            constants[node.output[0]] = onnx.numpy_helper.to_array(attr.t)
+        elif node.op_type == "Identity" and node.domain in ("", "ai.onnx"):
+            alias[node.output[0]] = node.input[0]
+        else:
+            raise OnnxLoopError(
+                f"node {_node_name(node)!r} ({node.op_type}) is next to Loop node "
+                f"{_node_name(loop)!r}: grape imports a graph whose only computing node is "
+                f"the Loop (fed by inputs, initializers, {' and '.join(_PASSIVE)} nodes)")
+    return _Outer(inputs, constants, alias,
+                  {name: k for k, name in enumerate(loop.output) if name})
+
+
+# -- the step graph ----------------------------------------------------------------------
+
+def _subgraphs(node: onnx.NodeProto):
+    for attr in node.attribute:
+        if attr.type == onnx.AttributeProto.GRAPH:
+            yield attr.g
+        yield from attr.graphs
+
+
+def _check_body(graph: onnx.GraphProto, loop: onnx.NodeProto) -> None:
+    for node in graph.node:
+        if node.op_type in _NESTED:
+            raise OnnxLoopError(f"Loop node {_node_name(loop)!r}: its body holds {node.op_type} "
+                                f"node {_node_name(node)!r}; nested loops are not supported")
+        for sub in _subgraphs(node):
+            _check_body(sub, loop)
+
+
+def _free_names(graph: onnx.GraphProto, bound: set[str] | None = None) -> list[str]:
+    """Names a graph (its subgraphs included) reads but does not define: the outer scope's."""
+    bound = set(bound or ()) | {v.name for v in graph.input} | {i.name for i in graph.initializer}
+    free: list[str] = []
+
+    def need(name: str) -> None:
+        if name and name not in bound and name not in free:
+            free.append(name)
+
+    for node in graph.node:
+        for name in node.input:
+            need(name)
+        for sub in _subgraphs(node):
+            for name in _free_names(sub, bound):
+                need(name)
+        bound.update(node.output)
+    for value in graph.output:
+        need(value.name)
+    return free
+
+
+def _tensor_info(name: str, value: onnx.ValueInfoProto | np.ndarray) -> onnx.ValueInfoProto:
+    if isinstance(value, np.ndarray):
+        return helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(value.dtype),
+                                             list(value.shape))
+    info = onnx.ValueInfoProto()
+    info.CopyFrom(value)
+    info.name = name
+    return info
+
+
+def carried_name(k: int) -> str:
+    return f"grape_carried_{k}"
+
+
+def _invariant_name(j: int) -> str:
+    return f"grape_invariant_{j}"
+
+
+@dataclass
+class LoopModel:
+    """An ONNX Loop graph taken apart: the step as an ONNX model, and how to run it."""
+
+    node: str
+    step: onnx.ModelProto
+    trip_count: dict | None  # a source (see _Outer.source), or None when M is absent
+    cond: dict | None
+    carried: list[dict]  # per carried value: {"state", "body_output", "init": source}
+    invariants: dict[str, str]  # step input -> outer graph input
+    outputs: list[dict]  # per graph output: {"name", "source"}
+
+    def to_json(self) -> dict:
+        return {"node": self.node, "trip_count": self.trip_count, "cond": self.cond,
+                "carried": self.carried, "invariants": self.invariants, "outputs": self.outputs}
+
+
+def split_loop(model: onnx.ModelProto) -> LoopModel:
+    """The graph's Loop node as a step model (see the module docstring)."""
+    loop = find_loop(model)
+    if loop is None:
+        raise OnnxLoopError(f"graph {model.graph.name!r} has no Loop node")
+    name = _node_name(loop)
+    outer = _outer(model, loop)
+    body = next(a.g for a in loop.attribute if a.name == "body")
+    n_carried = len(loop.input) - 2
+    if n_carried < 0 or len(body.input) != 2 + n_carried:
+        raise OnnxLoopError(f"Loop node {name!r}: its body takes {len(body.input)} inputs for "
+                            f"{max(n_carried, 0)} carried values (expected 2 + carried)")
+    scans = len(body.output) - 1 - n_carried
+    if scans:
+        raise OnnxLoopError(f"Loop node {name!r} has {scans} scan output(s) "
+                            f"{[v.name for v in body.output[1 + n_carried:]]}: grape's loops "
+                            "keep a fixed-shape state and support no scan outputs")
+    _check_body(body, loop)
+
+    def source(value: str, what: str) -> dict | None:
+        if not value:
+            return None
+        src = outer.source(value)
+        if src is None or "loop_output" in src:
+            raise OnnxLoopError(f"Loop node {name!r}: its {what} {value!r} is computed by a "
+                                f"node; grape takes graph inputs, initializers and Constants")
+        return src
+
+    trip_count, cond = source(loop.input[0], "trip count M"), source(loop.input[1], "cond")
+    inits = [source(v, f"initial value #{k}") for k, v in enumerate(loop.input[2:])]
+    if any(s is None for s in inits):
+        raise OnnxLoopError(f"Loop node {name!r}: every carried value needs an initial value")
+
+    inputs = [helper.make_tensor_value_info(ITER, onnx.TensorProto.INT64, []),
+              helper.make_tensor_value_info(COND, onnx.TensorProto.BOOL, [])]
+    nodes = [helper.make_node("Identity", [ITER], [body.input[0].name]),
+             helper.make_node("Identity", [COND], [body.input[1].name])]
+    carried = []
+    for k, (init, value) in enumerate(zip(inits, loop.input[2:])):
+        typed = outer.inputs[init["input"]] if "input" in init else _from_npy(init["const"])
+        inputs.append(_tensor_info(carried_name(k), typed))
+        nodes.append(helper.make_node("Identity", [carried_name(k)], [body.input[2 + k].name]))
+        carried.append({"state": carried_name(k), "body_output": body.output[1 + k].name,
+                        "init": init, "outer": value})
+    initializers = list(body.initializer)
+    invariants: dict[str, str] = {}
+    for free in _free_names(body):
+        src = outer.source(free)
+        if src is None or "loop_output" in src:
+            raise OnnxLoopError(f"Loop node {name!r}: its body reads {free!r}, which is not a "
+                                "graph input, initializer or Constant of the outer graph")
+        if "const" in src:
+            initializers.append(onnx.numpy_helper.from_array(_from_npy(src["const"]), free))
+        else:
+            step_name = _invariant_name(len(invariants))
+            invariants[step_name] = src["input"]
+            inputs.append(_tensor_info(step_name, outer.inputs[src["input"]]))
+            nodes.append(helper.make_node("Identity", [step_name], [free]))
+    nodes.extend(body.node)
+    cond_out = body.output[0].name
+    initializers.append(onnx.numpy_helper.from_array(np.array(1, np.int64), "grape_one"))
+    initializers.append(onnx.numpy_helper.from_array(np.zeros(0, np.int64), "grape_scalar"))
+    nodes += [
+        helper.make_node("Add", [ITER, "grape_one"], ["grape_next_iter"]),
+        helper.make_node("Cast", [cond_out], ["grape_cond_bool"], to=onnx.TensorProto.BOOL),
+        helper.make_node("Reshape", ["grape_cond_bool", "grape_scalar"], ["grape_next_cond"]),
+        helper.make_node("Not", ["grape_next_cond"], [STOP]),
+    ]
+    outputs = [helper.make_tensor_value_info("grape_next_iter", onnx.TensorProto.INT64, []),
+               helper.make_tensor_value_info("grape_next_cond", onnx.TensorProto.BOOL, [])]
+    for k, entry in enumerate(carried):
+        nodes.append(helper.make_node("Identity", [entry["body_output"]], [f"grape_next_{k}"]))
+        outputs.append(_tensor_info(f"grape_next_{k}", inputs[2 + k]))
+    outputs.append(helper.make_tensor_value_info(STOP, onnx.TensorProto.BOOL, []))
+    graph = helper.make_graph(nodes, f"body of Loop node {name!r}", inputs, outputs, initializers)
+    step = helper.make_model(graph, opset_imports=list(model.opset_import))
+    step.ir_version = model.ir_version
+
+    graph_outputs = []
+    for value in model.graph.output:
+        src = outer.source(value.name)
+        if src is None:
+            raise OnnxLoopError(f"graph output {value.name!r} is not an output of Loop node "
+                                f"{name!r}, an input or a constant")
+        if "loop_output" in src and src["loop_output"] >= n_carried:
+            raise OnnxLoopError(f"Loop node {name!r}: graph output {value.name!r} is a scan output")
+        graph_outputs.append({"name": value.name, "source": src})
+    return LoopModel(name, step, trip_count, cond, carried, invariants, graph_outputs)
+
+
+def _check_fixed_state(mod, plan: LoopModel) -> None:
+    """Each carried value's next value must have its shape and dtype: name the one that
+    does not."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+    from tvm_ffi.structural import structural_equal  # pylint: disable=import-outside-toplevel
+
+    main = mod["main"]
+    params = {p.name: p.ty for p in main.params}
+    rets = list(main.ret_ty.fields) if isinstance(main.ret_ty, relax.TupleType) else [main.ret_ty]
+    for k, entry in enumerate(plan.carried):
+        want, got = params[entry["state"]], rets[2 + k]
+        if not structural_equal(want, got):
+            raise OnnxLoopError(
+                f"Loop node {plan.node!r}: carried value #{k} ({entry['outer']!r}, body output "
+                f"{entry['body_output']!r}) is {want} before a step and {got} after it: grape's "
+                "loops keep each carried value's shape and dtype fixed")
+
+
+def compile_onnx_loop(model: Any, dims: Mapping[str, Any] | None = None, target: Any = "llvm",
+                      *, max_steps: int = DEFAULT_MAX_STEPS, **kwargs):
+    """Compile an ONNX graph whose computing node is a ``Loop`` into a ``compile_loop``
+    module; ``max_steps`` is the step limit when the Loop has no trip count ``M``."""
+    from grape_tvm.frontend import (  # pylint: disable=import-outside-toplevel
+        import_onnx, load_onnx, normalize_constants, onnx_signature)
+    from grape_tvm.loop import compile_loop  # pylint: disable=import-outside-toplevel
+
+    proto = normalize_constants(load_onnx(model))
+    signature = onnx_signature(proto, dims or {})
+    plan = split_loop(proto)
+    step = import_onnx(plan.step, signature.dims)
+    _check_fixed_state(step, plan)
+    carried = [ITER, COND, *[c["state"] for c in plan.carried]]
+    module = compile_loop(step, carried, max_steps=max_steps, stop=STOP, dims=signature.dims,
+                          target=target, **kwargs)
+    module.loop["onnx"] = {**plan.to_json(), "signature": signature.to_json()}
+    return module
+
+
+# -- running -----------------------------------------------------------------------------
+
+def is_onnx_loop(manifest: Mapping[str, Any]) -> bool:
+    return "onnx" in (manifest.get("loop") or {})
+
+
+class OnnxLoop:
+    """A loaded ONNX Loop: ``run(inputs)`` takes the ONNX graph's inputs and returns its
+    outputs (numpy arrays, by name); ``steps`` is how many steps the last run took."""
+
+    def __init__(self, loop, max_steps: int | None = None, path: str | Path | None = None,
+                 device: Any = "cpu"):
+        from grape_tvm.runtime.signature import Signature  # pylint: disable=import-outside-toplevel
+
+        self.loop = loop  # a GrapeLoop
+        self._path, self._device = path, device
+        # Invariants live in buffers of ours, one per (input, shape, dtype), refilled in place
+        # at each run: a loop graph reads them where they were when it was captured. A
+        # DeviceLoop keeps one graph per carried-state shape, so there is one DeviceLoop per
+        # combination of invariant shapes (the first is the GrapeLoop's own).
+        self._buffers: dict[tuple, Any] = {}
+        self._bound: dict[str, Any] = {}
+        self._runners: dict[tuple, Any] = {}
+        self.info = loop.executor.manifest["loop"]["onnx"]
+        self.signature = Signature.from_json(self.info["signature"])
+        self.max_steps = int(max_steps or loop.spec.max_steps)
+        self.steps = 0
+        self.launches = 0
+
+    @property
+    def mode(self) -> str:
+        return self.loop.mode
+
+    def _value(self, source: dict, inputs: Mapping[str, Any]) -> np.ndarray:
+        if "input" in source:
+            return np.asarray(inputs[source["input"]])
+        return _from_npy(source["const"])
+
+    def _check(self, inputs: Mapping[str, Any]) -> None:
+        from grape_tvm.runtime.signature import InputError  # pylint: disable=import-outside-toplevel
+
+        names = [t.name for t in self.signature.inputs]
+        missing = [n for n in names if n not in inputs]
+        unknown = [n for n in inputs if n not in names]
+        if missing or unknown:
+            raise InputError(f"the model takes inputs {names}: missing {missing}, "
+                             f"unknown {unknown}")
+        arrays = {n: np.asarray(inputs[n]) for n in names}
+        self.signature.bind({n: a.shape for n, a in arrays.items()},
+                            {n: str(a.dtype) for n, a in arrays.items()})
+
+    def run(self, inputs: Mapping[str, Any], max_steps: int | None = None) -> dict[str, np.ndarray]:
+        """Run the Loop on the graph's inputs; ``max_steps`` overrides the step limit of a
+        Loop without trip count (the compiled ``max_steps``)."""
+        self._check(inputs)
+        info = self.info
+        trip = None if info["trip_count"] is None else \
+            int(self._value(info["trip_count"], inputs).reshape(-1)[0])
+        cond = True if info["cond"] is None else \
+            bool(self._value(info["cond"], inputs).reshape(-1)[0])
+        state: dict[str, Any] = {ITER: np.array(0, np.int64), COND: np.array(True)}
+        state.update({c["state"]: self._value(c["init"], inputs) for c in info["carried"]})
+        self.steps = self.launches = 0
+        if (trip is None or trip > 0) and cond:
+            state = self._loop(state, inputs, trip, max_steps)
+        return self._outputs(state, inputs)
+
+    def _loop(self, state: dict, inputs: Mapping[str, Any], trip: int | None,
+              max_steps: int | None) -> dict:
+        runner = self._runner(self._bind(inputs))
+        limit = int(max_steps or self.max_steps) if trip is None else trip
+        while True:
+            result = runner.run(state, max_steps=min(limit - self.steps, _CHUNK))
+            self.steps += result.steps
+            self.launches += 1
+            state = result.state
+            if not bool(state[COND].numpy()) or self.steps >= limit:
+                break
+        if trip is None and bool(state[COND].numpy()):
+            raise RuntimeError(
+                f"Loop node {self.info['node']!r} has no trip count M and its condition is "
+                f"still true after the step limit of {limit} steps: give a larger max_steps "
+                "(to run or compile_onnx)")
+        return state
+
+    def _bind(self, inputs: Mapping[str, Any]) -> tuple:
+        """The run's invariants copied into our buffers; those not bound yet bound. Returns
+        the invariants' (name, shape, dtype)."""
+        import tvm  # pylint: disable=import-outside-toplevel
+
+        key, rebind = [], {}
+        for step_name, outer in self.info["invariants"].items():
+            array = np.asarray(inputs[outer], order="C")  # keeps a 0-d input 0-d
+            entry = (step_name, array.shape, str(array.dtype))
+            buffer = self._buffers.get(entry)
+            if buffer is None:
+                buffer = self._buffers[entry] = tvm.runtime.tensor(array, self.loop.executor.device)
+            else:
+                buffer.copyfrom(array)
+            if self._bound.get(step_name) is not buffer:
+                rebind[step_name] = buffer
+            key.append(entry)
+        if rebind:
+            self.loop.bind_inputs(rebind)
+            self._bound.update(rebind)
+        return tuple(key)
+
+    def _runner(self, key: tuple):
+        if self.loop.mode == "host":
+            return self.loop.runner
+        runner = self._runners.get(key)
+        if runner is None:
+            from grape_tvm.loader import load_library  # pylint: disable=import-outside-toplevel
+            from grape_tvm.runtime.device_loop import DeviceLoop  # pylint: disable=import-outside-toplevel
+
+            if not self._runners:
+                runner = self.loop.runner
+            else:
+                library, _, _ = load_library(self._path, self._device)
+                runner = DeviceLoop(self.loop.executor, self.loop.spec, library)
+            self._runners[key] = runner
+        return runner
+
+    def _outputs(self, state: dict, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        outputs = {}
+        for entry in self.info["outputs"]:
+            src = entry["source"]
+            if "loop_output" in src:
+                value = state[self.info["carried"][src["loop_output"]]["state"]]
+                value = value.numpy() if hasattr(value, "numpy") else np.array(value)
+            else:
+                value = np.array(self._value(src, inputs))
+            outputs[entry["name"]] = value
+        return outputs
+
+    def close(self) -> None:
+        for runner in self._runners.values():
+            if runner is not self.loop.runner:
+                runner.close()
+        self._runners.clear()
+        self.loop.close()
+
+    def __enter__(self) -> "OnnxLoop":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def load_onnx_loop(path: str | Path, device: Any = "cpu", *, max_steps: int | None = None,
+                   **kwargs) -> OnnxLoop:
+    """Load an artifact compiled from an ONNX Loop (``compile_onnx``); ``kwargs`` go to
+    ``load_loop`` (``mode="host"`` runs it one executor call per step on a GPU too)."""
+    from grape_tvm.loop import load_loop  # pylint: disable=import-outside-toplevel
+
+    loop = load_loop(path, device, **kwargs)
+    if not is_onnx_loop(loop.executor.manifest):
+        loop.close()
+        raise ValueError(f"{path} was not compiled from an ONNX Loop")
+    return OnnxLoop(loop, max_steps, path, device)

@@ -8,6 +8,7 @@ Systems:
 
 - ``grape``: grape-tvm (``load(..., "cuda")``, weights bound once, caches kept on the device)
 - ``tvm_vm``: TVM's VM on TVM's own CUDA build of the same imported module
+- ``vm_grape_kernels``: TVM's VM on grape's library (grape's kernels, launched one by one)
 - ``tvm_cuda_graph``: the same with TVM's CUDA-graph option (``relax.backend.use_cuda_graph``)
 - ``torch_eager``: the transformers model, explicit KV cache (a ``DynamicCache`` per step)
 - ``torch_graph_per_shape``: the same, one ``torch.cuda.CUDAGraph`` per past length, the
@@ -45,10 +46,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from export_hf import hf_weights, make_model  # noqa: E402  pylint: disable=wrong-import-position
 
 PAST = [1, 64, 256, 512, 1024]
-STEP_SYSTEMS = ["grape", "tvm_vm", "tvm_cuda_graph", "torch_eager", "torch_graph_per_shape",
-                "torch_compiled"]
-GEN_SYSTEMS = ["torch_eager", "torch_compiled", "tvm_vm", "tvm_cuda_graph", "grape",
-               "graph_per_shape"]
+STEP_SYSTEMS = ["grape", "vm_grape_kernels", "tvm_vm", "tvm_cuda_graph", "torch_eager",
+                "torch_graph_per_shape", "torch_compiled"]
+GEN_SYSTEMS = ["torch_eager", "torch_compiled", "tvm_vm", "tvm_cuda_graph", "vm_grape_kernels",
+               "grape", "graph_per_shape"]
 AUDIO_SECONDS = [1, 2, 4, 8, 16]
 SAMPLE_RATE = 16000
 
@@ -287,6 +288,11 @@ class Gpt2Bench:
                                       for m in paths}
             except Exception as err:  # pylint: disable=broad-except
                 self.notes[system] = f"failed to load: {_error(err)}"
+        # TVM's VM on grape's own library: the same kernels as grape, launched one by one.
+        # It separates what grape's schedules win from what its graphs win.
+        self.vms["vm_grape_kernels"] = {m: VM(env, env.path(m), self.weights)
+                                        for m in ("gpt2_prefill", "gpt2_decode")}
+        self.notes["vm_grape_kernels"] = "TVM's VM running grape's artifact library (same kernels)"
         self.graphs = TorchGraphs(self.tm) if env.cuda else None
         if not env.cuda:
             self.notes["torch_graph_per_shape"] = "needs CUDA"

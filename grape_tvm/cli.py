@@ -86,13 +86,31 @@ def describe(manifest: dict) -> dict:
         "regions": plan["regions"],
         "host_steps": plan["host_steps"],
         "host_bookkeeping": plan.get("host_bookkeeping", 0),
-        "executor": ("one CUDA graph per region and shape, captured on first sight"
+        "executor": ("one CUDA graph per region and topology (per-shape argument tables "
+                     "patched on the device), recorded on first sight"
                      if manifest["target"]["kind"] == "cuda"
                      else "CPU replay of each region's recorded kernel calls, per shape"),
+        "loop": _loop_description(manifest),
         "cubins_prebuilt": len(manifest.get("cubins", [])),
         "versions": {"grape_tvm": manifest.get("grape_tvm_version"),
                      "tvm": manifest.get("tvm_version")},
         "sections": manifest.get("sections", []),
+    }
+
+
+def _loop_description(manifest: dict) -> dict | None:
+    """How a ``compile_loop`` artifact runs its loop, and where its stop is decided."""
+    loop = manifest.get("loop")
+    if loop is None:
+        return None
+    on_gpu = manifest["target"]["kind"] == "cuda"
+    return {
+        "carried": loop["carried"], "stop": loop["stop"], "max_steps": loop["max_steps"],
+        "from_onnx_loop": "onnx" in loop,
+        "runs_as": ("one CUDA graph per state shape: a WHILE conditional node whose body is the "
+                    "step's kernels; the stop flag is read on the device (no host sync per step)"
+                    if on_gpu else
+                    "a host loop: one call per step, the stop flag read back after each"),
     }
 
 
@@ -116,6 +134,11 @@ def _print_description(d: dict) -> None:
     print(f"host steps: {len(d['host_steps'])} (plus {d['host_bookkeeping']} VM shape checks)")
     for h in d["host_steps"]:
         print(f"  {h['function']}.{h['var']} = {h['op']}: {h['reason']}")
+    loop = d.get("loop")
+    if loop:
+        print(f"loop: state {loop['carried']}, stops on {loop['stop']!r} or after "
+              f"{loop['max_steps']} steps{' (an ONNX Loop)' if loop['from_onnx_loop'] else ''}")
+        print(f"  runs as {loop['runs_as']}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

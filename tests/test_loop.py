@@ -8,6 +8,7 @@ pipeline), reading the stop flag on the host after each step. grape's loop on th
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -144,3 +145,12 @@ def test_loop_state_and_loading_errors(loop_artifact, weights, tmp_path):
                             {"batch": (1, 2)}, "llvm").export(tmp_path / "plain.grape")
     with pytest.raises(ValueError, match="not compiled by compile_loop"):
         grape_tvm.load_loop(plain, "cpu")
+
+
+def test_inspect_says_how_the_loop_runs(loop_artifact, capsys):
+    from grape_tvm.cli import main  # pylint: disable=import-outside-toplevel
+
+    assert main(["inspect", str(loop_artifact), "--json"]) == 0
+    loop = json.loads(capsys.readouterr().out)["loop"]
+    assert loop["carried"] == CARRIED and loop["stop"] == "stop"
+    assert loop["max_steps"] == MAX_LEN - 1 and "host loop" in loop["runs_as"]

@@ -343,19 +343,15 @@ class OnnxLoop:
     """A loaded ONNX Loop: ``run(inputs)`` takes the ONNX graph's inputs and returns its
     outputs (numpy arrays, by name); ``steps`` is how many steps the last run took."""
 
-    def __init__(self, loop, max_steps: int | None = None, path: str | Path | None = None,
-                 device: Any = "cpu"):
+    def __init__(self, loop, max_steps: int | None = None):
         from grape_tvm.runtime.signature import Signature  # pylint: disable=import-outside-toplevel
 
         self.loop = loop  # a GrapeLoop
-        self._path, self._device = path, device
         # Invariants live in buffers of ours, one per (input, shape, dtype), refilled in place
-        # at each run: a loop graph reads them where they were when it was captured. A
-        # DeviceLoop keeps one graph per carried-state shape, so there is one DeviceLoop per
-        # combination of invariant shapes (the first is the GrapeLoop's own).
+        # at each run: a loop graph reads them where they were when it was captured, and
+        # binding other tensors (only when a shape changes) makes the DeviceLoop rebuild it.
         self._buffers: dict[tuple, Any] = {}
         self._bound: dict[str, Any] = {}
-        self._runners: dict[tuple, Any] = {}
         self.info = loop.executor.manifest["loop"]["onnx"]
         self.signature = Signature.from_json(self.info["signature"])
         self.max_steps = int(max_steps or loop.spec.max_steps)
@@ -402,10 +398,10 @@ class OnnxLoop:
 
     def _loop(self, state: dict, inputs: Mapping[str, Any], trip: int | None,
               max_steps: int | None) -> dict:
-        runner = self._runner(self._bind(inputs))
+        self._bind(inputs)
         limit = int(max_steps or self.max_steps) if trip is None else trip
         while True:
-            result = runner.run(state, max_steps=min(limit - self.steps, _CHUNK))
+            result = self.loop.run(state, max_steps=min(limit - self.steps, _CHUNK))
             self.steps += result.steps
             self.launches += 1
             state = result.state
@@ -418,12 +414,11 @@ class OnnxLoop:
                 "(to run or compile_onnx)")
         return state
 
-    def _bind(self, inputs: Mapping[str, Any]) -> tuple:
-        """The run's invariants copied into our buffers; those not bound yet bound. Returns
-        the invariants' (name, shape, dtype)."""
+    def _bind(self, inputs: Mapping[str, Any]) -> None:
+        """The run's invariants copied into our buffers; those not bound yet bound."""
         import tvm  # pylint: disable=import-outside-toplevel
 
-        key, rebind = [], {}
+        rebind = {}
         for step_name, outer in self.info["invariants"].items():
             array = np.asarray(inputs[outer], order="C")  # keeps a 0-d input 0-d
             entry = (step_name, array.shape, str(array.dtype))
@@ -434,27 +429,9 @@ class OnnxLoop:
                 buffer.copyfrom(array)
             if self._bound.get(step_name) is not buffer:
                 rebind[step_name] = buffer
-            key.append(entry)
         if rebind:
             self.loop.bind_inputs(rebind)
             self._bound.update(rebind)
-        return tuple(key)
-
-    def _runner(self, key: tuple):
-        if self.loop.mode == "host":
-            return self.loop.runner
-        runner = self._runners.get(key)
-        if runner is None:
-            from grape_tvm.loader import load_library  # pylint: disable=import-outside-toplevel
-            from grape_tvm.runtime.device_loop import DeviceLoop  # pylint: disable=import-outside-toplevel
-
-            if not self._runners:
-                runner = self.loop.runner
-            else:
-                library, _, _ = load_library(self._path, self._device)
-                runner = DeviceLoop(self.loop.executor, self.loop.spec, library)
-            self._runners[key] = runner
-        return runner
 
     def _outputs(self, state: dict, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         outputs = {}
@@ -469,10 +446,6 @@ class OnnxLoop:
         return outputs
 
     def close(self) -> None:
-        for runner in self._runners.values():
-            if runner is not self.loop.runner:
-                runner.close()
-        self._runners.clear()
         self.loop.close()
 
     def __enter__(self) -> "OnnxLoop":
@@ -492,4 +465,4 @@ def load_onnx_loop(path: str | Path, device: Any = "cpu", *, max_steps: int | No
     if not is_onnx_loop(loop.executor.manifest):
         loop.close()
         raise ValueError(f"{path} was not compiled from an ONNX Loop")
-    return OnnxLoop(loop, max_steps, path, device)
+    return OnnxLoop(loop, max_steps)

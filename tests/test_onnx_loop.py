@@ -206,7 +206,7 @@ def test_while_loop_reads_its_iteration_number_and_outer_weights(counter, n):
 
 def test_invariants_of_their_own_sizes_change_between_runs(tmp_path):
     """``v``'s length and values change while the state's shape stays: each run reads the
-    ``v`` it was given (on a GPU: a loop graph per invariant shape)."""
+    ``v`` it was given (on a GPU: the loop graph is rebuilt when ``v``'s shape changes)."""
     onnx_path, artifact = _compile(bias_loop(), tmp_path, "bias", {"n": (1, 16), "m": (1, 32)})
     rng = np.random.default_rng(1)
     x = rng.random(5).astype(np.float32)

@@ -359,3 +359,24 @@ def test_device_loop_follows_rebound_invariants(decoder):
         got = loop.run(_initial(config, 1))
         assert got.steps == want_steps <= 5
         np.testing.assert_array_equal(got.state["tokens"].numpy(), want)
+
+
+def test_onnx_loop_runs_on_the_device_like_onnxruntime():
+    """An ONNX Loop (stop on the data, or on the trip count M) as one device loop: outputs
+    and step counts equal onnxruntime's, one launch per run."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+    from conftest import onnxruntime_outputs  # pylint: disable=import-outside-toplevel
+    from test_onnx_loop import _affine_inputs, _ort_steps  # pylint: disable=import-outside-toplevel
+
+    onnx_path = _artifact("affine_loop.onnx")
+    with grape_tvm.load_onnx_loop(_artifact("affine_loop.cuda.grape"), "cuda") as loop:
+        assert loop.mode == "device"
+        for n in (1, 7, 64):
+            inputs = _affine_inputs(n, 10_000)
+            free = _ort_steps(inputs["x"], inputs["b"], 10_000)
+            for trip in (10_000, max(free - 1, 1)):
+                inputs["M"] = np.array(trip, np.int64)
+                got = loop.run(inputs)
+                want = onnxruntime_outputs(onnx_path, inputs)
+                np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-5)
+                assert loop.steps == min(free, trip) and loop.launches == 1

@@ -8,6 +8,7 @@
 - ``decoder_tiny.{loop,tvm_vm}.cuda.grape``, ``decoder{,_small}.{loop,tvm_vm}.cuda.grape``: a greedy
   decoder's step (static KV cache) compiled as a loop by ``compile_loop`` and by TVM's
   default pipeline (tests, decode-loop benchmark).
+- ``affine_loop.{onnx,cuda.grape}``: an ONNX ``Loop`` with a data-dependent stop (tests).
 - ``blocks24.{grape,tvm_vm,tvm_cuda_graph}.cuda.grape``: the argument-table benchmark's
   model (24 blocks, width 768, n = 1..1024; weights are inputs, made on the GPU from a seed)
   built by grape, by TVM's default pipeline, and by TVM's default pipeline with its own
@@ -205,13 +206,49 @@ def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_
             notes_path.write_text(json.dumps(notes, indent=1))
 
 
+def build_wav2vec2(out: Path) -> None:
+    """Hugging Face Wav2Vec2 base, weights as inputs, batch 1, 1 to 16 s of 16 kHz audio:
+    ``wav2vec2.cuda.grape`` plus ``wav2vec2.weights.json`` (``hf_weights`` recreates the
+    weights on the GPU host). Skipped without torch/transformers."""
+    try:
+        import torch  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+        import transformers  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+    except ImportError:
+        print("build_wav2vec2: torch/transformers not installed, skipped", flush=True)
+        return
+    from export_hf import export_all  # pylint: disable=import-outside-toplevel
+
+    onnx_dir = out / "hf_onnx"
+    export_all(onnx_dir, tiny=False, embed_weights=False, models=("wav2vec2",))
+    module = _timed("wav2vec2.cuda.grape", lambda: grape_tvm.compile_onnx(
+        onnx_dir / "wav2vec2.onnx", dims=HF_DIMS["wav2vec2"], target=CUDA))
+    path = module.export(out / "wav2vec2.cuda.grape")
+    (out / "wav2vec2.weights.json").write_bytes((onnx_dir / "wav2vec2.weights.json").read_bytes())
+    plan = module.plan
+    print(f"wav2vec2: {len(plan['regions'])} graph regions, {len(plan['host_steps'])} host steps, "
+          f"{path.stat().st_size} bytes", flush=True)
+
+
+def build_onnx_loop(out: Path) -> None:
+    """An ONNX ``Loop`` (tests/test_onnx_loop.py's affine loop) for the GPU tests."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_onnx_loop import DIMS, affine_loop  # pylint: disable=import-outside-toplevel
+
+    model = affine_loop()
+    onnx.save(model, str(out / "affine_loop.onnx"))
+    module = _timed("affine_loop", lambda: grape_tvm.compile_onnx(model, dims=DIMS, target=CUDA))
+    module.export(out / "affine_loop.cuda.grape")
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     build_example(out)
     build_bench(out)
     build_decode(out)
     build_hf_models(out)
+    build_wav2vec2(out)
     build_loop(out)
+    build_onnx_loop(out)
     for path in sorted(out.glob("*.grape")):
         print(f"{path}: {path.stat().st_size} bytes")
 

@@ -9,7 +9,8 @@ from tvm import relax
 from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, CheckDeviceKernels, IfToSelect,
-                              LiftGraphRegions, NameDerivedDims, gpu_legalize_passes)
+                              LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
+                              gpu_legalize_passes)
 from grape_tvm.runtime.signature import ShapeRange
 
 
@@ -73,6 +74,9 @@ class GrapePipeline:
             passes = []
             if self.dims:
                 passes.append(BoundShapeRanges(self.dims))
+            # A conv trimmed by a slice ("same" padding, even kernel): less padding instead,
+            # else the fused kernel's GPU schedule needs a symbolic-size shared buffer.
+            passes.append(SliceIntoConvPadding())
             if is_gpu(target):
                 # A dim computed with a division defeats the GPU schedules: name it.
                 passes.append(NameDerivedDims())

@@ -10,11 +10,13 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
+- ``SliceIntoConvPadding``: a slice dropping a conv's last outputs becomes less padding.
 
 Passes touch IR only: nothing here launches a kernel or owns a device resource.
 """
 
 from .bound_shapes import BoundShapeRanges, signature_dims
+from .conv_slice import SliceIntoConvPadding
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
@@ -31,6 +33,7 @@ __all__ = [
     "NameDerivedDims",
     "REGION_ATTR",
     "REGION_PREFIX",
+    "SliceIntoConvPadding",
     "TolerantRule",
     "default_gpu_rules",
     "gpu_legalize_passes",

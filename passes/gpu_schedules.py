@@ -41,6 +41,10 @@ def default_gpu_rules() -> list[ScheduleRule]:
 
 def gpu_legalize_passes() -> list[tvm.transform.Pass]:
     """``tvm.relax.backend.cuda.pipeline.legalize_passes`` with tolerant schedule rules."""
+    from .name_derived_dims import keep_renaming_reshape  # pylint: disable=import-outside-toplevel
+
     t = relax.transform
-    return [t.LegalizeOps(), t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(),
+    # A reshape that only names a derived dim (NameDerivedDims) stays a view.
+    return [t.LegalizeOps({"relax.reshape": keep_renaming_reshape}), t.AnnotateTIROpPattern(),
+            t.FoldConstant(), t.FuseOps(),
             t.FuseTIR(), dl.ApplyDefaultSchedule(*default_gpu_rules())]

@@ -84,3 +84,48 @@ def test_tiny_gpt2_compiles_for_cuda_without_host_fallback(name):
     except HostFallbackError as err:  # pragma: no cover - the failure this test guards
         pytest.fail(str(err))
     assert module.target["kind"] == "cuda"
+
+
+def test_tiny_wav2vec2_compiles_for_cuda_in_one_region():
+    """1 to 16 s at 16 kHz: the positional conv's trimming slice is folded into its padding
+    (no symbolic-size shared buffer), the derived frame counts are named up front (one graph
+    region, the two name casts the only host steps)."""
+    try:
+        module = grape_tvm.compile_onnx(DATA / "wav2vec2_tiny.onnx",
+                                        dims={"batch": (1, 1), "samples": (16000, 256000)},
+                                        target="cuda", prebuild_cubin=False)
+    except HostFallbackError as err:  # pragma: no cover - the failure this test guards
+        pytest.fail(str(err))
+    assert module.target["kind"] == "cuda"
+    assert len(module.plan["regions"]) == 1
+    assert [s["var"] for s in module.plan["host_steps"]] == ["derived_dims_erased", "derived_dims"]
+
+
+def test_tiny_wav2vec2_with_named_dims_equals_onnxruntime_on_cpu():
+    """The GPU build's rewrites (named derived dims, renaming reshapes kept as views), run
+    with CPU kernels on TVM's VM, against onnxruntime."""
+    import tvm
+    from tvm import relax
+    from tvm.relax.backend.cpu_generic import pipeline as cpu
+
+    from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature
+    from grape_tvm.passes import BoundShapeRanges, NameDerivedDims, SliceIntoConvPadding
+    from grape_tvm.passes.name_derived_dims import keep_renaming_reshape
+    from grape_tvm.pipeline import _finalize_passes
+
+    path = DATA / "wav2vec2_tiny.onnx"
+    proto = load_onnx(path)
+    signature = onnx_signature(proto, DIMS["wav2vec2_tiny"])
+    target = tvm.target.Target({"kind": "llvm"})
+    t = relax.transform
+    with target:
+        lowered = tvm.transform.Sequential(
+            [BoundShapeRanges(signature.dims), SliceIntoConvPadding(), NameDerivedDims(),
+             t.ConvertToDataflow(), t.LegalizeOps({"relax.reshape": keep_renaming_reshape}),
+             t.AnnotateTIROpPattern(), t.FoldConstant(), t.FuseOps(), t.FuseTIR()]
+            + cpu.dataflow_lower_passes(target) + _finalize_passes())(
+                import_onnx(proto, signature.dims))
+    vm = relax.VirtualMachine(tvm.compile(lowered, target=target, relax_pipeline=None), tvm.cpu())
+    for feeds in CASES["wav2vec2_tiny"](np.random.default_rng(2)):
+        got = vm["main"](tvm.runtime.tensor(feeds["input_values"])).numpy()
+        np.testing.assert_allclose(got, onnxruntime_outputs(path, feeds)[0], rtol=1e-4, atol=2e-5)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
-import pytest
 import tvm
 from onnx import TensorProto, helper, numpy_helper
 from tvm import relax

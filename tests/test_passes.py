@@ -458,3 +458,83 @@ def test_if_to_select_keeps_branches_outside_its_rule():
     calls = [b.value.op.name for blk in selected["main"].body.blocks for b in blk.bindings
              if isinstance(b.value, relax.Call) and hasattr(b.value.op, "name")]
     assert "relax.where" in calls and "relax.nn.relu" in calls and "relax.multiply" in calls
+
+
+def _conv_slice_module(begin: int = 0, extra_use: bool = False) -> tvm.IRModule:
+    """``conv1d(x, w, padding=[2, 2]) + bias``, sliced ``[..., begin:-1]`` on a symbolic length."""
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((1, 4, n), "float32"))
+    w = relax.Var("w", relax.TensorType((4, 2, 4), "float32"))
+    b = relax.Var("b", relax.TensorType((1, 4, 1), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            conv = bb.emit(relax.op.nn.conv1d(x, w, padding=[2, 2], groups=2))
+            biased = bb.emit(relax.op.add(conv, b))
+            out = bb.emit(relax.op.strided_slice(biased, [2], [begin], [n], assume_inbound=True))
+            if extra_use:
+                out = bb.emit(relax.op.add(out, relax.op.strided_slice(
+                    biased, [2], [1], [n + 1], assume_inbound=True)))
+            out = bb.emit_output(out)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _run_llvm(mod: tvm.IRModule, *args: np.ndarray) -> np.ndarray:
+    vm = relax.VirtualMachine(tvm.compile(mod, target="llvm"), tvm.cpu())
+    return vm["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+
+
+def test_slice_into_conv_padding_drops_the_slice_and_keeps_the_values():
+    from grape_tvm.passes import SliceIntoConvPadding
+
+    mod = _conv_slice_module()
+    new = SliceIntoConvPadding()(mod)
+    text = new.script()
+    assert "strided_slice" not in text and "padding=[2, 1]" in text
+    rng = np.random.default_rng(0)
+    for n in (1, 9, 30):
+        args = [rng.standard_normal(s).astype("float32") for s in [(1, 4, n), (4, 2, 4), (1, 4, 1)]]
+        want = _run_llvm(mod, *args)
+        assert want.shape == (1, 4, n)
+        np.testing.assert_allclose(_run_llvm(new, *args), want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("begin, extra_use", [(1, False), (0, True)])
+def test_slice_into_conv_padding_leaves_other_slices(begin, extra_use):
+    """A slice from 1 is not a trimmed end; a conv output read twice is needed whole."""
+    from tvm_ffi.structural import structural_equal
+
+    from grape_tvm.passes import SliceIntoConvPadding
+
+    mod = _conv_slice_module(begin, extra_use)
+    assert structural_equal(SliceIntoConvPadding()(mod), mod)
+
+
+def test_name_derived_dims_defines_names_up_front_and_reshapes_stay_views():
+    """Derived dims computed from the parameters' dims are named once at the start (a shape
+    cast), tensors take the names through reshapes that stay views: one graph region on CUDA."""
+    from grape_tvm.passes import NameDerivedDims
+
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((1, n), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            half = bb.emit(relax.op.strided_slice(x, [1], [0], [n // 2], assume_inbound=True))
+            soft = bb.emit(relax.op.nn.softmax(relax.op.exp(half)))
+            out = bb.emit_output(relax.op.nn.softmax(relax.op.add(soft, soft)))
+        bb.emit_func_output(out)
+    mod = BoundShapeRanges({"n": (2, 64)})(bb.get())
+    named = NameDerivedDims()(mod)
+    first = named["main"].body.blocks[0].bindings[:3]
+    assert [type(b).__name__ for b in first] == ["VarBinding", "MatchCast", "MatchCast"]
+    assert "R.reshape" in named.script() and named.script().count("R.match_cast") == 2
+    lowered = grape_pipeline(tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), {"n": (2, 64)})(mod)
+    plan = graph_plan(lowered)
+    assert len(plan.regions) == 1
+    # The renaming reshape is a view (vm.builtin.reshape), not a copy kernel in the region.
+    assert "vm.builtin.reshape" in lowered["main"].script()
+    assert "reshape" not in lowered["grape_region_0"].script().replace("vm.builtin.reshape", "")
+    x_np = np.random.default_rng(0).standard_normal((1, 37)).astype("float32")
+    np.testing.assert_allclose(_run_llvm(named, x_np), _run_llvm(mod, x_np), rtol=1e-6)

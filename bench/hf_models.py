@@ -654,6 +654,7 @@ def run_wav2vec2(env: Env, args) -> dict:
                 notes[system] = f"failed to load: {_error(err)}"
         else:
             notes[system] = f"not built ({path.name} missing)"
+    vms["vm_grape_kernels"] = VM(env, grape_path, weights)  # grape's kernels, one by one
     graphs: dict[int, tuple] = {}
 
     def torch_graph(x):

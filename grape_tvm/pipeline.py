@@ -89,7 +89,7 @@ class GrapePipeline:
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).
-                passes += gpu_legalize_passes() + [CheckDeviceKernels()]
+                passes += gpu_legalize_passes(self.dims) + [CheckDeviceKernels()]
             else:
                 passes += lowering.legalize_passes(target)
             passes += lowering.dataflow_lower_passes(target) + _finalize_passes()

@@ -538,3 +538,32 @@ def test_name_derived_dims_defines_names_up_front_and_reshapes_stay_views():
     assert "reshape" not in lowered["grape_region_0"].script().replace("vm.builtin.reshape", "")
     x_np = np.random.default_rng(0).standard_normal((1, 37)).astype("float32")
     np.testing.assert_allclose(_run_llvm(named, x_np), _run_llvm(mod, x_np), rtol=1e-6)
+
+
+def _gemv_kernel():
+    """The PrimFunc of ``(batch, 1, 64) @ (64, 128)``, as legalization makes it."""
+    from tvm import tirx  # pylint: disable=import-outside-toplevel
+
+    batch = tirx.Var("batch", "int64")
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((batch, 1, 64), "float32"))
+    w = relax.Var("w", relax.TensorType((64, 128), "float32"))
+    with bb.function("main", [x, w]):
+        out = bb.emit(relax.op.matmul(x, w))
+        bb.emit_func_output(out)
+    mod = relax.transform.LegalizeOps()(bb.get())
+    return next(f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
+
+
+def test_small_batch_gemv_takes_matvec_kernels_only_over_small_dims():
+    from grape_tvm.passes import SmallBatchGEMV  # pylint: disable=import-outside-toplevel
+    from grape_tvm.passes.gpu_schedules import small_dims  # pylint: disable=import-outside-toplevel
+
+    func = _gemv_kernel()
+    target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    assert small_dims({"batch": (1, 8), "past": (1, 1024)}) == ["batch"]
+    scheduled = SmallBatchGEMV(["batch"]).apply(func, target, False)
+    assert scheduled is not None
+    assert "threadIdx" in scheduled.mod.script()  # bound to threads: a GPU kernel
+    assert SmallBatchGEMV(["past"]).apply(func, target, False) is None  # batch is not small
+    assert SmallBatchGEMV([]).apply(func, target, False) is None

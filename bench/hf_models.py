@@ -633,11 +633,12 @@ def run_wav2vec2(env: Env, args) -> dict:
     spec = json.loads(weights_json.read_text())
     config = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()}
     model = make_model("wav2vec2", config, spec["seed"]).to(env.device)
-    weights = {k: tvm.runtime.tensor(v, tvm.device(env.device if env.cuda else "cpu", 0))
-               for k, v in hf_weights(weights_json).items()}
     from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 
+    # Loading an artifact first also loads TVM's CUDA runtime (a runtime-only TVM does not).
     grape = load(grape_path, "cuda") if env.cuda else load(grape_path, "cpu")
+    weights = {k: tvm.runtime.tensor(v, tvm.device(env.device if env.cuda else "cpu", 0))
+               for k, v in hf_weights(weights_json).items()}
     grape.bind_inputs({k: weights[k] for k in (t.name for t in grape.signature.inputs) if k in weights})
     dev = grape.device
     rng_samples = grape.signature.dims["samples"]

@@ -90,8 +90,8 @@ class GrapePipeline:
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).
-                # SmallBatchGEMV is off by default: its kernels crashed the process on the
-                # H200 (a segfault on the first call; not yet understood).
+                # SmallBatchGEMV is off by default: executables with its kernels crash on the
+                # H200 at the first call, on TVM's own VM too (not yet understood).
                 small = self.dims if self.small_batch_gemv else None
                 passes += gpu_legalize_passes(small) + [CheckDeviceKernels()]
             else:

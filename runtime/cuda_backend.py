@@ -102,6 +102,15 @@ class CudaGraphBackend:
         """TVM launches everything of a call on the backend's stream."""
         return self._use_stream(self.device, int(self.stream))
 
+    def capture_context(self):
+        """TVM launches on the capture stream (a caller capturing into a graph of its own)."""
+        return self._use_stream(self.device, int(self.capture_stream))
+
+    @property
+    def context(self):
+        """The CUcontext the backend's graphs and streams belong to."""
+        return self._context
+
     def has(self, region: str, shape: tuple) -> bool:
         return (region, shape) in self._rows or (region, shape) in self._per_shape
 
@@ -126,7 +135,7 @@ class CudaGraphBackend:
         return True
 
     def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> Capture:
-        ctx = self._use_stream(self.device, int(self.capture_stream))
+        ctx = self.capture_context()
         check(driver.cuStreamBeginCapture(
             self.capture_stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
             "cuStreamBeginCapture")

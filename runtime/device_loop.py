@@ -177,7 +177,7 @@ class DeviceLoop:
         start = time.perf_counter()
         _check_state(self.spec, state)
         limit = self.spec.limit(max_steps)
-        tensors = {n: self.executor._as_tensor(n, state[n]) for n in self.spec.carried}
+        tensors = {n: self.executor.device_tensor(n, state[n]) for n in self.spec.carried}
         key = tuple((n, tuple(t.shape), str(t.dtype)) for n, t in tensors.items())
         graph = self._graphs.get(key)
         if graph is not None and graph.bound_version != self.executor.bound_version:
@@ -211,7 +211,7 @@ class DeviceLoop:
     # -- building ----------------------------------------------------------------------
     def _build(self, key: tuple) -> LoopGraph:
         unbound = [t.name for t in self.executor.signature.inputs
-                   if t.name not in self.spec.carried and t.name not in self.executor._bound]
+                   if t.name not in self.spec.carried and t.name not in self.executor.bound_names]
         if unbound:
             raise InputError(f"loop invariant(s) {unbound} are not bound: bind them with "
                              "bind_inputs before running the loop")
@@ -226,7 +226,7 @@ class DeviceLoop:
         graph = LoopGraph(state, counter, self.backend.stream)
         graph.bound_version = self.executor.bound_version
         try:
-            handle, body = graph.add_while(self.backend._context)
+            handle, body = graph.add_while(self.backend.context)
             self._capture_body(graph, body, handle, regions, outputs)
             graph.instantiate(self.backend.stream)
         except BaseException:
@@ -241,7 +241,7 @@ class DeviceLoop:
             driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
             "cuStreamBeginCaptureToGraph")
         try:
-            with self.backend._use_stream(self.executor.device, int(stream)):
+            with self.backend.capture_context():
                 for region, shape, args in regions:
                     self._vm[region](*args, tvm_ffi.Shape(list(shape)))
             names = [t.name for t in self.executor.signature.outputs]

@@ -110,6 +110,16 @@ class GraphExecutor:
             self._returned, self._dims_of = {}, {}
             self.bound_version += 1
 
+    @property
+    def bound_names(self) -> frozenset[str]:
+        """Names of the inputs bound with ``bind_inputs``."""
+        return frozenset(self._bound)
+
+    def device_tensor(self, name: str, value: Any) -> tvm.runtime.Tensor:
+        """``value`` as a tensor on this executor's device: a device tensor as it is (checked:
+        device, layout), a host array copied (counted in ``stats``)."""
+        return self._as_tensor(name, value)
+
     def run(self, inputs: Mapping[str, Any] | Sequence[Any], *, return_numpy: bool = True,
             out: Mapping[str, Any] | None = None) -> dict[str, Any] | list[Any]:
         """Run one call; ``inputs`` maps input names to numpy arrays or DLPack tensors.

@@ -62,11 +62,10 @@ class GrapePipeline:
 
     def __init__(self, target: tvm.target.Target | None = None,
                  dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
-                 select_ops: int = 16, small_batch_gemv: bool = False):
+                 select_ops: int = 16):
         self.target = target
         self.dims = dict(dims or {})
         self.select_ops = select_ops
-        self.small_batch_gemv = small_batch_gemv
 
     def transform_module(self, mod: tvm.IRModule, ctx: PassContext) -> tvm.IRModule:
         target = self.target or tvm.target.Target.current(allow_none=False)
@@ -90,10 +89,7 @@ class GrapePipeline:
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).
-                # SmallBatchGEMV is off by default: executables with its kernels crash on the
-                # H200 at the first call, on TVM's own VM too (not yet understood).
-                small = self.dims if self.small_batch_gemv else None
-                passes += gpu_legalize_passes(small) + [CheckDeviceKernels()]
+                passes += gpu_legalize_passes() + [CheckDeviceKernels()]
             else:
                 passes += lowering.legalize_passes(target)
             passes += lowering.dataflow_lower_passes(target) + _finalize_passes()
@@ -102,15 +98,13 @@ class GrapePipeline:
 
 def grape_pipeline(target: tvm.target.Target | None = None,
                    dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
-                   select_ops: int = 16, small_batch_gemv: bool = False) -> tvm.transform.Pass:
+                   select_ops: int = 16) -> tvm.transform.Pass:
     """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes.
 
-    ``small_batch_gemv``: schedule matrix-vector kernels over dims declared small with
-    ``SmallBatchGEMV`` (experimental: its kernels crashed on our H200).
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
     0 keeps every ``if`` on the host.
     """
-    return GrapePipeline(target, dims, select_ops, small_batch_gemv)
+    return GrapePipeline(target, dims, select_ops)
 
 
 if "grape" not in relax.pipeline.PIPELINE_MAP:

@@ -7,8 +7,7 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   the host. ``graph_plan`` reads the result back for ``inspect``.
 - ``CheckDeviceKernels``: a GPU build with a kernel left on the host is an error.
 - ``IfToSelect``: cheap, pure branches on a tensor condition become selects (no host read).
-- ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules, and
-  ``SmallBatchGEMV`` first for kernels over dims declared small (decode matmuls)
+- ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
 - ``SliceIntoConvPadding``: a slice dropping a conv's last outputs becomes less padding.
@@ -19,7 +18,7 @@ Passes touch IR only: nothing here launches a kernel or owns a device resource.
 from .bound_shapes import BoundShapeRanges, signature_dims
 from .conv_slice import SliceIntoConvPadding
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
-from .gpu_schedules import SmallBatchGEMV, TolerantRule, default_gpu_rules, gpu_legalize_passes
+from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
 from .lift_regions import REGION_ATTR, REGION_PREFIX, GraphPlan, LiftGraphRegions, graph_plan
@@ -38,7 +37,6 @@ __all__ = [
     "TolerantRule",
     "default_gpu_rules",
     "gpu_legalize_passes",
-    "SmallBatchGEMV",
     "graph_plan",
     "signature_dims",
     "unbound_kernels",

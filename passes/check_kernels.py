@@ -32,6 +32,27 @@ def _launches_threads(func: tirx.PrimFunc) -> bool:
     return bool(found)
 
 
+def _stores_outside_threads(func: tirx.PrimFunc) -> int:
+    """Buffer stores not under any thread binding: what codegen leaves to the host."""
+    from tvm_ffi.structural import WalkResult  # pylint: disable=import-outside-toplevel
+
+    stores = []
+
+    def on_for(loop):
+        return WalkResult.SKIP if loop.thread_binding is not None else WalkResult.ADVANCE
+
+    def on_attr(stmt):
+        return WalkResult.SKIP if stmt.attr_key == "thread_extent" else WalkResult.ADVANCE
+
+    def on_store(stmt):
+        stores.append(stmt)
+        return WalkResult.ADVANCE
+
+    structural_walk(func.body, ((tirx.For, on_for), (tirx.AttrStmt, on_attr),
+                                (tirx.BufferStore, on_store)), order="pre")
+    return len(stores)
+
+
 def _is_host_function(func: tirx.PrimFunc) -> bool:
     attrs = func.attrs
     if attrs is None:
@@ -51,7 +72,8 @@ def unbound_kernels(mod: IRModule) -> list[str]:
     for gvar, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or _is_host_function(func):
             continue
-        if _touches_memory(func) and not _launches_threads(func):
+        # No thread at all, or a part (a padding copy, say) left outside the threads.
+        if _touches_memory(func) and (not _launches_threads(func) or _stores_outside_threads(func)):
             names.append(gvar.name_hint)
     return sorted(names)
 
@@ -70,6 +92,9 @@ class CheckDeviceKernels:
         def softmax(x: T.Buffer((n,), "float32"), y: T.Buffer((n,), "float32")):
             for i in range(n):          # no thread binding: would run on the host
                 y[i] = ...
+
+    A kernel bound to threads only in part (a block a schedule rule left as serial loops
+    beside the bound ones) is refused too: those loops would run on the host as well.
 
     After: a module in which every kernel binds ``blockIdx``/``threadIdx`` is returned as is.
     """

@@ -555,15 +555,18 @@ def _gemv_kernel():
     return next(f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc))
 
 
-def test_small_batch_gemv_takes_matvec_kernels_only_over_small_dims():
-    from grape_tvm.passes import SmallBatchGEMV  # pylint: disable=import-outside-toplevel
-    from grape_tvm.passes.gpu_schedules import small_dims  # pylint: disable=import-outside-toplevel
+def test_kernel_check_refuses_a_kernel_left_partly_on_the_host():
+    """A schedule that binds the main loop nest but leaves other blocks as serial loops
+    (TVM 0.27's ``LowBatchGEMV`` on a decode matmul over a symbolic batch: its padding copies
+    and the last reduction steps) would write device memory from the host: refused."""
+    from tvm.s_tir import dlight as dl  # pylint: disable=import-outside-toplevel
 
-    func = _gemv_kernel()
     target = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    assert small_dims({"batch": (1, 8), "past": (1, 1024)}) == ["batch"]
-    scheduled = SmallBatchGEMV(["batch"]).apply(func, target, False)
-    assert scheduled is not None
-    assert "threadIdx" in scheduled.mod.script()  # bound to threads: a GPU kernel
-    assert SmallBatchGEMV(["past"]).apply(func, target, False) is None  # batch is not small
-    assert SmallBatchGEMV([]).apply(func, target, False) is None
+    sch = dl.gpu.LowBatchGEMV(4).apply(_gemv_kernel(), target, False)
+    assert "threadIdx" in sch.mod.script()  # bound in part
+    partly = tvm.IRModule({"gemv": sch.mod["main"].with_attr("global_symbol", "gemv")})
+    assert unbound_kernels(partly) == ["gemv"]
+    with target:
+        whole = dl.ApplyDefaultSchedule(dl.gpu.Matmul(), dl.gpu.Fallback())(
+            tvm.IRModule({"gemv": _gemv_kernel().with_attr("global_symbol", "gemv")}))
+    assert unbound_kernels(whole) == []  # TVM's order: a whole GPU kernel

@@ -627,8 +627,8 @@ def run_wav2vec2(env: Env, args) -> dict:
     if not grape_path.exists() or not weights_json.exists():
         return {"status": "not built",
                 "reason": f"no {grape_path.name} with {weights_json.name} in {env.artifacts} "
-                          f"(found {found}): Wav2Vec2's CUDA build is not done yet "
-                          "(docs/tvm_onnx_frontend.md)",
+                          f"(found {found}): run bench/gpu/build_artifacts.py (build_wav2vec2) "
+                          "where torch and transformers are installed",
                 "latency_ms": {}}
     spec = json.loads(weights_json.read_text())
     config = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()}

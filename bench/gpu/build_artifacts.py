@@ -173,10 +173,10 @@ def _tvm_pipeline_grape_schedules():
 
 def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_decode"),
                     baselines: bool = True) -> None:
-    """Hugging Face GPT-2 (124M) and Wav2Vec2 base, weights as inputs: ``NAME.cuda.grape``
-    plus ``NAME.weights.json``, which ``bench/export_hf.py``'s ``hf_weights`` turns into
-    the arrays to ``bind_inputs`` on the GPU host. Skipped without torch/transformers.
-    Wav2Vec2 is left out by default: its CUDA build fails in codegen (docs/tvm_onnx_frontend.md).
+    """Hugging Face GPT-2 (124M), weights as inputs: ``NAME.cuda.grape`` plus
+    ``NAME.weights.json``, which ``bench/export_hf.py``'s ``hf_weights`` turns into the
+    arrays to ``bind_inputs`` on the GPU host. Skipped without torch/transformers.
+    Wav2Vec2 is built by ``build_wav2vec2`` (no TVM-pipeline baselines for it).
 
     With ``baselines``, TVM's own builds of the same imported modules for
     ``bench/hf_models.py``: ``NAME.tvm_vm.cuda.grape`` and ``NAME.tvm_cuda_graph.cuda.grape``

@@ -368,15 +368,9 @@ class OnnxLoop:
         return _from_npy(source["const"])
 
     def _check(self, inputs: Mapping[str, Any]) -> None:
-        from grape_tvm.runtime.signature import InputError  # pylint: disable=import-outside-toplevel
-
-        names = [t.name for t in self.signature.inputs]
-        missing = [n for n in names if n not in inputs]
-        unknown = [n for n in inputs if n not in names]
-        if missing or unknown:
-            raise InputError(f"the model takes inputs {names}: missing {missing}, "
-                             f"unknown {unknown}")
-        arrays = {n: np.asarray(inputs[n]) for n in names}
+        """Names, dtypes, ranks and dims against the ONNX graph's signature (``bind`` names
+        missing and unknown inputs too)."""
+        arrays = {n: np.asarray(v) for n, v in inputs.items()}
         self.signature.bind({n: a.shape for n, a in arrays.items()},
                             {n: str(a.dtype) for n, a in arrays.items()})
 
@@ -400,14 +394,14 @@ class OnnxLoop:
               max_steps: int | None) -> dict:
         self._bind(inputs)
         limit = int(max_steps or self.max_steps) if trip is None else trip
-        while True:
+        running = True
+        while running and self.steps < limit:
             result = self.loop.run(state, max_steps=min(limit - self.steps, _CHUNK))
             self.steps += result.steps
             self.launches += 1
             state = result.state
-            if not bool(state[COND].numpy()) or self.steps >= limit:
-                break
-        if trip is None and bool(state[COND].numpy()):
+            running = bool(state[COND].numpy())
+        if trip is None and running:
             raise RuntimeError(
                 f"Loop node {self.info['node']!r} has no trip count M and its condition is "
                 f"still true after the step limit of {limit} steps: give a larger max_steps "

@@ -60,7 +60,7 @@ class BufferPool:
         # What plans of every dims share, valid for one generation: region argument lists
         # (addresses do not depend on dims) and output views. A decode loop meets a new
         # past length, so a new plan, on every step: making these once is most of its cost.
-        self.memo: dict[Any, Any] = {}
+        self._memo: dict[Any, Any] = {}
         self._memo_generation = 0
         self._shapes: dict[tuple, tvm_ffi.Shape] = {}
 
@@ -79,16 +79,15 @@ class BufferPool:
 
     def shared(self, key: Any, make) -> Any:
         """``make()``, made once per generation for ``key``."""
-        if self._memo_generation != self.generation or len(self.memo) > MEMO_LIMIT:
-            self.memo, self._memo_generation = {}, self.generation
-        found = self.memo.get(key)
+        if self._memo_generation != self.generation or len(self._memo) > MEMO_LIMIT:
+            self._memo, self._memo_generation = {}, self.generation
+        found = self._memo.get(key)
         if found is None:
-            found = self.memo[key] = make()
+            found = self._memo[key] = make()
         return found
 
     def view(self, index: int, shape: tuple, dtype: str, side: int = 0):
-        held = self.buffers[index]
-        base = held[side if side < len(held) else 0]
+        base = self._buffer(index, side)
         ffi_shape = self._shapes.get(shape)
         if ffi_shape is None:  # building a Shape costs more than the view itself
             if len(self._shapes) > MEMO_LIMIT:
@@ -96,29 +95,25 @@ class BufferPool:
             ffi_shape = self._shapes[shape] = tvm_ffi.Shape(shape)
         return base._create_view(ffi_shape, dtype)
 
+    def _buffer(self, index: int, side: int):
+        held = self.buffers[index]
+        return held[side if side < len(held) else 0]
+
     def address(self, index: int, side: int = 0) -> "Address":
         """The buffer's address, made once per generation (plans of every dims share it)."""
-        cache = getattr(self, "_addresses", None)
-        if cache is None or cache[0] != self.generation:
-            cache = self._addresses = (self.generation, {})
-        key = (index, side)
-        found = cache[1].get(key)
-        if found is None:
-            held = self.buffers[index]
-            found = cache[1][key] = Address(held[side if side < len(held) else 0].data_ptr())
-        return found
+        return self.shared(("address", index, side),
+                           lambda: Address(self._buffer(index, side).data_ptr()))
 
     def _ranges(self) -> tuple[list[int], list[tuple[int, Any]]]:
         """Buffer start addresses, sorted, and (end, side) of each: side 0 or 1 for output
-        buffers, "single" for the rest. Cached per generation."""
-        cached = getattr(self, "_ranges_cache", None)
-        if cached is not None and cached[0] == self.generation:
-            return cached[1]
-        ranges = sorted((b.data_ptr(), b.data_ptr() + b.shape[0], side if len(held) > 1 else "single")
-                        for held in self.buffers for side, b in enumerate(held) if b is not None)
-        value = ([r[0] for r in ranges], [(r[1], r[2]) for r in ranges])
-        self._ranges_cache = (self.generation, value)
-        return value
+        buffers, "single" for the rest. Made once per generation."""
+        def make():
+            ranges = sorted((b.data_ptr(), b.data_ptr() + b.shape[0],
+                             side if len(held) > 1 else "single")
+                            for held in self.buffers for side, b in enumerate(held) if b is not None)
+            return [r[0] for r in ranges], [(r[1], r[2]) for r in ranges]
+
+        return self.shared(("ranges",), make)
 
     def side_for(self, tensors: Sequence[Any], hit: set | None = None) -> int | None:
         """The output side none of ``tensors`` lives on, nor any side in ``hit`` (those of
@@ -166,19 +161,25 @@ class CallPlan:
         shared = [i for i, s in enumerate(slots) if s.kind != "input" and not is_scalar(s)]
         return key, inputs, scalars, outputs, shared, [i for i, _ in inputs] + list(outputs)
 
+    def _buffer_side(self, slot: Slot, side: int) -> int:
+        return side if slot.index in self.output_buffers else 0
+
+    def _view(self, slot: Slot, pool: BufferPool, side: int):
+        return pool.view(slot.index, slot.shape, slot.dtype, self._buffer_side(slot, side))
+
     def _materialize(self, pool: BufferPool, side: int, addresses_only: bool) -> None:
         # Made once per pool generation and side, not per call. A backend that reads only
         # addresses gets them for the buffers no caller sees; outputs are always views.
         def fixed(slot: Slot, returned: bool = False):
-            if slot.kind == "buffer":
-                chosen = side if slot.index in self.output_buffers else 0
-                if addresses_only and not returned:
-                    return pool.address(slot.index, chosen)
-                if returned:
-                    return pool.shared(("view", slot.index, chosen, slot.shape, slot.dtype),
-                                       lambda: pool.view(slot.index, slot.shape, slot.dtype, chosen))
-                return pool.view(slot.index, slot.shape, slot.dtype, chosen)
-            return slot.value
+            if slot.kind != "buffer":
+                return slot.value
+            if addresses_only and not returned:
+                return pool.address(slot.index, self._buffer_side(slot, side))
+            if returned:
+                return pool.shared(("view", slot.index, self._buffer_side(slot, side),
+                                    slot.shape, slot.dtype),
+                                   lambda: self._view(slot, pool, side))
+            return self._view(slot, pool, side)
 
         def region_values(slots: list[Slot], shared: list[int]) -> list[Any]:
             values = [None] * len(slots)
@@ -211,7 +212,7 @@ class CallPlan:
 
         The plan holds the views, so an ``id`` names one of them for as long as it is here:
         an executor given one back as an input knows its shape and dtype without asking TVM
-        (reading a tensor's dtype costs about 2 us, and a decode step passes dozens).
+        (reading a TVM tensor's dtype builds an FFI object, and a decode step passes dozens).
         """
         return self._described.get(side, {})
 
@@ -222,10 +223,7 @@ class CallPlan:
         def value(slot: Slot):
             if slot.kind == "input":
                 return inputs[slot.index]
-            if slot.kind == "buffer":
-                chosen = side if slot.index in self.output_buffers else 0
-                return pool.view(slot.index, slot.shape, slot.dtype, chosen)
-            return slot.value
+            return self._view(slot, pool, side) if slot.kind == "buffer" else slot.value
 
         regions = [(region, shape, [value(s) for s in slots]) for region, shape, slots in self.regions]
         return regions, [value(s) for s in self.outputs]

@@ -38,6 +38,7 @@ from .cuda_compile import RuntimeKernel
 from .cuda_driver import check, driver
 from .cuda_graph import OwnedGraph
 from .signature import InputError, nbytes
+from .topology_graph import DeviceBuffer, kernel_params
 
 LOOP_SOURCE = Path(__file__).with_name("kernels") / "loop.cu"
 STOP_DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "uint64")
@@ -108,13 +109,13 @@ class HostLoop:
 class LoopGraph(OwnedGraph):
     """The loop at one state shape: its state buffers, step counter, graph and exec."""
 
-    def __init__(self, state: dict[str, tvm.runtime.Tensor], counter: int, stream):
+    def __init__(self, state: dict[str, tvm.runtime.Tensor], stream, bound_version: int):
         self.state = state  # the loop's own buffers; the body reads and writes them
-        self.counter = counter  # device {u32 steps, u32 max_steps}
+        self.counter = DeviceBuffer(8)  # {u32 steps, u32 max_steps}
         self.stream = stream
         self.graph = check(driver.cuGraphCreate(0), "cuGraphCreate")
         self.body_copy_bytes = 0  # per step, inside the graph
-        self.bound_version = -1  # the executor's bound inputs it was captured with
+        self.bound_version = bound_version  # of the executor's bound inputs it reads
 
     def add_while(self, context):
         """The WHILE node, its handle set to 1 at each launch; returns (handle, body graph)."""
@@ -132,7 +133,7 @@ class LoopGraph(OwnedGraph):
 
     def launch(self, max_steps: int) -> None:
         limits = struct.pack("<II", 0, max_steps)  # pageable: staged before the call returns
-        check(driver.cuMemcpyHtoDAsync(self.counter, limits, len(limits), self.stream),
+        check(driver.cuMemcpyHtoDAsync(self.counter.address, limits, len(limits), self.stream),
               "cuMemcpyHtoDAsync(loop counter)")
         check(driver.cuGraphLaunch(self.exec, self.stream), "cuGraphLaunch(loop)")
 
@@ -142,14 +143,12 @@ class LoopGraph(OwnedGraph):
     def steps(self) -> int:
         """Steps the last launch ran (after ``wait``)."""
         out = bytearray(4)
-        check(driver.cuMemcpyDtoH(out, self.counter, 4), "cuMemcpyDtoH(loop counter)")
+        check(driver.cuMemcpyDtoH(out, self.counter.address, 4), "cuMemcpyDtoH(loop counter)")
         return struct.unpack("<I", out)[0]
 
     def close(self) -> None:
         super().close()
-        if getattr(self, "counter", None) is not None:
-            driver.cuMemFree(self.counter)
-            self.counter = None
+        self.counter.close()
 
 
 class DeviceLoop:
@@ -229,9 +228,7 @@ class DeviceLoop:
             self.executor.run(state, return_numpy=False)
         self.backend.synchronize()
         regions, outputs = self.executor.trace(state)
-        counter = check(driver.cuMemAlloc(8), "cuMemAlloc(loop counter)")
-        graph = LoopGraph(state, counter, self.backend.stream)
-        graph.bound_version = self.executor.bound_version
+        graph = LoopGraph(state, self.backend.stream, self.executor.bound_version)
         try:
             handle, body = graph.add_while(self.backend.context)
             self._capture_body(graph, body, handle, regions, outputs)
@@ -259,18 +256,17 @@ class DeviceLoop:
                                                    stream), "cuMemcpyDtoDAsync(loop state)")
                     graph.body_copy_bytes += nbytes(dst)
             stop = outputs[names.index(self.spec.stop)]
-            self._launch_continue(handle, stop, graph.counter, stream)
+            self._launch_continue(handle, stop, graph.counter.address, stream)
         finally:
             err, _ = driver.cuStreamEndCapture(stream)
         if err != driver.CUresult.CUDA_SUCCESS:
             check(err, "cuStreamEndCapture(loop body)")
 
     def _launch_continue(self, handle, stop, counter, stream) -> None:
-        boxes = [ctypes.c_uint64(int(handle)), ctypes.c_uint64(stop.data_ptr()),
-                 ctypes.c_uint32(nbytes(stop)), ctypes.c_uint64(int(counter))]
-        params = (ctypes.c_void_p * len(boxes))(*[ctypes.addressof(b) for b in boxes])
+        storage = kernel_params([("u64", int(handle)), ("u64", stop.data_ptr()),
+                                 ("u32", nbytes(stop)), ("u64", counter)])  # alive until launched
         check(driver.cuLaunchKernel(self._kernel.function, 1, 1, 1, 1, 1, 1, 0, stream,
-                                    ctypes.addressof(params), 0), "cuLaunchKernel(continue)")
+                                    ctypes.addressof(storage[1]), 0), "cuLaunchKernel(continue)")
 
     # -- what is held ------------------------------------------------------------------
     def describe(self) -> dict:

@@ -174,9 +174,15 @@ class GraphExecutor:
         plan = self._plans.get(key) if key is not None else None
         side = None
         if plan is not None:
-            unknown = [t for t in passed if id(t) not in self._returned] + list(out.values())
-            side = self._pool.side_for(unknown, {self._returned[id(t)][3] for t in passed
-                                                 if id(t) in self._returned})
+            # Our own outputs passed back: their side is known; the rest are looked up.
+            unknown, hit = list(out.values()), set()
+            for t in passed:
+                known = self._returned.get(id(t))
+                if known is None:
+                    unknown.append(t)
+                else:
+                    hit.add(known[3])
+            side = self._pool.side_for(unknown, hit)
         if plan is not None and side is not None:
             self._check_out(out, plan)
             outputs = plan.run(args, self._pool, self.backend, side, out)

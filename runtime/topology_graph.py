@@ -160,7 +160,7 @@ def _device_updatable(node) -> int:
     return int(got.deviceUpdatableKernelNode.devNode)
 
 
-def _kernel_params(values: Sequence[tuple[str, int]]):
+def kernel_params(values: Sequence[tuple[str, int]]):
     """ctypes storage for a kernel's parameters; keep the result alive until the call."""
     boxes = [ctypes.c_uint64(v) if kind == "u64" else ctypes.c_uint32(v) for kind, v in values]
     array = (ctypes.c_void_p * len(boxes))(*[ctypes.addressof(b) for b in boxes])
@@ -199,7 +199,7 @@ class TopologyGraph(OwnedGraph):
     # -- building ----------------------------------------------------------------------
     def _patch_params(self):
         b = self.buffers
-        return _kernel_params([
+        return kernel_params([
             ("u64", b["columns"].address), ("u64", b["rows"].address), ("u32", self._row_bytes),
             ("u64", b["pointers"].address), ("u64", b["spans"].address),
             ("u32", len(self.dev_nodes)), ("u64", b["launch"].address),

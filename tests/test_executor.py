@@ -99,10 +99,8 @@ def test_out_buffers_are_written_directly(blocks_artifact):
         executor.run({"x": x}, out={"y": strided})
 
 
-def test_a_growing_cache_fed_back_copies_nothing(tmp_path):
-    """A decode-style loop: ``cache' = concat(cache, x)``, ``y = cache' * 2``, the cache fed
-    back each call and growing by one row: after recording, no byte is copied."""
-    import tvm  # pylint: disable=import-outside-toplevel
+def _growing_cache_step():
+    """``cache' = concat(cache, x)``, ``y = cache' * 2``: a decode step's cache, in small."""
     from tvm.script import ir as I  # pylint: disable=import-outside-toplevel
     from tvm.script import relax as R  # pylint: disable=import-outside-toplevel
 
@@ -116,6 +114,13 @@ def test_a_growing_cache_fed_back_copies_nothing(tmp_path):
                 R.output(grown, y)
             return (grown, y)
 
+    return Step
+
+
+def test_a_growing_cache_fed_back_copies_nothing(tmp_path):
+    """A decode-style loop: ``cache' = concat(cache, x)``, ``y = cache' * 2``, the cache fed
+    back each call and growing by one row: after recording, no byte is copied."""
+    Step = _growing_cache_step()
     path = tmp_path / "step.grape"
     grape_tvm.build(Step, {"past": (1, 40)}, "llvm", output_names=["cache", "y"]).export(path)
     executor = load(path, "cpu")
@@ -133,6 +138,51 @@ def test_a_growing_cache_fed_back_copies_nothing(tmp_path):
         np.testing.assert_array_equal(out["y"].numpy(), want * 2)
     assert (executor.stats.h2d_bytes, executor.stats.d2d_bytes, executor.stats.d2h_bytes) == before
     assert executor.stats.planned_calls == len(xs)
+
+
+def test_planned_decode_steps_share_their_address_lists(tmp_path):
+    """What a CUDA graph backend (``addresses_only``) gets from planned calls of a growing
+    cache fed back: executor buffers as addresses, one argument list for every past length
+    (only inputs, outputs' side and dims passed by value differ), one ``caller`` key, and
+    outputs alternating between two sides. The stub records planned replays and runs the
+    CPU replay for the VM's recordings."""
+    from grape_tvm.runtime.call_plan import Address  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
+
+    class AddressesOnly(CpuReplayBackend):
+        addresses_only = True
+
+        def __init__(self, device):
+            super().__init__(device)
+            self.planned = []
+
+        def replay(self, region, shape, region_args, caller=None, moving=None):
+            if caller is None:  # the VM's own call, during a recorded run
+                return super().replay(region, shape, region_args)
+            self.planned.append((shape, list(region_args), caller, list(moving)))
+            return True
+
+    Step = _growing_cache_step()
+    module = grape_tvm.build(Step, {"past": (1, 20)}, "llvm", output_names=["cache", "y"])
+    backend = AddressesOnly(tvm.cpu())
+    executor = GraphExecutor(module.executable, tvm.cpu(), module.signature, backend,
+                             plan_calls=True)
+    x = tvm.runtime.tensor(np.ones((1, 8), np.float32))
+    start = tvm.runtime.tensor(np.ones((1, 8), np.float32))
+    for _ in range(2):  # the first pass records every length, the second is planned
+        cache, sides = start, []
+        for _ in range(19):
+            cache = executor.run({"cache": cache, "x": x}, return_numpy=False)["cache"]
+            sides.append(cache.data_ptr())
+    assert executor.stats.planned_calls == len(backend.planned) == 19
+    assert len(set(sides)) == 2 and sides[0::2] == [sides[0]] * 10  # two sides, alternating
+    assert len({caller for _, _, caller, _ in backend.planned}) == 1
+    # The executor's own buffers, as addresses: the same for every past length on a side.
+    lists = [[a for a in args if isinstance(a, Address)] for _, args, _, _ in backend.planned]
+    assert lists[0] and lists[0] != lists[1]
+    assert lists[0::2] == [lists[0]] * 10 and lists[1::2] == [lists[1]] * 9
+    assert [shape for shape, _, _, _ in backend.planned] != [backend.planned[0][0]] * 19
+    assert (executor.stats.h2d_bytes, executor.stats.d2d_bytes) == (0, 0)
 
 
 def test_bad_inputs_fail_before_any_kernel_and_leave_the_executor_usable(blocks_artifact):

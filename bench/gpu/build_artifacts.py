@@ -52,6 +52,14 @@ CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 BENCH_DIMS = {"n": (1, 1024)}
 
 
+def _upper_bounded(mod: tvm.IRModule, his: dict[str, int]) -> tvm.IRModule:
+    """``mod`` as TVM's own pipelines take declared bounds: ``tir_var_upper_bound`` on main
+    (memory planned at the bound), nothing else of grape's."""
+    bounded = mod.clone()
+    bounded["main"] = bounded["main"].with_attr("tir_var_upper_bound", his)
+    return bounded
+
+
 def _timed(label: str, fn):
     t0 = time.perf_counter()
     out = fn()
@@ -74,8 +82,7 @@ def build_bench(out: Path, width: int = 768, depth: int = 24) -> None:
     grape = _timed("blocks24.grape", lambda: grape_tvm.build(mod, BENCH_DIMS, CUDA, output_names=["y"]))
     grape.export(out / "blocks24.grape.cuda.grape")
     # TVM as a TVM user runs it: its default CUDA pipeline, memory planned at the same bound.
-    bounded = mod.clone()
-    bounded["main"] = bounded["main"].with_attr("tir_var_upper_bound", {"n": BENCH_DIMS["n"][1]})
+    bounded = _upper_bounded(mod, {"n": BENCH_DIMS["n"][1]})
     vm = _timed("blocks24.tvm_vm", lambda: tvm.compile(bounded, target=CUDA))
     package(vm, signature, CUDA).export(out / "blocks24.tvm_vm.cuda.grape")
     with tvm.transform.PassContext(config={"relax.backend.use_cuda_graph": True}):
@@ -103,8 +110,7 @@ def build_loop(out: Path) -> None:
         loop = _timed(f"{name}.loop", lambda: grape_tvm.compile_loop(
             step, carried, max_steps=config["max_len"] - 1, dims={"batch": (1, 8)}, target=CUDA))
         loop.export(out / f"{name}.loop.cuda.grape")
-        bounded = step.clone()
-        bounded["main"] = bounded["main"].with_attr("tir_var_upper_bound", {"batch": 8})
+        bounded = _upper_bounded(step, {"batch": 8})
         vm = _timed(f"{name}.tvm_vm", lambda: tvm.compile(bounded, target=CUDA))
         package(vm, loop.signature, CUDA).export(out / f"{name}.tvm_vm.cuda.grape")
 
@@ -127,9 +133,7 @@ def _tvm_baselines(onnx_path: Path, dims: dict, out: Path, name: str) -> dict:
     proto = load_onnx(onnx_path)
     signature = onnx_signature(proto, dims)
     mod = import_onnx(proto, signature.dims)
-    bounded = mod.clone()
-    bounded["main"] = bounded["main"].with_attr(
-        "tir_var_upper_bound", {k: v.hi for k, v in signature.dims.items()})
+    bounded = _upper_bounded(mod, {k: v.hi for k, v in signature.dims.items()})
     notes = {}
     for system, config in (("tvm_vm", {}), ("tvm_cuda_graph", {"relax.backend.use_cuda_graph": True})):
         note: dict = {"built": False}

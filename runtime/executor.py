@@ -17,6 +17,9 @@ from .call_plan import BufferPool, CallPlan, CallPlanRecorder
 from .progress import Progress
 from .signature import InputError, Signature, nbytes
 
+# TVM's kernels assume buffers aligned this far (tvm.runtime.from_dlpack's requirement).
+ALIGNMENT = 64
+
 REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
 
 
@@ -257,12 +260,7 @@ class GraphExecutor:
             self.stats.add("h2d_bytes", array.nbytes)
             return tvm.runtime.tensor(array, self.device)
         elif hasattr(value, "__dlpack__"):
-            try:
-                tensor = tvm.runtime.from_dlpack(value)
-            except Exception as err:  # pylint: disable=broad-except
-                # TVM refuses strided DLPack tensors itself ("Tensor is not contiguous").
-                raise ValueError(f"input {name!r} cannot be read in place: {err} (the kernels "
-                                 "read dense row-major tensors; pass a contiguous copy)") from None
+            tensor = self._from_dlpack(name, value, copy)
         else:
             raise TypeError(f"input {name!r}: expected a numpy array or a DLPack tensor, got "
                             f"{type(value).__name__}")
@@ -271,9 +269,34 @@ class GraphExecutor:
             raise ValueError(f"input {name!r} is on {tensor.device}, the executor runs on "
                              f"{self.device}")
         if not tensor.is_contiguous():
-            raise ValueError(f"input {name!r} is not contiguous (strides {tensor.strides}); "
-                             "the kernels read dense row-major tensors")
+            raise ValueError(f"input {name!r} cannot be read in place: it is not contiguous "
+                             f"(strides {tensor.strides}); the kernels read dense row-major "
+                             "tensors, pass a contiguous copy")
         return tensor
+
+    def _from_dlpack(self, name: str, value: Any, copy: bool) -> tvm.runtime.Tensor:
+        """A DLPack tensor as a TVM tensor over the same memory.
+
+        TVM's kernels assume data aligned to ``ALIGNMENT`` bytes (its own ``from_dlpack``
+        refuses anything else). A misaligned input is copied once into an aligned tensor and
+        the copy is counted; a misaligned ``out=`` buffer cannot be written in place and is
+        refused. The layout is checked first so that a strided view is named as such.
+        """
+        try:
+            tensor = tvm_ffi.from_dlpack(value)
+        except Exception as err:  # pylint: disable=broad-except
+            raise ValueError(f"input {name!r} cannot be read in place: {err}") from None
+        if not tensor.is_contiguous() or tensor.data_ptr() % ALIGNMENT == 0:
+            return tensor
+        if not copy:
+            raise ValueError(f"input {name!r} cannot be written in place: its data is not "
+                             f"aligned to {ALIGNMENT} bytes (the kernels assume aligned "
+                             "buffers); pass an aligned buffer")
+        aligned = tvm.runtime.empty(tensor.shape, tensor.dtype, tensor.device)
+        aligned.copyfrom(tensor)
+        self.stats.add("d2d_bytes" if tensor.device.dlpack_device_type() != 1 else "h2d_bytes",
+                       nbytes(tensor))
+        return aligned
 
     def _name_outputs(self, values: list) -> dict[str, tvm.runtime.Tensor] | list:
         if self.signature is None:

@@ -95,8 +95,46 @@ def test_out_buffers_are_written_directly(blocks_artifact):
     with pytest.raises(InputError, match="unknown output"):
         executor.run({"x": x}, out={"z": target})
     strided = np.zeros((64, 7), np.float32).T  # a DLPack tensor, but not dense row-major
-    with pytest.raises(ValueError, match="cannot be read in place: .*not contiguous"):
+    with pytest.raises(ValueError, match="cannot be read in place: it is not contiguous"):
         executor.run({"x": x}, out={"y": strided})
+    with pytest.raises(ValueError, match=r"out\['y'\]. cannot be written in place: .*not aligned to 64"):
+        executor.run({"x": x}, out={"y": _misaligned(np.zeros((7, 64), np.float32))})
+
+
+class _DLPackOnly:
+    """A DLPack producer that is not a numpy array (numpy inputs take the copying path)."""
+
+    def __init__(self, array: np.ndarray):
+        self.array = array
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return self.array.__dlpack_device__()
+
+
+def _misaligned(array: np.ndarray, offset: int = 4) -> _DLPackOnly:
+    """``array``'s values in memory that starts ``offset`` bytes past a 64-byte boundary."""
+    raw = np.zeros(array.nbytes + 128, np.uint8)
+    start = (-raw.ctypes.data) % 64 + offset
+    view = raw[start:start + array.nbytes].view(array.dtype).reshape(array.shape)
+    view[...] = array
+    assert view.ctypes.data % 64 == offset
+    return _DLPackOnly(view)
+
+
+def test_misaligned_input_is_copied_once_and_counted(blocks_artifact):
+    """TVM's kernels assume 64-byte aligned data: a misaligned DLPack input is copied into an
+    aligned buffer (counted), never read misaligned and never refused."""
+    executor = load(blocks_artifact, "cpu")
+    x = np.random.default_rng(2).standard_normal((5, 64)).astype(np.float32)
+    want = load(blocks_artifact, "cpu").run({"x": x})["y"]
+    executor.run({"x": _misaligned(x, offset=0)})  # aligned: read where it is
+    assert executor.stats.last["h2d_bytes"] == 0
+    got = executor.run({"x": _misaligned(x)})["y"]
+    assert executor.stats.last["h2d_bytes"] == x.nbytes
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
 
 
 def _growing_cache_step():

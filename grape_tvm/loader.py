@@ -95,6 +95,7 @@ def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
                                    cubins)
     # Without host steps a call is only region launches: run such calls without the VM.
     plan_calls = not manifest["plan"]["host_steps"] and bool(manifest["plan"]["regions"])
-    executor = GraphExecutor(library, dev, signature, backend, plan_calls=plan_calls)
+    executor = GraphExecutor(library, dev, signature, backend, plan_calls=plan_calls,
+                             branches=manifest["plan"].get("branches"))
     executor.manifest = manifest
     return executor

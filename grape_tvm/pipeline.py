@@ -8,7 +8,8 @@ import tvm
 from tvm import relax
 from tvm.ir.transform import PassContext, module_pass
 
-from grape_tvm.passes import (BoundShapeRanges, CheckDeviceKernels, IfToSelect,
+from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
+                              CheckDeviceKernels, DescribeConditionals, IfToSelect,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
                               gpu_legalize_passes)
 from grape_tvm.runtime.signature import ShapeRange
@@ -20,7 +21,10 @@ def _finalize_passes() -> list[tvm.transform.Pass]:
     t = relax.transform
     return [
         t.StaticPlanBlockMemory(),
+        # Branches on device data: conditional regions, guarded on the device.
+        BranchesToConditionalRegions(),
         LiftGraphRegions(),
+        DescribeConditionals(),
         t.LowerAllocTensor(),
         t.KillAfterLastUse(),
         t.LowerRuntimeBuiltin(),

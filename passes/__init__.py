@@ -7,6 +7,9 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   the host. ``graph_plan`` reads the result back for ``inspect``.
 - ``CheckDeviceKernels``: a GPU build with a kernel left on the host is an error.
 - ``IfToSelect``: cheap, pure branches on a tensor condition become selects (no host read).
+- ``BranchesToConditionalRegions``: other branches on device data become conditional
+  regions (both branches run guarded by the condition on the device);
+  ``DescribeConditionals`` writes down what their branches call, for the runtime.
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
@@ -16,16 +19,22 @@ Passes touch IR only: nothing here launches a kernel or owns a device resource.
 """
 
 from .bound_shapes import BoundShapeRanges, signature_dims
+from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .conv_slice import SliceIntoConvPadding
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
-from .lift_regions import REGION_ATTR, REGION_PREFIX, GraphPlan, LiftGraphRegions, graph_plan
+from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, REGION_PREFIX,
+                           GraphPlan, LiftGraphRegions, graph_plan)
 
 __all__ = [
     "BoundShapeRanges",
+    "BranchesToConditionalRegions",
+    "CONDITIONAL_ATTR",
+    "CONDITIONAL_PREFIX",
     "CheckDeviceKernels",
+    "DescribeConditionals",
     "GraphPlan",
     "HostFallbackError",
     "IfToSelect",

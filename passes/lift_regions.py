@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import tvm
 from tvm import IRModule, relax, tirx
 from tvm.ir.transform import PassContext, module_pass
 
 REGION_ATTR = "grape.region"
 REGION_PREFIX = "grape_region_"
+CONDITIONAL_ATTR = "grape.conditional"  # BranchesToConditionalRegions' functions
+CONDITIONAL_PREFIX = "grape_cond_"
 
 # Bindings that do no device work and read no tensor contents: while a region is open they
 # are hoisted in front of it (allocations, views, tuples) or sunk behind it (kills), so that
@@ -50,18 +53,35 @@ class RegionInfo:
 
 
 @dataclass
+class ConditionalInfo:
+    """A conditional region (``BranchesToConditionalRegions``): how it runs, and the
+    regions of each branch, in call order (nested conditionals by name)."""
+
+    name: str
+    condition: str
+    mode: str
+    then_calls: list[str]
+    else_calls: list[str]
+    kernels: int
+
+
+@dataclass
 class GraphPlan:
     """What will run as graphs and what stays on the host, read off a lifted module."""
 
     regions: list[RegionInfo] = field(default_factory=list)
     host_steps: list[HostStep] = field(default_factory=list)
     host_bookkeeping: int = 0
+    conditionals: list[ConditionalInfo] = field(default_factory=list)
+    branches: dict = field(default_factory=dict)  # conditional name -> DescribeConditionals' dict
 
     def to_json(self) -> dict:
         return {
             "regions": [vars(r) for r in self.regions],
             "host_steps": [vars(h) for h in self.host_steps],
             "host_bookkeeping": self.host_bookkeeping,
+            "conditionals": [vars(c) for c in self.conditionals],
+            "branches": self.branches,
         }
 
 
@@ -84,7 +104,8 @@ def _op_name(call: relax.Call) -> str:
 def classify(binding: relax.Binding, mod: IRModule) -> tuple[str, str, str]:
     """Return ``(kind, op, reason)``.
 
-    kind is one of kernel, alloc, view, kill, region, bookkeeping (VM shape checks) or host.
+    kind is one of kernel, alloc, view, kill, region, conditional (a conditional region's
+    call), bookkeeping (VM shape checks) or host.
     """
     value = binding.value
     if isinstance(binding, relax.MatchCast):
@@ -105,6 +126,8 @@ def classify(binding: relax.Binding, mod: IRModule) -> tuple[str, str, str]:
                 return "kernel", op.name_hint, ""
             if callee.attrs is not None and REGION_ATTR in callee.attrs:
                 return "region", op.name_hint, ""
+            if callee.attrs is not None and CONDITIONAL_ATTR in callee.attrs:
+                return "conditional", op.name_hint, ""
             return "host", op.name_hint, "calls a Relax function"
         name = _op_name(value)
         if name in _ALLOC_OPS:
@@ -122,11 +145,18 @@ def classify(binding: relax.Binding, mod: IRModule) -> tuple[str, str, str]:
     return "view", type(value).__name__, ""
 
 
-def _tir_vars(exprs) -> list[tirx.Var]:
+def tir_vars(exprs) -> list[tirx.Var]:
+    """The symbolic dims of ``exprs``: in their types, and in shapes and values passed."""
     found: dict[str, tirx.Var] = {}
     for expr in exprs:
         for var in relax.analysis.tir_vars_in_type(expr.ty):
             found.setdefault(var.name, var)
+        # A dim passed by value is a PrimExpr itself in TVM 0.27 (no PrimValue wrapper).
+        values = expr.values if isinstance(expr, relax.ShapeExpr) else \
+            [expr] if isinstance(expr.ty, tvm.ir.PrimType) else []
+        for value in values:
+            for var in tirx.analysis.undefined_vars(value):
+                found.setdefault(var.name, var)
     return list(found.values())
 
 
@@ -154,7 +184,7 @@ class _RegionBuilder:
         block = relax.BindingBlock(self.kernels)
         params = [v for v in relax.analysis.free_vars(relax.SeqExpr([block], relax.Tuple([])))
                   if not isinstance(v, relax.GlobalVar)]
-        sym = _tir_vars(params + [a for b in self.kernels for a in b.value.args])
+        sym = tir_vars(params + [a for b in self.kernels for a in b.value.args])
         shape = relax.Var("shape", relax.ShapeType(sym))
         name = f"{REGION_PREFIX}{index}"
         # The region hands its shape back: a call whose result is void crashes TVM 0.27's VM
@@ -267,6 +297,8 @@ class LiftGraphRegions:
                 out += region.lift(bb, index)
                 index += 1
                 region = _RegionBuilder()
+            if isinstance(binding.value, relax.If):
+                binding, index = self._lift_branches(bb, mod, binding, index)
             out.append(binding)
         if region:
             out += region.lift(bb, index)
@@ -274,25 +306,70 @@ class LiftGraphRegions:
         return out, index
 
 
+    def _lift_branches(self, bb, mod, binding: relax.Binding, index: int):
+        """An ``if`` with the kernels of each branch lifted too (a branch left on the host
+        then launches graphs; a conditional region's branches become region calls)."""
+        branches = []
+        for seq in (binding.value.true_branch, binding.value.false_branch):
+            if not isinstance(seq, relax.SeqExpr):
+                branches.append(seq)
+                continue
+            blocks = []
+            for block in seq.blocks:
+                bindings, index = self._lift_block(bb, mod, list(block.bindings), seq.body, index)
+                blocks.append(relax.BindingBlock(bindings))
+            branches.append(relax.SeqExpr(blocks, seq.body))
+        return relax.VarBinding(binding.var, relax.If(binding.value.cond, *branches)), index
+
+
 def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
-    """Describe a lifted module: its regions in call order, and the host steps of ``entry``."""
+    """Describe a lifted module: its regions in call order (those of conditional regions
+    too), its conditional regions, and the host steps of ``entry`` with their reasons."""
     plan = GraphPlan()
     func = mod[entry]
+    stayed = dict(func.attrs.get("grape.host_branches", {})) if func.attrs is not None else {}
     for block in func.body.blocks:
         for binding in block.bindings:
             kind, op, reason = classify(binding, mod)
             if kind == "region":
                 plan.regions.append(_region_info(mod, op))
+            elif kind == "conditional":
+                _add_conditional(plan, mod, op, binding)
             elif kind == "bookkeeping":
                 plan.host_bookkeeping += 1
             elif kind in ("host", "kernel"):
                 if isinstance(binding.value, relax.If):
+                    why = stayed.get(binding.var.name)
                     launched = _branch_kernels(binding.value, mod)
-                    reason += (f"; its branches launch {launched} kernel(s) one by one "
-                               "through the VM, outside any graph")
+                    reason += (f" ({why})" if why else "") + \
+                        f"; its branches launch {launched} kernel(s)"
                 plan.host_steps.append(
                     HostStep(entry, op, binding.var.name, reason or "kernel outside any region"))
     return plan
+
+
+def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> None:
+    import json  # pylint: disable=import-outside-toplevel
+
+    func = mod[name]
+    described = json.loads(str(func.attrs["grape.branches"]))
+    plan.branches[name] = described
+    kernels = 0
+    sides = []
+    for calls in described["branches"]:
+        sides.append([c["callee"] for c in calls])
+        for call in calls:
+            if call["kind"] == "region":
+                info = _region_info(mod, call["callee"])
+                plan.regions.append(info)
+                kernels += len(info.kernels)
+            else:
+                _add_conditional(plan, mod, call["callee"], None)
+                kernels += plan.conditionals[-1].kernels
+    condition = binding.value.args[0].name if binding is not None else "(nested)"
+    plan.conditionals.append(ConditionalInfo(
+        name, condition, "predicated: both branches' graphs launch, the one not taken "
+        "disabled on the device", sides[0], sides[1], kernels))
 
 
 def _region_info(mod: IRModule, name: str) -> RegionInfo:

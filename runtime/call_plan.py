@@ -133,22 +133,31 @@ class BufferPool:
 
 
 class CallPlan:
-    """The regions of one call at fixed dims, and where each argument and output lives."""
+    """The regions of one call at fixed dims, and where each argument and output lives.
 
-    def __init__(self, regions: list[tuple[str, tuple, list[Slot]]], outputs: list[Slot]):
+    A region of a conditional region's branch comes with guards: its last slots are the
+    conditions, ``expects`` what each must be for it to run. Both branches are in the
+    plan; the backend decides on the device which runs (``GraphExecutor``'s branches).
+    """
+
+    def __init__(self, regions: list[tuple[str, tuple, list[Slot], tuple[bool, ...]]],
+                 outputs: list[Slot]):
         self.regions = regions
         self.outputs = outputs
         self.output_buffers = {s.index for s in outputs if s.kind == "buffer"}
+        self.guarded = any(expects for *_, expects in regions)
         self._generation: dict[int, int] = {}
         self._args: dict[int, list[tuple]] = {}  # per side
         self._outs: dict[int, list[Any]] = {}
         self._described: dict[int, dict[int, tuple]] = {}  # per side, see ``described``
-        self._layouts = [self._layout(slots) for _, _, slots in regions]
+        self._layouts = [self._layout(slots, len(slots) - len(expects))
+                         for _, _, slots, expects in regions]
 
-    def _layout(self, slots: list[Slot]) -> tuple:
+    def _layout(self, slots: list[Slot], num_args: int) -> tuple:
         """What a region call's argument list is made of, independent of the pool: the key
         its address list is shared under, the positions of inputs, of dims passed by value
-        and of outputs, and the positions that may move between calls."""
+        and of outputs, and the region arguments that may move between calls (guards,
+        after ``num_args``, are written on every launch)."""
         def is_scalar(slot: Slot) -> bool:  # a dim passed by value: differs between dims
             return slot.kind == "value" and not isinstance(slot.value, tvm.runtime.Tensor)
 
@@ -159,7 +168,8 @@ class CallPlan:
         outputs = {i: s.index for i, s in enumerate(slots)
                    if s.kind == "buffer" and s.index in self.output_buffers}
         shared = [i for i, s in enumerate(slots) if s.kind != "input" and not is_scalar(s)]
-        return key, inputs, scalars, outputs, shared, [i for i, _ in inputs] + list(outputs)
+        moving = [i for i in [i for i, _ in inputs] + list(outputs) if i < num_args]
+        return key, inputs, scalars, outputs, shared, moving, num_args
 
     def _buffer_side(self, slot: Slot, side: int) -> int:
         return side if slot.index in self.output_buffers else 0
@@ -188,8 +198,8 @@ class CallPlan:
             return values
 
         args = []
-        for (region, shape, slots), layout in zip(self.regions, self._layouts):
-            key, inputs, scalars, outputs, shared, moving = layout
+        for (region, shape, slots, expects), layout in zip(self.regions, self._layouts):
+            key, inputs, scalars, outputs, shared, moving, num_args = layout
             if addresses_only:  # the same list for plans of any dims: share it
                 values = pool.shared(("args", region, side, key),
                                      lambda slots=slots, shared=shared: region_values(slots, shared))
@@ -198,7 +208,8 @@ class CallPlan:
             # Calls of any dims whose region arguments sit in the same pool buffers share
             # this key: between them only the inputs and the output side move.
             caller = (pool.generation, region, key)
-            args.append((region, shape, values, inputs, scalars, outputs, moving, caller))
+            args.append((region, shape, values, inputs, scalars, outputs, moving, caller,
+                         num_args, expects))
         self._args[side] = args
         self._outs[side] = [None if s.kind == "input" else fixed(s, returned=True)
                             for s in self.outputs]
@@ -225,7 +236,11 @@ class CallPlan:
                 return inputs[slot.index]
             return self._view(slot, pool, side) if slot.kind == "buffer" else slot.value
 
-        regions = [(region, shape, [value(s) for s in slots]) for region, shape, slots in self.regions]
+        if self.guarded:
+            raise NotImplementedError("this call has data-dependent branches (conditional "
+                                      "regions): it cannot be re-issued region by region")
+        regions = [(region, shape, [value(s) for s in slots])
+                   for region, shape, slots, _ in self.regions]
         return regions, [value(s) for s in self.outputs]
 
     def run(self, inputs: Sequence[Any], pool: BufferPool, backend, side: int = 0,
@@ -235,12 +250,13 @@ class CallPlan:
         ``out`` maps an output's index to a tensor of the caller's that the graphs write
         into directly, in place of the pool's buffer.
         """
-        if not all(backend.has(region, shape) for region, shape, _ in self.regions):
+        if not all(backend.has(region, shape) for region, shape, *_ in self.regions):
             return None  # evicted by a bounded per-shape cache: the VM records it again
         if self._generation.get(side) != pool.generation:
             self._materialize(pool, side, getattr(backend, "addresses_only", False))
         redirect = {self.outputs[i].index: t for i, t in (out or {}).items()}
-        for region, shape, values, from_inputs, scalars, outputs, moving, caller in self._args[side]:
+        for (region, shape, values, from_inputs, scalars, outputs, moving, caller, num_args,
+             expects) in self._args[side]:
             args = list(values)
             for position, index in from_inputs:
                 args[position] = inputs[index]
@@ -249,7 +265,11 @@ class CallPlan:
             for position, index in outputs.items():
                 if index in redirect:
                     args[position] = redirect[index]
-            backend.replay(region, shape, args, caller, moving)
+            if expects:
+                backend.replay(region, shape, args[:num_args], caller, moving,
+                               guards=list(zip(args[num_args:], expects)))
+            else:
+                backend.replay(region, shape, args, caller, moving)
         results = []
         for i, (slot, held) in enumerate(zip(self.outputs, self._outs[side])):
             if out and i in out:
@@ -266,13 +286,43 @@ class CallPlanRecorder:
     not move from call to call, so a replay need not look at their addresses.
     """
 
-    def __init__(self, inputs: Sequence[Any], fixed: Sequence[int] = ()):
+    def __init__(self, inputs: Sequence[Any], fixed: Sequence[int] = (),
+                 branches: dict | None = None):
         self.inputs = list(inputs)
         self.fixed = set(fixed)
-        self.calls: list[tuple[str, tuple, list[Any]]] = []
+        self.branches = branches or {}
+        # (region, shape, arguments then guard conditions, what each guard expects)
+        self.calls: list[tuple[str, tuple, list[Any], tuple[bool, ...]]] = []
+        self._depth = 0  # inside a conditional region's call: its regions are planned already
 
     def on_region(self, region: str, shape: tuple, args: Sequence[Any]) -> None:
-        self.calls.append((region, shape, list(args)))
+        if self._depth == 0:
+            self.calls.append((region, shape, list(args), ()))
+
+    def on_conditional(self, name: str, shape: tuple, args: Sequence[Any]) -> None:
+        """A conditional region's call: the regions of both its branches, each guarded by
+        the condition (and by those of the conditionals it is nested in)."""
+        if self._depth == 0:
+            self._expand(name, shape, list(args), ())
+        self._depth += 1
+
+    def end_conditional(self) -> None:
+        self._depth -= 1
+
+    def _expand(self, name: str, shape: tuple, args: list[Any], guards: tuple) -> None:
+        described = self.branches[name]
+        condition = args[described["condition"]]
+        for expect, calls in zip((True, False), described["branches"]):
+            inner = guards + ((condition, expect),)
+            for call in calls:
+                call_args = [args[i] for i in call["args"]]
+                call_shape = tuple(shape[i] for i in call["dims"])
+                if call["kind"] == "conditional":
+                    self._expand(call["callee"], call_shape, call_args, inner)
+                else:
+                    self.calls.append((call["callee"], call_shape,
+                                       call_args + [c for c, _ in inner],
+                                       tuple(e for _, e in inner)))
 
     def finish(self, outputs: Sequence[Any], pool: BufferPool,
                buffer_of: dict[tuple, int]) -> CallPlan | None:
@@ -303,14 +353,14 @@ class CallPlanRecorder:
             return Slot("buffer", index, tuple(t.shape), str(t.dtype))
 
         regions = []
-        for call, (region, shape, args) in enumerate(self.calls):
+        for call, (region, shape, args, expects) in enumerate(self.calls):
             slots = []
             for arg, value in enumerate(args):
                 position[:] = [call, arg]
                 slots.append(slot(value))
             if any(s is None for s in slots):
                 return None
-            regions.append((region, shape, slots))
+            regions.append((region, shape, slots, expects))
         out_slots = []
         for i, value in enumerate(outputs):
             position[:] = [-1, i]

@@ -74,6 +74,9 @@ class CpuReplayBackend:
     """Records each region per shape on first sight; replays its topology group's kernels."""
 
     name = "cpu-replay"
+    # Recording runs the kernels (the VM calls them, the recorder watches): to record a
+    # region without its effects the executor must skip them. A capture runs nothing.
+    records_by_running = True
 
     def __init__(self, device: tvm.runtime.Device):
         self.device = device
@@ -88,19 +91,28 @@ class CpuReplayBackend:
         return groups is not None and shape in groups.where
 
     def replay(self, region: str, shape: tuple, region_args: Sequence[Any],
-               caller: Any = None, moving: Sequence[int] | None = None) -> bool:
+               caller: Any = None, moving: Sequence[int] | None = None,
+               guards: Sequence[tuple[Any, Any]] = ()) -> bool:
+        """Run ``region``'s kernels at ``shape``; False if it was never recorded there.
+
+        ``guards``: ``(condition tensor, expect)`` pairs; the kernels run only if each
+        condition is ``expect``, as the patch kernel decides on a GPU (host memory here:
+        reading it is no synchronization).
+        """
         groups = self._groups.get(region)
         where = groups.where.get(shape) if groups else None
         if where is None:
             return False
-        self._kernels[region][where[0]].replay(where[1], region_args)
-        return True
+        if all(bool(condition.numpy()) == bool(expect) for condition, expect in guards):
+            self._kernels[region][where[0]].replay(where[1], region_args)
+        return True  # a guard that fails: the call is done, with nothing run
 
     def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> CallRecorder:
         return CallRecorder(region, shape, region_args)
 
-    def end(self, recorder: CallRecorder) -> None:
-        # The VM ran the kernels while they were recorded: the call's results are in place.
+    def end(self, recorder: CallRecorder, run: bool = True) -> None:
+        # The VM ran the kernels while they were recorded (unless the executor skipped
+        # them: ``run`` False, see ``records_by_running``): the results are in place.
         records, constants = recorder.records()
         groups = self._groups.setdefault(recorder.region, TopologyGroups())
         index, _, new = groups.add(recorder.shape, records)

@@ -8,6 +8,11 @@ Two modes:
   ``max_graphs`` of them (least recently used go first). The fallback where nodes cannot be
   made device-updatable (drivers before CUDA 12.4), and a baseline for the benchmarks.
 
+A replay may carry guards, ``(condition tensor or address, expect)``: the region runs only if
+each 1-byte condition is ``expect``. In topology mode the patch kernel reads them on the
+device; per-shape graphs have no patch kernel, so the backend reads them on the host (a
+synchronize: counted in ``synchronizing_guards``).
+
 The backend owns its streams, its context reference, the patch kernel and every graph.
 """
 
@@ -24,7 +29,7 @@ from .cuda_compile import CubinStore
 from .cuda_driver import check, driver
 from .cuda_graph import (Capture, CapturedGraph, find_pointer_slots, node_records,
                          read_kernel_nodes)
-from .topology_graph import PatchKernel, TopologyGraph
+from .topology_graph import PatchKernel, TopologyGraph, guard_address
 
 MODES = ("topology", "per-shape")
 DEVICE_UPDATE_DRIVER = 12040  # CUDA 12.4: device-updatable kernel nodes
@@ -92,6 +97,7 @@ class CudaGraphBackend:
         self.graphs_captured = 0
         self.graphs_instantiated = 0
         self.launches = 0  # graph launches, for the executor's statistics
+        self.synchronizing_guards = 0  # guards read on the host (per-shape mode): each a sync
         self.evicted = 0
         # Device memory taken by graphs and their tables: free memory read just before and
         # after each instantiation, table write and release (nothing else allocates there).
@@ -115,23 +121,41 @@ class CudaGraphBackend:
         return (region, shape) in self._rows or (region, shape) in self._per_shape
 
     def replay(self, region: str, shape: tuple, region_args: Sequence[Any],
-               caller: Any = None, moving: Sequence[int] | None = None) -> bool:
+               caller: Any = None, moving: Sequence[int] | None = None,
+               guards: Sequence[tuple[Any, Any]] = ()) -> bool:
         """Launch the recording of ``region`` at ``shape``; False if there is none.
 
         ``caller``/``moving``: see ``TopologyGraph.replay`` (a planned call passes them).
+        ``guards``: ``(tensor or device address, expect)`` pairs; the region runs only if
+        each 1-byte condition is ``expect`` (nonzero counts as 1). True also when a guard
+        failed: the recording exists, the call is done.
         """
         found = self._rows.get((region, shape))
         if found is not None:
             graph, row = found
-            graph.replay(row, region_args, self.stream, caller, moving)
+            graph.replay(row, region_args, self.stream, caller, moving, guards)
             self.launches += 1
             return True
         captured = self._per_shape.get((region, shape))
         if captured is None:
             return False
         self._per_shape.move_to_end((region, shape))
+        if guards and not self._guards_hold(guards):
+            return True
         captured.replay(region_args, self.stream)
         self.launches += 1
+        return True
+
+    def _guards_hold(self, guards: Sequence[tuple[Any, Any]]) -> bool:
+        """Read the guards on the host: a per-shape graph has no patch kernel to skip its
+        nodes. The conditions come from work queued before: wait for it first."""
+        self.synchronize()
+        value = bytearray(1)
+        for where, expect in guards:
+            check(driver.cuMemcpyDtoH(value, guard_address(where), 1), "cuMemcpyDtoH(guard)")
+            self.synchronizing_guards += 1
+            if bool(value[0]) != bool(expect):
+                return False
         return True
 
     def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> Capture:
@@ -142,16 +166,18 @@ class CudaGraphBackend:
         ctx.__enter__()
         return Capture(region, shape, region_args, ctx)
 
-    def end(self, capture: Capture) -> None:
-        """Finish a capture, keep what it recorded, and run it (capture runs nothing)."""
+    def end(self, capture: Capture, run: bool = True) -> None:
+        """Finish a capture, keep what it recorded, and run it (capture runs nothing) unless
+        ``run`` is False: a branch not taken is recorded without its side effects."""
         capture.stream_context.__exit__(None, None, None)
         graph = check(driver.cuStreamEndCapture(self.capture_stream), "cuStreamEndCapture")
         self.graphs_captured += 1
-        self.launches += 1  # the capture's own run, below
+        if run:
+            self.launches += 1  # the capture's own run, below
         if self.mode == "topology":
-            self._keep_in_topology(capture, graph)
+            self._keep_in_topology(capture, graph, run)
         else:
-            self._keep_per_shape(capture, graph)
+            self._keep_per_shape(capture, graph, run)
 
     def abort(self, capture: Capture) -> None:
         capture.stream_context.__exit__(None, None, None)
@@ -165,7 +191,7 @@ class CudaGraphBackend:
             self._patch = PatchKernel(self.cubins)
         return self._patch
 
-    def _keep_in_topology(self, capture: Capture, graph) -> None:
+    def _keep_in_topology(self, capture: Capture, graph, run: bool) -> None:
         nodes = read_kernel_nodes(graph, self._layouts)
         slots = find_pointer_slots(nodes, capture.region_args)
         records = node_records(nodes, slots)
@@ -186,10 +212,11 @@ class CudaGraphBackend:
             topology_graph.refresh()
         self.graph_device_bytes += free - _free_bytes()
         self._rows[(capture.region, capture.shape)] = (topology_graph, row)
-        topology_graph.replay(row, capture.region_args, self.stream)
+        if run:
+            topology_graph.replay(row, capture.region_args, self.stream)
 
     # -- per-shape mode ------------------------------------------------------------------
-    def _keep_per_shape(self, capture: Capture, graph) -> None:
+    def _keep_per_shape(self, capture: Capture, graph, run: bool) -> None:
         nodes = read_kernel_nodes(graph, self._layouts)
         slots = find_pointer_slots(nodes, capture.region_args)
         free = _free_bytes()
@@ -203,7 +230,8 @@ class CudaGraphBackend:
             old.close()
             self.graph_device_bytes -= _free_bytes() - free
             self.evicted += 1
-        captured.replay(capture.region_args, self.stream)
+        if run:
+            captured.replay(capture.region_args, self.stream)
 
     # -- what is held ----------------------------------------------------------------------
     def recorded_shapes(self) -> dict[str, list[tuple]]:
@@ -224,6 +252,7 @@ class CudaGraphBackend:
                 "graphs_instantiated": self.graphs_instantiated,
                 "per_shape_graphs": len(self._per_shape), "evicted": self.evicted,
                 "graph_device_bytes": self.graph_device_bytes,
+                "synchronizing_guards": self.synchronizing_guards,
                 "topology_groups": regions}
 
     def close(self) -> None:

@@ -21,6 +21,7 @@ from .signature import InputError, Signature, nbytes
 ALIGNMENT = 64
 
 REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
+CONDITIONAL_PREFIX = "grape_cond_"  # and BranchesToConditionalRegions, conditional regions
 
 
 @dataclass
@@ -55,6 +56,12 @@ class GraphExecutor:
     records it. When the entry function has no host step (``plan_calls``), later calls at
     those dims skip the VM altogether (``CallPlan``) and run on buffers the executor owns.
 
+    A conditional region (a data-dependent ``if``, ``branches`` from the artifact's plan)
+    runs on the VM the first time at given dims: the VM reads the condition, the branch
+    taken is recorded as it runs and the other one recorded without running. Planned calls
+    then launch the regions of both branches, each guarded by the condition, which the
+    backend checks on the device: no host read.
+
     The executor owns its VM, its backend (streams, graphs) and its buffers; ``close()``
     frees them. Calls are serialized by a lock; use one executor per thread for parallel
     calls.
@@ -62,15 +69,16 @@ class GraphExecutor:
 
     def __init__(self, executable: tvm.runtime.Module, device: tvm.runtime.Device,
                  signature: Signature | None = None, backend=None, entry: str = "main",
-                 plan_calls: bool = False):
+                 plan_calls: bool = False, branches: Mapping[str, dict] | None = None):
         self.device = device
+        self.branches = dict(branches or {})
         self.signature = signature
         self.backend = backend if backend is not None else default_backend(device)
         self.entry = entry
         self.stats = CallStats()
         self._vm = VirtualMachine(executable, device)
         self._vm.set_instrument(self._instrument)
-        self._open: tuple[str, Any] | None = None  # (region, recorder) while recording
+        self._open: tuple[str, Any, bool] | None = None  # (region, recorder, run) while recording
         self._lock = threading.Lock()
         # Calls without the VM: only for an entry function with no host step (see call_plan).
         self._plan_calls = plan_calls and signature is not None
@@ -197,14 +205,16 @@ class GraphExecutor:
                 return self._name_outputs(outputs)
         self._returned = {}
         watch = self._plan_calls and key is not None and key not in self._plans
-        self._watch = CallPlanRecorder(args, self._fixed) if watch else None
+        self._watch = CallPlanRecorder(args, self._fixed, self.branches) if watch else None
         try:
             result = self._vm[self.entry](*args)
         finally:
             recorder, self._watch = self._watch, None
         values = _values(result, self.signature)
         if recorder is not None:
-            self._plans[key] = recorder.finish(values, self._pool, self._buffer_of)
+            self._plans[key] = plan = recorder.finish(values, self._pool, self._buffer_of)
+            if plan is not None and plan.guarded:
+                self._record_branches_not_taken(recorder)
         for index, target in out.items():  # the VM allocated its own: copy, and count it
             _check_like(target, values[index], self.signature.outputs[index].name)
             target.copyfrom(values[index])
@@ -312,6 +322,24 @@ class GraphExecutor:
             self.backend.abort(self._open[1])
             self._open = None
 
+    def _record_branches_not_taken(self, watched: CallPlanRecorder) -> None:
+        """Record, without running them, the regions of the branches the VM did not take:
+        a planned call launches both (guarded), so both need their recording."""
+        for region, shape, args, expects in watched.calls:
+            if not expects or self.backend.has(region, shape):
+                continue
+            args = args[:len(args) - len(expects)]
+            recorder = self.backend.begin(region, shape, args)
+            self._open = (region, recorder, False)
+            try:
+                self._vm[region](*args, tvm_ffi.Shape(shape))
+            except BaseException:
+                self._abandon_recording()
+                raise
+            self._open = None
+            self.backend.end(recorder, run=False)
+            self.stats.region_recordings += 1
+
     def trace(self, inputs: Mapping[str, Any]) -> tuple[list[tuple[str, tuple, list]], list]:
         """The region calls (name, shape, arguments) and outputs of a call on ``inputs``,
         without running it: for a caller that issues them itself (``DeviceLoop``).
@@ -336,6 +364,14 @@ class GraphExecutor:
     def _instrument(self, func, symbol: str, before_run: bool, _ret, *args) -> int:
         if self._open is not None:
             return self._while_recording(func, symbol, before_run, args)
+        if symbol.startswith(CONDITIONAL_PREFIX):
+            # The VM runs the branch (reading the condition); the plan gets both.
+            if self._watch is not None:
+                if before_run:
+                    self._watch.on_conditional(symbol, tuple(int(v) for v in args[-1]), args[:-1])
+                else:
+                    self._watch.end_conditional()
+            return VMInstrumentReturnKind.NO_OP
         if before_run and symbol.startswith(REGION_PREFIX):
             shape = tuple(int(v) for v in args[-1])
             if self._watch is not None:
@@ -343,17 +379,22 @@ class GraphExecutor:
             if self.backend.replay(symbol, shape, args[:-1]):
                 self.stats.region_replays += 1
                 return VMInstrumentReturnKind.SKIP_RUN
-            self._open = (symbol, self.backend.begin(symbol, shape, args[:-1]))
+            self._open = (symbol, self.backend.begin(symbol, shape, args[:-1]), True)
         return VMInstrumentReturnKind.NO_OP
 
     def _while_recording(self, func, symbol: str, before_run: bool, args) -> int:
-        region, recorder = self._open
-        if symbol == region and not before_run:
-            self._open = None
-            self.backend.end(recorder)
-            self.stats.region_recordings += 1
-        elif before_run:
+        region, recorder, run = self._open
+        if symbol == region:
+            if run and not before_run:
+                self._open = None
+                self.backend.end(recorder)
+                self.stats.region_recordings += 1
+            return VMInstrumentReturnKind.NO_OP
+        if before_run:
             recorder.on_call(func, symbol, args)
+            if not run and getattr(self.backend, "records_by_running", False) and \
+                    not symbol.startswith("vm.builtin."):
+                return VMInstrumentReturnKind.SKIP_RUN  # recorded, not run: no side effect
         return VMInstrumentReturnKind.NO_OP
 
     # -- recording ahead of time ----------------------------------------------------------

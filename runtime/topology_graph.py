@@ -4,10 +4,15 @@
 block dims: the graph captured at the group's first shape, its instantiation, and the device
 buffers of its argument table. Its kernel nodes are device-updatable; a ``PatchKernel`` node
 at the head applies the current shape's row (grid dims, scalar parameters) and the current
-call's argument addresses. A call that changes the row or moves an argument writes its launch
-record (row index and argument addresses) with one stream-ordered copy, and launches: no
-capture, no instantiation, no host-side node update. The patch kernel applies only what
-differs from the launch before.
+call's argument addresses. A call that changes the row, moves an argument or changes its
+guards writes its launch record (row index, argument addresses, guards) with one
+stream-ordered copy, and launches: no capture, no instantiation, no host-side node update.
+The patch kernel applies only what differs from the launch before.
+
+A launch may carry guards (predication): device-resident 1-byte conditions and the values
+they must hold, read by the patch kernel when the graph runs. If one fails, the patch kernel
+disables the region's nodes and the launch runs nothing else: a data-dependent ``if``
+launches both branches, each guarded by the condition, with no host sync.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ from .cuda_graph import OwnedGraph
 
 MAX_PARAM_BYTES = 16  # the widest kernel parameter a column may patch
 NO_ROW = 0xFFFFFFFF  # state.applied_row before anything was applied
+NODES_UNKNOWN = 0xFFFFFFFF  # state.nodes when the nodes' enabled state is not known
+MAX_GUARDS = 8  # guards per launch: how deeply a region may nest in data-dependent ifs
+GUARD = struct.Struct("<QQ")  # {u64 address, u64 expect}
 PATCH_SOURCE = Path(__file__).with_name("kernels") / "patch.cu"
 
 
@@ -167,6 +175,71 @@ def kernel_params(values: Sequence[tuple[str, int]]):
     return boxes, array
 
 
+def guard_address(where: Any) -> int:
+    """The device address of a guard: a tensor's ``data_ptr()``, or an ``int`` address."""
+    address = where.data_ptr() if hasattr(where, "data_ptr") else where
+    if not isinstance(address, int) or address == 0:
+        raise ValueError(f"a guard is a tensor or a nonzero device address, got {where!r}")
+    return address
+
+
+class LaunchRecord:
+    """The host copy of the patch kernel's launch record (layout in kernels/patch.cu):
+    ``{u32 shape_row, u32 num_guards, u64 args[max(num_args, 1)], guards[num_guards]}``,
+    a guard being ``{u64 address, u64 expect}``; room for ``MAX_GUARDS`` guards.
+
+    ``pending()`` gives the bytes the kernel reads when they differ from those it gave last
+    (what the device holds), else None: a call queues a copy only if the record changed.
+    """
+
+    def __init__(self, num_args: int):
+        # The kernel finds the guards after max(num_args, 1) slots too: keep them agreeing.
+        self.guards_at = 8 + 8 * max(num_args, 1)
+        self.data = bytearray(self.guards_at + GUARD.size * MAX_GUARDS)
+        self.num_guards = 0
+        self._sent: bytes | None = None
+
+    def set_row(self, row: int) -> None:
+        struct.pack_into("<I", self.data, 0, row)
+
+    def set_arg(self, i: int, address: int) -> None:
+        struct.pack_into("<Q", self.data, 8 + 8 * i, address)
+
+    def set_guards(self, guards: Sequence[tuple[Any, Any]]) -> None:
+        """``guards``: ``(tensor or address, expect)``; ``expect`` is stored as 0 or 1."""
+        if len(guards) > MAX_GUARDS:
+            raise ValueError(f"{len(guards)} guards: a region nests in at most {MAX_GUARDS} "
+                             f"data-dependent ifs (the patch kernel's launch record holds "
+                             f"{MAX_GUARDS} guards)")
+        packed = [(guard_address(where), 1 if expect else 0) for where, expect in guards]
+        for g, guard in enumerate(packed):  # all checked first: a refused call changes nothing
+            GUARD.pack_into(self.data, self.guards_at + GUARD.size * g, *guard)
+        self.num_guards = len(packed)
+        struct.pack_into("<I", self.data, 4, self.num_guards)
+
+    def used(self) -> bytes:
+        """The record as the kernel reads it: guards past ``num_guards`` are not read."""
+        return bytes(self.data[:self.guards_at + GUARD.size * self.num_guards])
+
+    def pending(self) -> bytes | None:
+        used = self.used()
+        if used == self._sent:
+            return None
+        self._sent = used
+        return used
+
+
+def pack_launch_record(row: int, addresses: Sequence[int], guards: Sequence[tuple[Any, Any]] = (),
+                       num_args: int | None = None) -> bytes:
+    """The launch record of one call, as ``TopologyGraph.replay`` sends it."""
+    record = LaunchRecord(len(addresses) if num_args is None else num_args)
+    record.set_row(row)
+    for i, address in enumerate(addresses):
+        record.set_arg(i, address)
+    record.set_guards(guards)
+    return record.used()
+
+
 class TopologyGraph(OwnedGraph):
     """The one graph of a topology group, with its argument table on the device."""
 
@@ -185,11 +258,10 @@ class TopologyGraph(OwnedGraph):
                         ("columns", "rows", "pointers", "spans", "launch", "applied", "state",
                          "nodes")}
         self.buffers["nodes"].write(struct.pack(f"<{len(self.dev_nodes)}Q", *self.dev_nodes))
-        # The launch record {u32 row, u32 pad, u64 args[num_args]}: its host copy, and what
-        # the device holds (the last copy queued); a call queues a copy only if they differ.
-        self._launch = bytearray(8 + 8 * max(num_args, 1))
-        self._launched = bytes(self._launch)
-        self.buffers["launch"].write(self._launched)
+        # The launch record: its host copy, which knows what the device holds (the last copy
+        # queued), so that a call queues a copy only if the record changed.
+        self._launch = LaunchRecord(num_args)
+        self.buffers["launch"].write(self._launch.pending())
         pointers, self._pointer_spans = encode_pointers(pointer_map, layouts)
         self.buffers["pointers"].write(pointers)
         self._encode_table()
@@ -242,9 +314,16 @@ class TopologyGraph(OwnedGraph):
             self.buffers["rows"] = DeviceBuffer(2 * room)
             moved = True
         self.buffers["rows"].write_at(0, rows)
-        # Row layout may have changed: the next launch applies every column again, and
-        # every argument address (no address is all ones).
-        self.buffers["state"].write(struct.pack("<4I", NO_ROW, 0, 0, 0))
+        # Row layout may have changed: the next launch applies every column again, every
+        # argument address (no address is all ones), and sets every node enabled or
+        # disabled (NODES_UNKNOWN). The nodes may be disabled on the device (a failed
+        # guard), and whether the upload after a host-side update (``refresh``) keeps the
+        # nodes' device-side changes is not documented: a flag kept as it was could say
+        # "disabled" over enabled nodes (a failed guard would then run the region), one
+        # reset to "enabled" could say so over disabled nodes (a passing guard would run
+        # nothing). Unknown is right either way, for one call per node on a launch that
+        # patches everything anyway.
+        self.buffers["state"].write(struct.pack("<4I", NO_ROW, NODES_UNKNOWN, 0, 0))
         self.buffers["applied"].write(b"\xff" * (8 * max(self.num_args, 1)))
         self._encoded = (list(self.table.columns), len(self.table))
         self._placement = _placement(self.table, self.layouts)
@@ -271,23 +350,30 @@ class TopologyGraph(OwnedGraph):
 
     # -- calls -------------------------------------------------------------------------
     def replay(self, row: int, region_args: Sequence[Any], stream,
-               caller: Any = None, moving: Sequence[int] | None = None) -> None:
+               caller: Any = None, moving: Sequence[int] | None = None,
+               guards: Sequence[tuple[Any, Any]] = ()) -> None:
         """Launch at ``row``. A ``caller`` that launched this graph last, with the same
-        buffers, names in ``moving`` the only arguments whose address may have changed."""
+        buffers, names in ``moving`` the only arguments whose address may have changed.
+
+        ``guards``: ``(tensor or device address, expect)`` pairs, at most ``MAX_GUARDS``;
+        the region's kernels run only if each guard's byte, read on the device when the
+        graph runs, is ``expect`` (nonzero counts as 1).
+        """
+        record = self._launch
+        record.set_guards(guards)  # first: guards it refuses leave the record as it was
         same_caller = caller is not None and caller == self._last_caller
         self._last_caller = caller
-        record = self._launch
-        struct.pack_into("<I", record, 0, row)
+        record.set_row(row)
         for i in (moving if same_caller else range(min(len(region_args), self.num_args))):
             arg = region_args[i]
-            struct.pack_into("<Q", record, 8 + 8 * i, arg.data_ptr() if hasattr(arg, "data_ptr") else 0)
-        if record != self._launched:
+            record.set_arg(i, arg.data_ptr() if hasattr(arg, "data_ptr") else 0)
+        data = record.pending()
+        if data is not None:
             # From pageable memory: the driver stages the bytes before it returns, so the
             # record can be rewritten for the next call at once; the copy itself is ordered
             # before the launch on the stream, whatever runs before it.
-            self._launched = bytes(record)
-            check(driver.cuMemcpyHtoDAsync(self.buffers["launch"].address, self._launched,
-                                           len(self._launched), stream), "cuMemcpyHtoDAsync(launch)")
+            check(driver.cuMemcpyHtoDAsync(self.buffers["launch"].address, data, len(data),
+                                           stream), "cuMemcpyHtoDAsync(launch)")
         check(driver.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
 
     def device_bytes(self) -> int:

@@ -190,26 +190,27 @@ def test_region_function_is_marked_and_takes_its_shape_last(mlp_lowered):
     assert len(tensors) == len(func.params) - 1 == 4
 
 
-def test_branch_is_a_host_step_between_two_regions(branchy_lowered):
+def test_branch_is_a_conditional_region_between_two_regions(branchy_lowered):
     plan = graph_plan(branchy_lowered)
-    assert [(h.op, h.function) for h in plan.host_steps] == [("if", "main")]
-    assert plan.host_steps[0].var == "r"
-    assert "host" in plan.host_steps[0].reason
-    assert [r.kernels for r in plan.regions] == [["matmul"], ["add"]]
-    for i, region in enumerate(plan.regions):
-        assert region.name == f"{REGION_PREFIX}{i}"
+    assert plan.host_steps == []  # the branch became a conditional region (test_branches.py)
+    (conditional,) = plan.conditionals
+    assert conditional.condition == "cond"
+    by_name = {r.name: r for r in plan.regions}
+    assert [by_name[c].kernels for c in conditional.then_calls] == [["relu"]]
+    assert [by_name[c].kernels for c in conditional.else_calls] == [["multiply"]]
+    for region in plan.regions:
         func = branchy_lowered[region.name]
-        assert int(func.attrs[REGION_ATTR]) == i
+        assert int(func.attrs[REGION_ATTR]) == int(region.name[len(REGION_PREFIX):])
         assert isinstance(func.params[-1].ty, relax.ShapeType)
 
-    # In main: region 0, then the branch, then region 1.
+    # In main: a region, then the conditional region, then a region.
     order = []
     for block in branchy_lowered["main"].body.blocks:
         for binding in block.bindings:
             kind, op, _ = classify(binding, branchy_lowered)
-            if kind == "region" or op == "if":
-                order.append(op)
-    assert order == [f"{REGION_PREFIX}0", "if", f"{REGION_PREFIX}1"]
+            if kind in ("region", "conditional"):
+                order.append(kind)
+    assert order == ["region", "conditional", "region"]
 
 
 def test_cheap_branches_become_selects_in_one_region():

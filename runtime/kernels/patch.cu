@@ -17,10 +17,22 @@
 //   pointers[p] = {node, offset, arg, pad, delta}, grouped by node: parameter at `offset`
 //                 of `node` is the address of region argument `arg` plus `delta` bytes
 //   spans[n]    = {first column, columns, first pointer, pointers} of node n
-//   launch      = {shape_row, pad, args[num_args]}: the current call's row and the address
-//                 of each region argument, written by the host in one stream-ordered copy
+//   launch      = {u32 shape_row, u32 num_guards, u64 args[max(num_args, 1)],
+//                  guards[num_guards] = {u64 address, u64 expect}}: the current call's row,
+//                 the address of each region argument and the call's guards, written by the
+//                 host in one stream-ordered copy. The host reserves max(num_args, 1)
+//                 argument slots, so the guards start at byte 8 + 8 * max(num_args, 1).
 //   applied[a]  = the address of argument a the nodes point at now (this kernel's)
-//   state       = {applied_row (this kernel), pad x3}
+//   state       = {applied_row, nodes, pad x2} (this kernel's): the row applied last, and
+//                 whether the nodes are enabled (0), disabled (1) or unknown (anything else)
+//
+// Guards (predication): a guard is a 1-byte bool in device memory and the value it must
+// hold (nonzero counts as 1), read here, when the graph runs: no host sync. If a guard fails
+// the region is skipped: every node is disabled (device-side changes persist: they stay
+// disabled until a launch whose guards hold enables them again) and nothing else changes,
+// so `applied` and `applied_row` keep describing what the disabled nodes hold, and the
+// next launch that runs patches relative to that. A data-dependent `if` launches both branches' graphs, each
+// guarded by the condition; the branch not taken costs this kernel and nothing else.
 #include <cuda_runtime.h>
 
 struct Column {
@@ -36,20 +48,37 @@ struct Span {
   unsigned int first_column, columns, first_pointer, pointers;
 };
 
+struct Guard {
+  unsigned long long address, expect;
+};
+
 struct Launch {
-  unsigned int shape_row, pad;
-  unsigned long long args[1];  // num_args of them
+  unsigned int shape_row, num_guards;
+  unsigned long long args[1];  // max(num_args, 1) of them, then num_guards Guards
 };
 
 struct State {
-  unsigned int applied_row, pad0, pad1, pad2;
+  unsigned int applied_row, nodes, pad1, pad2;
 };
 
 #define GRAPE_NO_ROW 0xffffffffu
+#define GRAPE_NODES_ENABLED 0u   // state.nodes; any value but these two: not known,
+#define GRAPE_NODES_DISABLED 1u  // so the next launch sets every node either way
 
 __device__ static bool same_value(const unsigned char* a, const unsigned char* b, unsigned int n) {
   for (unsigned int i = 0; i < n; ++i)
     if (a[i] != b[i]) return false;
+  return true;
+}
+
+// Whether every guard's byte equals its expected value (nonzero counts as 1).
+__device__ static bool guards_hold(const Launch* launch, unsigned int num_args) {
+  const Guard* guards =
+      reinterpret_cast<const Guard*>(launch->args + (num_args > 0 ? num_args : 1));
+  for (unsigned int g = 0; g < launch->num_guards; ++g) {
+    const unsigned char value = *reinterpret_cast<const unsigned char*>(guards[g].address);
+    if ((value != 0) != (guards[g].expect != 0)) return false;
+  }
   return true;
 }
 
@@ -62,12 +91,24 @@ extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
                                        unsigned long long* applied, unsigned int num_args,
                                        State* state,
                                        const cudaGraphDeviceNode_t* __restrict__ nodes) {
-  __shared__ unsigned int shape_row, applied_row;
+  __shared__ unsigned int shape_row, applied_row, nodes_were;
+  __shared__ bool run;
   if (threadIdx.x == 0) {
     shape_row = launch->shape_row;
     applied_row = state->applied_row;
+    nodes_were = state->nodes;
+    run = guards_hold(launch, num_args);
   }
   __syncthreads();
+  // Enable or disable the nodes only when that changes them (or when it is not known: the
+  // host re-encoded the table, see TopologyGraph._encode_table). Same node-to-thread mapping
+  // as the patching below: one thread owns a node.
+  const unsigned int nodes_now = run ? GRAPE_NODES_ENABLED : GRAPE_NODES_DISABLED;
+  if (nodes_were != nodes_now)
+    for (unsigned int n = threadIdx.x; n < num_nodes; n += blockDim.x)
+      cudaGraphKernelNodeSetEnabled(nodes[n], run);
+  if (threadIdx.x == 0) state->nodes = nodes_now;
+  if (!run) return;  // skipped: nothing patched, `applied` and `applied_row` as they were
   const unsigned long long* args = launch->args;
   const bool new_row = shape_row != applied_row;
   const unsigned char* row = rows + (size_t)shape_row * row_bytes;

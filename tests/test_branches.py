@@ -1,0 +1,269 @@
+"""Data-dependent branches as conditional regions (``BranchesToConditionalRegions``).
+
+The pass on tiny IRModules, then whole programs on the CPU replay against TVM's VM (which
+reads every condition on the host): both branches, nested branches, a branch whose result
+is the model's output, an ONNX ``If`` against onnxruntime, and what ``inspect`` reports.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+from grape_tvm import build, compile_onnx, load
+from grape_tvm.passes import (CONDITIONAL_ATTR, BranchesToConditionalRegions, LiftGraphRegions,
+                              DescribeConditionals, graph_plan)
+from grape_tvm.passes.branch_regions import HOST_BRANCHES_ATTR
+from grape_tvm.pipeline import grape_pipeline
+
+LLVM = tvm.target.Target({"kind": "llvm"})
+DIMS = {"n": (1, 32)}
+
+
+def fresh(mod: tvm.IRModule) -> tvm.IRModule:
+    return tvm.IRModule(dict(mod.functions))
+
+
+@I.ir_module
+class Branchy:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), w: R.Tensor((16, 16), "float32"),
+             cond: R.Tensor((), "bool")):
+        h = R.matmul(x, w)
+        if cond:
+            r = R.nn.relu(h)
+        else:
+            r = R.multiply(h, h)
+        y = R.add(r, x)
+        return y
+
+
+@I.ir_module
+class Nested:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), w: R.Tensor((16, 16), "float32"),
+             c1: R.Tensor((), "bool"), c2: R.Tensor((), "bool")):
+        h = R.matmul(x, w)
+        if c1:
+            a = R.nn.relu(h)
+            if c2:
+                r1 = R.multiply(a, a)
+            else:
+                r1 = R.add(a, h)
+            r = R.tanh(r1)
+        else:
+            r = R.subtract(h, x)
+        y = R.add(r, x)
+        return y
+
+
+@I.ir_module
+class ResultIsOutput:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), cond: R.Tensor((), "bool")):
+        h = R.multiply(x, x)
+        if cond:
+            r = R.nn.relu(h)
+        else:
+            r = R.negative(h)
+        return r
+
+
+@I.ir_module
+class PassThrough:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), cond: R.Tensor((), "bool")):
+        h = R.multiply(x, x)
+        if cond:
+            r = R.nn.relu(h)
+        else:
+            r = h
+        y = R.add(r, x)
+        return y
+
+
+def lowered(mod: tvm.IRModule) -> tvm.IRModule:
+    return grape_pipeline(LLVM, DIMS, select_ops=0)(fresh(mod))
+
+
+def bindings(expr) -> list[relax.Binding]:
+    """The bindings of a function's body or of a branch."""
+    seq = expr.body if isinstance(expr, relax.Function) else expr
+    return [b for block in seq.blocks for b in block.bindings]
+
+
+def conditionals(mod: tvm.IRModule) -> dict[str, relax.Function]:
+    return {gv.name_hint: f for gv, f in mod.functions.items()
+            if isinstance(f, relax.Function) and f.attrs is not None and CONDITIONAL_ATTR in f.attrs}
+
+
+# -- the pass ----------------------------------------------------------------------------
+
+def _planned(mod: tvm.IRModule) -> tvm.IRModule:
+    """``mod`` lowered up to memory planning, where the pass runs."""
+    seq = [relax.transform.LegalizeOps(), relax.transform.ToNonDataflow(),
+           relax.transform.CallTIRRewrite(), relax.transform.StaticPlanBlockMemory()]
+    return tvm.transform.Sequential(seq)(fresh(mod))
+
+
+def test_branch_becomes_a_call_of_a_conditional_region():
+    out = BranchesToConditionalRegions()(_planned(Branchy))
+    main = out["main"]
+    assert not any(isinstance(b.value, relax.If) for b in bindings(main))
+    (name, func), = conditionals(out).items()
+    assert name == "grape_cond_0"
+    # The caller allocates the result, and passes it with the condition first, shape last.
+    call = next(b.value for b in bindings(main) if isinstance(b.value, relax.Call)
+                and isinstance(b.value.op, relax.GlobalVar) and b.value.op.name_hint == name)
+    assert call.args[0].name == "cond"
+    assert [str(v) for v in call.args[-1].values] == ["n"]
+    r = next(b for b in bindings(main) if b.var.name == "r")
+    assert r.value.op.name == "relax.builtin.alloc_tensor"
+    # The conditional keeps the if; each branch writes the caller's buffer, allocates nothing.
+    (branch_if,) = [b.value for b in bindings(func)]
+    for side in (branch_if.true_branch, branch_if.false_branch):
+        ops = [b.value.op for b in bindings(side)]
+        assert len(ops) == 1 and isinstance(ops[0], relax.GlobalVar)
+        assert any(a.same_as(func.params[2]) for a in bindings(side)[0].value.args)
+
+
+def test_branch_returning_an_input_stays_on_the_host_with_its_reason():
+    out = BranchesToConditionalRegions()(_planned(PassThrough))
+    assert conditionals(out) == {}
+    assert any(isinstance(b.value, relax.If) for b in bindings(out["main"]))
+    reasons = dict(out["main"].attrs[HOST_BRANCHES_ATTR])
+    assert "else branch returns" in reasons["r"] and "copy" in reasons["r"]
+
+
+def test_nested_branches_convert_inside_out():
+    out = BranchesToConditionalRegions()(_planned(Nested))
+    assert sorted(conditionals(out)) == ["grape_cond_0", "grape_cond_1"]
+    inner, outer = out["grape_cond_0"], out["grape_cond_1"]
+    then_calls = [b.value.op.name_hint for b in bindings(bindings(outer)[0].value.true_branch)]
+    assert "grape_cond_0" in then_calls  # the inner conditional is work of the outer one
+    assert not any(isinstance(b.value, relax.If) for b in bindings(bindings(inner)[0].value.true_branch))
+
+
+def test_describe_conditionals_names_parameters_and_dims():
+    mod = BranchesToConditionalRegions()(_planned(Branchy))
+    mod = DescribeConditionals()(LiftGraphRegions()(mod))
+    described = json.loads(str(mod["grape_cond_0"].attrs["grape.branches"]))
+    func = mod["grape_cond_0"]
+    assert described["dims"] == ["n"]
+    for calls in described["branches"]:
+        (call,) = calls
+        assert call["kind"] == "region" and call["dims"] == [0]
+        region = mod[call["callee"]]
+        # The region's parameters are the conditional's, in the order described.
+        params = [func.params[i] for i in call["args"]]
+        assert [str(p.ty) for p in params] == [str(p.ty) for p in region.params[:-1]]
+
+
+def test_graph_plan_reports_conditionals_and_no_host_step():
+    plan = graph_plan(lowered(Nested))
+    assert plan.host_steps == []
+    names = {c.name: c for c in plan.conditionals}
+    assert set(names) == {"grape_cond_0", "grape_cond_1"}
+    outer = names["grape_cond_1"]
+    assert outer.condition == "c1" and "grape_cond_0" in outer.then_calls
+    assert "predicated" in outer.mode
+    assert outer.kernels == sum(len(r.kernels) for r in plan.regions if r.name in
+                                outer.then_calls + outer.else_calls) + names["grape_cond_0"].kernels
+
+
+def test_host_branch_reason_reaches_the_plan():
+    plan = graph_plan(lowered(PassThrough))
+    (step,) = plan.host_steps
+    assert step.op == "if" and "else branch returns" in step.reason
+
+
+# -- whole programs on the CPU replay -----------------------------------------------------
+
+def _vm(mod: tvm.IRModule):
+    return relax.VirtualMachine(tvm.compile(fresh(mod), "llvm"), tvm.cpu())
+
+
+def _artifact(mod, tmp_path, **kwargs):
+    return build(fresh(mod), DIMS, "llvm", **kwargs).export(tmp_path / "m.grape")
+
+
+def _check(executor, vm, inputs: dict, names: list[str]) -> np.ndarray:
+    got = executor.run(inputs)
+    want = vm["main"](*[tvm.runtime.tensor(inputs[k]) for k in names]).numpy()
+    (value,) = got.values()
+    np.testing.assert_allclose(value, want, rtol=1e-5, atol=1e-5)
+    return value
+
+
+def test_both_branches_equal_the_vm_across_shapes(tmp_path):
+    executor = load(_artifact(Branchy, tmp_path, select_ops=0), "cpu")
+    vm = _vm(Branchy)
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    paths = []
+    for n, cond in [(3, True), (3, False), (3, True), (17, False), (17, True), (1, True), (1, False)]:
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        _check(executor, vm, {"x": x, "w": w, "cond": np.array(cond)}, ["x", "w", "cond"])
+        paths.append(executor.stats.last["path"])
+    # The first call at new dims runs on the VM; after it both branches are recorded, so
+    # a call taking the other branch is planned too: no host read of the condition.
+    assert paths == ["vm", "planned", "planned", "vm", "planned", "vm", "planned"]
+
+
+def test_nested_branches_take_all_three_paths(tmp_path):
+    executor = load(_artifact(Nested, tmp_path), "cpu")  # default select rule: nested ifs stay
+    assert len(executor.manifest["plan"]["conditionals"]) == 2
+    vm = _vm(Nested)
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    for n in (4, 9):
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        for c1, c2 in [(True, True), (True, False), (False, True), (False, False), (True, True)]:
+            _check(executor, vm, {"x": x, "w": w, "c1": np.array(c1), "c2": np.array(c2)},
+                   ["x", "w", "c1", "c2"])
+        assert executor.stats.last["path"] == "planned"
+
+
+def test_recording_the_branch_not_taken_has_no_effect(tmp_path):
+    """The branch result is the output: recording the other branch after the VM's call
+    must not run it, or it would overwrite the output the caller gets."""
+    executor = load(_artifact(ResultIsOutput, tmp_path, select_ops=0), "cpu")
+    vm = _vm(ResultIsOutput)
+    rng = np.random.default_rng(2)
+    for n, cond in [(6, True), (6, False), (6, True), (11, False), (11, True)]:
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        value = _check(executor, vm, {"x": x, "cond": np.array(cond)}, ["x", "cond"])
+        assert (value >= 0).all() if cond else (value <= 0).all()
+
+
+def test_onnx_if_equals_onnxruntime(models, tmp_path):
+    ort = pytest.importorskip("onnxruntime")
+    path = compile_onnx(models["if"], {"n": (1, 32)}, "llvm", select_ops=0).export(tmp_path / "if.grape")
+    executor = load(path, "cpu")
+    assert executor.manifest["plan"]["host_steps"] == []
+    session = ort.InferenceSession(str(models["if"]), providers=["CPUExecutionProvider"])
+    w = _weights(models["if"])
+    rng = np.random.default_rng(3)
+    taken = set()
+    for n in (1, 5, 5, 12, 5, 12, 30):
+        x = rng.standard_normal((n, 8)).astype(np.float32)
+        want = session.run(None, {"x": x})[0]
+        got = executor.run({"x": x})["y"]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        taken.add(bool((x @ w).sum() > 0))
+    assert taken == {True, False}  # both branches ran
+    assert executor.stats.planned_calls >= 3  # repeated dims: both branches on the plan
+
+
+def _weights(path) -> np.ndarray:
+    import onnx  # pylint: disable=import-outside-toplevel
+    from onnx import numpy_helper  # pylint: disable=import-outside-toplevel
+
+    return next(numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer
+                if t.name == "w")

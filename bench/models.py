@@ -334,3 +334,67 @@ def decoder_initial_state(batch: int, heads: int, head_dim: int, layers: int, ma
     state["tokens"] = tokens
     state["done"] = np.zeros((batch,), np.int32)
     return state
+
+
+BRANCH_WEIGHTS = ("w_in", "w_then0", "w_then1", "w_then2", "w_else")
+
+
+def branch_model(width: int = 512):
+    """A data-dependent early exit: ``h = gelu(x @ w_in)``; if ``mean(h) > threshold`` three
+    more layers, else one; then ``+ x``. x: (n, width), fp32, weights and threshold inputs.
+
+    The condition is computed on the device: TVM's VM reads it on the host (a sync per
+    call); grape runs both branches' graphs guarded by it (``BranchesToConditionalRegions``).
+    """
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, width), "float32"))
+    w = {k: relax.Var(k, relax.TensorType((width, width), "float32")) for k in BRANCH_WEIGHTS}
+    threshold = relax.Var("threshold", relax.TensorType((), "float32"))
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, *w.values(), threshold]):
+        h = bb.emit(op.nn.gelu(op.matmul(x, w["w_in"])))
+        cond = bb.emit(op.greater(op.mean(h), threshold))
+        r = relax.Var("r", relax.TensorType((n, width), "float32"))
+        then_bb = []
+        a = h
+        for k in ("w_then0", "w_then1", "w_then2"):
+            v = relax.Var(f"t_{k}", relax.TensorType((n, width), "float32"))
+            then_bb.append(relax.VarBinding(v, op.nn.gelu(op.matmul(a, w[k]))))
+            a = v
+        e = relax.Var("e", relax.TensorType((n, width), "float32"))
+        else_bb = [relax.VarBinding(e, op.nn.relu(op.matmul(h, w["w_else"])))]
+        branch = relax.If(cond, relax.SeqExpr([relax.BindingBlock(then_bb)], a),
+                          relax.SeqExpr([relax.BindingBlock(else_bb)], e))
+        r = bb.emit(branch)
+        y = bb.emit(op.add(r, x))
+        bb.emit_func_output(y)
+    return relax.transform.Normalize()(bb.get())
+
+
+def branch_weights(width: int = 512, seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {k: (rng.standard_normal((width, width)) / np.sqrt(width)).astype(np.float32)
+            for k in BRANCH_WEIGHTS}
+
+
+def branch_numpy(x: np.ndarray, weights: dict[str, np.ndarray], threshold: float) -> np.ndarray:
+    """``branch_model`` in numpy (float64), tanh-approximated gelu replaced by erf's."""
+    from math import erf, sqrt  # pylint: disable=import-outside-toplevel
+
+    verf = np.vectorize(erf)
+
+    def gelu(v):
+        return 0.5 * v * (1 + verf(v / sqrt(2)))
+
+    x64 = x.astype(np.float64)
+    h = gelu(x64 @ weights["w_in"])
+    if h.mean() > threshold:
+        r = h
+        for k in ("w_then0", "w_then1", "w_then2"):
+            r = gelu(r @ weights[k])
+    else:
+        r = np.maximum(h @ weights["w_else"], 0)
+    return r + x64

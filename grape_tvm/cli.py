@@ -31,11 +31,14 @@ def cmd_compile(args: argparse.Namespace) -> int:
 
     start = time.perf_counter()
     print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
-    module = compile_onnx(args.model, _parse_dims(args.dim), args.target)
+    module = compile_onnx(args.model, _parse_dims(args.dim), args.target,
+                          select_ops=args.select_ops)
     path = module.export(args.output)
     regions = module.plan["regions"]
+    conditionals = len(module.plan.get("conditionals", []))
     print(f"wrote {path} ({path.stat().st_size} bytes) in {time.perf_counter() - start:.1f} s: "
-          f"{len(regions)} graph region(s), {len(module.plan['host_steps'])} host step(s)")
+          f"{len(regions)} graph region(s), {conditionals} conditional region(s), "
+          f"{len(module.plan['host_steps'])} host step(s)")
     return 0
 
 
@@ -84,6 +87,7 @@ def describe(manifest: dict) -> dict:
         "inputs": sig["inputs"],
         "outputs": sig["outputs"],
         "regions": plan["regions"],
+        "conditionals": _conditional_description(manifest),
         "host_steps": plan["host_steps"],
         "host_bookkeeping": plan.get("host_bookkeeping", 0),
         "executor": ("one CUDA graph per region and topology (per-shape argument tables "
@@ -96,6 +100,18 @@ def describe(manifest: dict) -> dict:
                      "tvm": manifest.get("tvm_version")},
         "sections": manifest.get("sections", []),
     }
+
+
+def _conditional_description(manifest: dict) -> list[dict]:
+    """Each conditional region (a data-dependent ``if`` kept off the host): its branches
+    and where its condition is read."""
+    on_gpu = manifest["target"]["kind"] == "cuda"
+    where = ("on the device by each branch region's patch kernel, which disables the nodes "
+             "of the branch not taken" if on_gpu else "by the CPU replay, before each branch region")
+    return [dict(c, condition_read=where,
+                 host_read="only on the first call at new dims (TVM's VM runs that call and "
+                           "the branch not taken is recorded without running)")
+            for c in manifest["plan"].get("conditionals", [])]
 
 
 def _loop_description(manifest: dict) -> dict | None:
@@ -131,6 +147,13 @@ def _print_description(d: dict) -> None:
     for r in d["regions"]:
         print(f"  {r['name']}: {len(r['kernels'])} kernel(s), keyed by "
               f"{r['symbolic_vars'] or 'nothing (static)'}: {', '.join(r['kernels'])}")
+    print(f"conditional regions (data-dependent branches, no host read): {len(d['conditionals'])}")
+    for c in d["conditionals"]:
+        print(f"  {c['name']}: if {c['condition']}: {', '.join(c['then_calls'])} "
+              f"else: {', '.join(c['else_calls'])} ({c['kernels']} kernel(s)); {c['mode']}")
+    if d["conditionals"]:
+        print(f"  condition read {d['conditionals'][0]['condition_read']}; host read "
+              f"{d['conditionals'][0]['host_read']}")
     print(f"host steps: {len(d['host_steps'])} (plus {d['host_bookkeeping']} VM shape checks)")
     for h in d["host_steps"]:
         print(f"  {h['function']}.{h['var']} = {h['op']}: {h['reason']}")
@@ -195,6 +218,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", type=Path, required=True, help="the artifact to write")
     p.add_argument("--target", default="llvm",
                    help='llvm, cuda (sm_90) or a TVM target JSON, e.g. \'{"kind": "cuda", "arch": "sm_80"}\'')
+    p.add_argument("--select-ops", type=int, default=16, metavar="N",
+                   help="a data-dependent if whose branches have at most N operators becomes "
+                        "a select (both computed); larger ones conditional regions (default 16; "
+                        "0: every if a conditional region)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=LO:HI",
                    help="range of a symbolic dimension (an ONNX dim_param); repeat per dimension")
     p.set_defaults(func=cmd_compile)

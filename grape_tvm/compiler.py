@@ -80,9 +80,10 @@ def _cuda_sources(executable) -> list[str]:
     return sources
 
 
-def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16) -> tvm.IRModule:
+def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16,
+           device_branches: bool = True) -> tvm.IRModule:
     try:
-        return grape_pipeline(tgt, ranges, select_ops)(mod)
+        return grape_pipeline(tgt, ranges, select_ops, device_branches)(mod)
     except Exception as err:  # pylint: disable=broad-except
         # A Python pass's exception crosses TVM's FFI as a plain error carrying the text:
         # give the kernel check its own type back, so callers can catch it.
@@ -94,19 +95,22 @@ def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16) -> tvm.IRModule
 
 def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any = "llvm", *,
           signature: Signature | None = None, output_names: list[str] | None = None,
-          prebuild_cubin: bool = True, select_ops: int = 16) -> GrapeModule:
+          prebuild_cubin: bool = True, select_ops: int = 16,
+          device_branches: bool = True) -> GrapeModule:
     """Compile a Relax module whose ``main`` takes tensors with symbolic dimensions.
 
     ``dims`` maps each symbolic dimension to its declared range ``(lo, hi)``; memory is
     planned at ``hi``. A data-dependent ``if`` whose branches have at most ``select_ops``
     operators becomes a select (both computed); a larger one a conditional region (both
-    launched, the one not taken disabled on the device); 0 makes every one conditional. For a CUDA target the kernels are compiled to cubin here when nvcc is
+    launched, the one not taken disabled on the device); 0 makes every one conditional.
+    ``device_branches=False`` leaves those to TVM's VM instead, which reads the condition on
+    the host (a sync per call; the benchmarks' baseline). For a CUDA target the kernels are compiled to cubin here when nvcc is
     present (else on first load, then cached).
     """
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
     signature = signature or _relax_signature(mod["main"], ranges, output_names)
-    lowered = _lower(mod, tgt, ranges, select_ops)
+    lowered = _lower(mod, tgt, ranges, select_ops, device_branches)
     plan = graph_plan(lowered).to_json()
     executable = tvm.compile(lowered, target=tgt, relax_pipeline=None)
     return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)

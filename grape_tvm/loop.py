@@ -100,7 +100,8 @@ class GrapeLoop:
 def load_loop(path: str | Path, device: Any = "cpu", *, mode: str = "auto",
               **kwargs) -> GrapeLoop:
     """Load a ``compile_loop`` artifact. ``mode="device"`` (the default on CUDA) runs the
-    whole loop as one graph launch; ``"host"`` (the CPU's) one executor call per step."""
+    whole loop as one graph launch; ``"host"`` (the CPU's) one executor call per step.
+    A step with data-dependent branches runs as a host loop (``"auto"``) for now."""
     from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
 
     if mode not in MODES:
@@ -111,11 +112,17 @@ def load_loop(path: str | Path, device: Any = "cpu", *, mode: str = "auto",
         executor.close()
         raise ValueError(f"{path} was not compiled by compile_loop: it has no loop")
     spec = LoopSpec.from_json(spec_json)
+    branched = bool(executor.manifest["plan"].get("conditionals"))
+    if branched and mode == "device":
+        executor.close()
+        raise ValueError(f"{path}: the step has data-dependent branches (conditional regions), "
+                         "which a device loop cannot capture yet; use mode='host' (each step "
+                         "one call, its branches guarded on the device)")
     on_gpu = getattr(executor.backend, "name", "") == "cuda-graph"
     if mode == "device" and not on_gpu:
         executor.close()
         raise ValueError("mode='device' needs a CUDA artifact loaded on a GPU")
-    if on_gpu and mode != "host":
+    if on_gpu and mode != "host" and not branched:
         library, _, _ = load_library(path, device)
         return GrapeLoop(executor, DeviceLoop(executor, spec, library))
     return GrapeLoop(executor, HostLoop(executor, spec))

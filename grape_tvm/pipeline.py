@@ -15,14 +15,16 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
 from grape_tvm.runtime.signature import ShapeRange
 
 
-def _finalize_passes() -> list[tvm.transform.Pass]:
+def _finalize_passes(device_branches: bool = True) -> list[tvm.transform.Pass]:
     # TVM's finalize passes for every target, with RewriteCUDAGraph replaced by
     # LiftGraphRegions: TVM's pass only captures static regions.
     t = relax.transform
+    # Branches on device data: conditional regions, guarded on the device (or left to
+    # the VM, which reads the condition on the host: the baseline they are measured against).
+    branches = [BranchesToConditionalRegions()] if device_branches else []
     return [
         t.StaticPlanBlockMemory(),
-        # Branches on device data: conditional regions, guarded on the device.
-        BranchesToConditionalRegions(),
+        *branches,
         LiftGraphRegions(),
         DescribeConditionals(),
         t.LowerAllocTensor(),
@@ -66,10 +68,11 @@ class GrapePipeline:
 
     def __init__(self, target: tvm.target.Target | None = None,
                  dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
-                 select_ops: int = 16):
+                 select_ops: int = 16, device_branches: bool = True):
         self.target = target
         self.dims = dict(dims or {})
         self.select_ops = select_ops
+        self.device_branches = device_branches
 
     def transform_module(self, mod: tvm.IRModule, ctx: PassContext) -> tvm.IRModule:
         target = self.target or tvm.target.Target.current(allow_none=False)
@@ -96,19 +99,20 @@ class GrapePipeline:
                 passes += gpu_legalize_passes() + [CheckDeviceKernels()]
             else:
                 passes += lowering.legalize_passes(target)
-            passes += lowering.dataflow_lower_passes(target) + _finalize_passes()
+            passes += lowering.dataflow_lower_passes(target) + _finalize_passes(self.device_branches)
             return tvm.transform.Sequential(passes)(mod)
 
 
 def grape_pipeline(target: tvm.target.Target | None = None,
                    dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
-                   select_ops: int = 16) -> tvm.transform.Pass:
+                   select_ops: int = 16, device_branches: bool = True) -> tvm.transform.Pass:
     """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes.
 
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
-    0 keeps every ``if`` on the host.
+    0 keeps every ``if``. ``device_branches``: the ``if``s left become conditional regions
+    (no host read of the condition); False leaves them to the VM, which reads it.
     """
-    return GrapePipeline(target, dims, select_ops)
+    return GrapePipeline(target, dims, select_ops, device_branches)
 
 
 if "grape" not in relax.pipeline.PIPELINE_MAP:

@@ -382,14 +382,16 @@ def _region_info(mod: IRModule, name: str) -> RegionInfo:
 
 
 def _branch_kernels(expr: relax.Expr, mod: IRModule) -> int:
-    """Kernel launches inside an If's branches (nested branches included)."""
+    """Kernel launches inside an If's branches (nested branches and branch regions included)."""
     count = 0
     if isinstance(expr, relax.If):
         return _branch_kernels(expr.true_branch, mod) + _branch_kernels(expr.false_branch, mod)
     if isinstance(expr, relax.SeqExpr):
         for block in expr.blocks:
             for binding in block.bindings:
-                kind, _, _ = classify(binding, mod)
+                kind, op, _ = classify(binding, mod)
                 count += kind == "kernel"
+                if kind == "region":  # a branch's kernels lifted into a graph region
+                    count += len(_region_info(mod, op).kernels)
                 count += _branch_kernels(binding.value, mod)
     return count

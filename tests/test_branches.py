@@ -267,3 +267,61 @@ def _weights(path) -> np.ndarray:
 
     return next(numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer
                 if t.name == "w")
+
+
+@I.ir_module
+class BranchyStep:
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), k: R.Tensor((1,), "int32")):
+        s = R.sum(x)
+        c = R.greater(s, R.const(0.0, "float32"))
+        if c:
+            y = R.subtract(R.multiply(x, R.const(0.5, "float32")), R.const(1.0, "float32"))
+        else:
+            y = R.add(x, R.const(0.75, "float32"))
+        k2 = R.add(k, R.const(1, "int32"))
+        stop = R.greater_equal(k2, R.const(9, "int32"))
+        return (y, k2, stop)
+
+
+def _numpy_loop(x: np.ndarray, steps: int) -> np.ndarray:
+    for _ in range(steps):
+        x = x * np.float32(0.5) - np.float32(1.0) if x.sum() > 0 else x + np.float32(0.75)
+    return x
+
+
+def test_loop_whose_step_branches_runs_as_a_host_loop(tmp_path):
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    module = grape_tvm.compile_loop(fresh(BranchyStep), ["x", "k"], max_steps=50,
+                                    dims={"n": (1, 16)}, target="llvm", select_ops=0)
+    path = module.export(tmp_path / "step.grape")
+    with pytest.raises(ValueError, match="data-dependent branches"):
+        grape_tvm.load_loop(path, "cpu", mode="device")
+    loop = grape_tvm.load_loop(path, "cpu")
+    assert loop.mode == "host" and loop.executor.manifest["plan"]["conditionals"]
+    rng = np.random.default_rng(4)
+    for n in (3, 16, 3):
+        x = (rng.standard_normal((n, 8)) + 0.3).astype(np.float32)
+        result = loop.run({"x": x, "k": np.zeros(1, np.int32)})
+        assert result.steps == 9
+        np.testing.assert_allclose(result.state["x"].numpy() if hasattr(result.state["x"], "numpy")
+                                   else result.state["x"], _numpy_loop(x, 9), rtol=1e-5, atol=1e-5)
+    loop.close()
+
+
+def test_branches_left_to_the_vm_run_their_regions_as_graphs(tmp_path):
+    """``device_branches=False``: the VM reads the condition (a host step, reported), and
+    each branch's kernels still replay as a recorded region."""
+    module = build(fresh(Branchy), DIMS, "llvm", select_ops=0, device_branches=False)
+    (step,) = module.plan["host_steps"]
+    assert step["op"] == "if" and "launch 2 kernel(s)" in step["reason"]
+    executor = load(module.export(tmp_path / "host_if.grape"), "cpu")
+    vm = _vm(Branchy)
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    for n, cond in [(5, True), (5, False), (5, True), (8, False)]:
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        _check(executor, vm, {"x": x, "w": w, "cond": np.array(cond)}, ["x", "w", "cond"])
+        assert executor.stats.last["path"] == "vm"
+    assert executor.stats.region_replays > 0

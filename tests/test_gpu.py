@@ -380,3 +380,73 @@ def test_onnx_loop_runs_on_the_device_like_onnxruntime():
                 want = onnxruntime_outputs(onnx_path, inputs)
                 np.testing.assert_allclose(got["y"], want[0], rtol=1e-5, atol=1e-5)
                 assert loop.steps == min(free, trip) and loop.launches == 1
+
+
+@pytest.mark.parametrize("mode", ["topology", "per-shape"])
+def test_conditional_region_equals_the_vm_without_reading_the_condition(mode):
+    """``models.branch_model``: both branches' graphs launch on every planned call, the one
+    not taken disabled by its patch kernel (topology mode: no host read at all; per-shape
+    mode reads each guard on the host). If both ran, the else branch, launched last, would
+    overwrite the then branch's result: equality with the VM (one branch) shows they don't."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import BRANCH_WEIGHTS, branch_weights  # pylint: disable=import-outside-toplevel
+
+    path = _artifact("branches.grape.cuda.grape")
+    library, _, dev = load_library(path, "cuda")
+    executor = load(path, "cuda", graph_mode=mode)
+    vm = VirtualMachine(library, dev)
+    weights = branch_weights(512)
+    executor.bind_inputs(weights)
+    on_device = [tvm.runtime.tensor(weights[k], dev) for k in BRANCH_WEIGHTS]
+    rng = np.random.default_rng(5)
+    worst, taken = 0.0, []
+    for n in (1, 7, 300, 7, 1, 300, 1024):
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        for threshold in (-10.0, 10.0, -10.0):
+            thr = np.array(threshold, np.float32)
+            got = executor.run({"x": x, "threshold": thr})["y"]
+            want = vm["main"](tvm.runtime.tensor(x, dev), *on_device,
+                              tvm.runtime.tensor(thr, dev)).numpy()
+            worst = max(worst, float(np.abs(got - want).max()))
+            taken.append(executor.stats.last["path"])
+    described = executor.backend.describe()
+    print(f"{mode}: max |grape - VM| = {worst:.3e}; paths {taken}; "
+          f"host-read guards {described['synchronizing_guards']}; {executor.stats}")
+    assert worst <= 1e-4
+    assert taken.count("planned") >= 2 * 7 - 1  # only each dims' first call runs on the VM
+    if mode == "topology":
+        assert described["synchronizing_guards"] == 0
+    else:
+        assert described["synchronizing_guards"] > 0
+    executor.close()
+
+
+def test_nested_conditional_regions_equal_the_vm():
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
+
+    path = _artifact("nested.cuda.grape")
+    library, manifest, dev = load_library(path, "cuda")
+    assert len(manifest["plan"]["conditionals"]) == 2
+    executor = load(path, "cuda")
+    vm = VirtualMachine(library, dev)
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    for n in (3, 20):
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        for c1, c2 in [(True, True), (True, False), (False, True), (False, False), (True, True)]:
+            inputs = {"x": x, "w": w, "c1": np.array(c1), "c2": np.array(c2)}
+            got = executor.run(inputs)["y"]
+            want = vm["main"](*[tvm.runtime.tensor(v, dev) for v in inputs.values()]).numpy()
+            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        assert executor.stats.last["path"] == "planned"
+    executor.close()

@@ -17,6 +17,11 @@
   Face GPT-2 124M with weights as inputs (``build_hf_models``; needs torch+transformers),
   and TVM's own builds of them, ``gpt2_{prefill,decode}.{tvm_vm,tvm_cuda_graph}.cuda.grape``
   (``hf_baselines.json`` says how each was built, or why not), for ``bench/hf_models.py``.
+- ``branches.{grape,grape_host_if,tvm_vm}.cuda.grape``: ``models.branch_model`` (a
+  data-dependent early exit, width 512, n = 1..1024) with its ``if`` as a conditional region,
+  with its ``if`` left to the VM (regions still graphs), and TVM's build (its VM reads the
+  condition on the host); ``nested.cuda.grape``: tests/
+  test_branches.py's nested branches (tests, ``bench/branches.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     DECODER_SMALL,
     DECODER_TINY,
     blocks_relax,
+    branch_model,
     decoder_state_names,
     decoder_step,
     gpt2_decode_step,
@@ -244,6 +250,27 @@ def build_onnx_loop(out: Path) -> None:
     module.export(out / "affine_loop.cuda.grape")
 
 
+def build_branches(out: Path) -> None:
+    """Data-dependent branches as conditional regions (tests, ``bench/branches.py``)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_branches import DIMS, Nested  # pylint: disable=import-outside-toplevel
+
+    model = branch_model(512)
+    grape = _timed("branches.grape", lambda: grape_tvm.build(
+        model, BENCH_DIMS, CUDA, select_ops=0, output_names=["y"]))
+    grape.export(out / "branches.grape.cuda.grape")
+    host = _timed("branches.grape_host_if", lambda: grape_tvm.build(
+        model, BENCH_DIMS, CUDA, select_ops=0, device_branches=False, output_names=["y"]))
+    host.export(out / "branches.grape_host_if.cuda.grape")
+    # TVM's default CUDA schedules fail on the mean over (n, 512) (an internal check in
+    # rfactor): TVM's pipeline with grape's tolerant rules is the baseline.
+    vm = _timed("branches.tvm_vm", lambda: tvm.compile(
+        _upper_bounded(model, {"n": 1024}), CUDA, relax_pipeline=_tvm_pipeline_grape_schedules()))
+    package(vm, grape.signature, CUDA).export(out / "branches.tvm_vm.cuda.grape")
+    nested = _timed("nested", lambda: grape_tvm.build(Nested, DIMS, CUDA, output_names=["y"]))
+    nested.export(out / "nested.cuda.grape")
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     build_example(out)
@@ -253,6 +280,7 @@ def main(out: Path) -> None:
     build_wav2vec2(out)
     build_loop(out)
     build_onnx_loop(out)
+    build_branches(out)
     for path in sorted(out.glob("*.grape")):
         print(f"{path}: {path.stat().st_size} bytes")
 

@@ -23,5 +23,6 @@ want inspect && { python3 -P -m grape_tvm.cli inspect build/gpu/blocks.cuda.grap
 want argument_tables && { python3 -P bench/argument_tables.py --artifacts build/gpu --out "$out" ${GRAPE_BENCH_ARGS:-} || status=1; }
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
+want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }
 want hf_models && { python3 -P bench/hf_models.py --artifacts build/gpu --out "$out" ${GRAPE_HF_MODELS_ARGS:-} || status=1; }
 exit $status

@@ -10,6 +10,7 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, DescribeConditionals, IfToSelect,
+                              InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
                               gpu_legalize_passes)
 from grape_tvm.runtime.signature import ShapeRange
@@ -91,7 +92,8 @@ class GrapePipeline:
             # dataflow blocks (hence fusion) that an ``if`` from the ONNX importer removed.
             if self.select_ops > 0:
                 passes += [IfToSelect(self.select_ops), relax.transform.Normalize()]
-            passes.append(relax.transform.ConvertToDataflow())
+            # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
+            passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
             passes += lowering.library_dispatch_passes(target)
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
@@ -99,6 +101,7 @@ class GrapePipeline:
                 passes += gpu_legalize_passes() + [CheckDeviceKernels()]
             else:
                 passes += lowering.legalize_passes(target)
+            passes.append(InlineBranches())
             passes += lowering.dataflow_lower_passes(target) + _finalize_passes(self.device_branches)
             return tvm.transform.Sequential(passes)(mod)
 

@@ -10,6 +10,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``BranchesToConditionalRegions``: other branches on device data become conditional
   regions (both branches run guarded by the condition on the device);
   ``DescribeConditionals`` writes down what their branches call, for the runtime.
+- ``OutlineBranches`` / ``InlineBranches``: branches moved into functions of their own for
+  ``FuseOps`` (which does not look inside an ``if``), and back after fusion.
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
@@ -19,6 +21,7 @@ Passes touch IR only: nothing here launches a kernel or owns a device resource.
 """
 
 from .bound_shapes import BoundShapeRanges, signature_dims
+from .branch_fusion import InlineBranches, OutlineBranches
 from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .conv_slice import SliceIntoConvPadding
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
@@ -38,8 +41,10 @@ __all__ = [
     "GraphPlan",
     "HostFallbackError",
     "IfToSelect",
+    "InlineBranches",
     "LiftGraphRegions",
     "NameDerivedDims",
+    "OutlineBranches",
     "REGION_ATTR",
     "REGION_PREFIX",
     "SliceIntoConvPadding",

@@ -17,8 +17,9 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 from grape_tvm import build, compile_onnx, load
-from grape_tvm.passes import (CONDITIONAL_ATTR, BranchesToConditionalRegions, LiftGraphRegions,
-                              DescribeConditionals, graph_plan)
+from grape_tvm.passes import (CONDITIONAL_ATTR, BranchesToConditionalRegions, DescribeConditionals,
+                              InlineBranches, LiftGraphRegions, OutlineBranches, graph_plan)
+from grape_tvm.passes.branch_fusion import BRANCH_FUNC_ATTR
 from grape_tvm.passes.branch_regions import HOST_BRANCHES_ATTR
 from grape_tvm.pipeline import grape_pipeline
 
@@ -181,6 +182,47 @@ def test_host_branch_reason_reaches_the_plan():
     plan = graph_plan(lowered(PassThrough))
     (step,) = plan.host_steps
     assert step.op == "if" and "else branch returns" in step.reason
+
+
+# -- fusion inside branches ---------------------------------------------------------------
+
+def test_outline_branches_moves_each_branch_into_a_function():
+    out = OutlineBranches()(relax.transform.ConvertToDataflow()(fresh(Nested)))
+    outlined = {gv.name_hint: f for gv, f in out.functions.items()
+                if f.attrs is not None and BRANCH_FUNC_ATTR in f.attrs}
+    assert len(outlined) == 4  # both sides of the outer if and of the nested one
+    (branch_if,) = [b.value for b in bindings(out["main"]) if isinstance(b.value, relax.If)]
+    for side in (branch_if.true_branch, branch_if.false_branch):
+        (call,) = bindings(side)
+        assert call.value.op.name_hint in outlined
+
+
+@pytest.mark.parametrize("c1,c2", [(True, True), (True, False), (False, True)])
+def test_outline_then_inline_computes_the_same(c1, c2):
+    mod = relax.transform.ConvertToDataflow()(fresh(Nested))
+    back = InlineBranches()(OutlineBranches()(mod))
+    assert not any(f.attrs is not None and BRANCH_FUNC_ATTR in f.attrs for f in back.functions.values())
+    rng = np.random.default_rng(8)
+    args = [rng.standard_normal((5, 16)).astype(np.float32),
+            rng.standard_normal((16, 16)).astype(np.float32), np.array(c1), np.array(c2)]
+    want = _vm(Nested)["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+    got = _vm(back)["main"](*[tvm.runtime.tensor(a) for a in args]).numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+
+
+def test_branches_are_fused():
+    import sys  # pylint: disable=import-outside-toplevel
+    from pathlib import Path  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from models import branch_model  # pylint: disable=import-outside-toplevel
+
+    plan = graph_plan(lowered(branch_model(64)))
+    regions = {r.name: r.kernels for r in plan.regions}
+    (conditional,) = plan.conditionals
+    # Unfused, the then branch is six kernels (matmul, gelu three times), the else two.
+    assert [k for c in conditional.then_calls for k in regions[c]] == ["fused_matmul_gelu"] * 3
+    assert [k for c in conditional.else_calls for k in regions[c]] == ["fused_matmul_relu"]
 
 
 # -- whole programs on the CPU replay -----------------------------------------------------

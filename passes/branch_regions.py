@@ -12,6 +12,7 @@ from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, cl
 
 BRANCHES_ATTR = "grape.branches"  # DescribeConditionals' JSON, on each conditional function
 HOST_BRANCHES_ATTR = "grape.host_branches"  # on the caller: If var -> why it stayed on the host
+CONDITION_NAME_ATTR = "grape.condition"  # on a conditional function: its condition's name
 
 _ALLOC_TENSOR_OPS = {"relax.builtin.alloc_tensor", "relax.memory.alloc_tensor"}
 
@@ -38,7 +39,8 @@ def _op_name(value: relax.Expr) -> str:
 
 class _Branch:
     """One side of an ``if``: what moves to the caller (allocations, views, kills), the
-    device work that stays (kernels, nested conditional regions) and the buffer it returns."""
+    device work that stays (kernels, nested conditional regions) and the buffers it returns
+    (one, or one per field of a tuple)."""
 
     def __init__(self, side: str, seq: relax.Expr, mod: IRModule, made: set):
         self.side = side
@@ -47,7 +49,7 @@ class _Branch:
         self.sunk: list[relax.Binding] = []
         self.work: list[relax.Binding] = []
         self.renames: dict[relax.Var, relax.Var] = {}
-        self.result: relax.Var | None = None
+        self.results: list[relax.Var] = []
         self.reason = self._split(seq, mod) if isinstance(seq, relax.SeqExpr) else \
             f"the {side} branch is not a sequence of bindings"
 
@@ -57,13 +59,20 @@ class _Branch:
             if isinstance(b, relax.VarBinding) and isinstance(b.value, relax.Var):
                 self.renames[b.var] = self.renames.get(b.value, b.value)
         result = self.renames.get(seq.body, seq.body)
+        tuples = {b.var: b.value for b in bindings if isinstance(b.value, relax.Tuple)}
+        fields = tuples[result].fields if result in tuples else \
+            result.fields if isinstance(result, relax.Tuple) else [result]
+        self.results = [self.renames.get(f, f) for f in fields]
         allocated = {b.var for b in bindings if _op_name(b.value) in _ALLOC_TENSOR_OPS}
-        if result not in allocated:
-            return (f"the {self.side} branch returns {result}, not a buffer it writes "
-                    "(it would need a copy)")
-        self.result = result
+        for value in self.results:
+            if value not in allocated:
+                return (f"the {self.side} branch returns {value}, not a buffer it writes "
+                        "(it would need a copy)")
+        if len(set(self.results)) != len(self.results):
+            return f"the {self.side} branch returns one buffer twice"
         for b in bindings:
-            if b.var in self.renames or b.var.same_as(result):
+            if b.var in self.renames or b.var in self.results or \
+                    (b.var.same_as(result) and result in tuples):
                 continue
             made = isinstance(b.value, relax.Call) and b.value.op in self.made
             kind, op, _ = ("conditional", "", "") if made else classify(b, mod)
@@ -77,17 +86,22 @@ class _Branch:
                 return f"the {self.side} branch has a host step ({op})"
         return "" if self.work else f"the {self.side} branch launches no kernel"
 
-    def substituted(self, bindings: list[relax.Binding], out: relax.Var) -> list[relax.Binding]:
-        """``bindings`` with the branch's renamings and its result buffer replaced by ``out``."""
-        mapping = {**self.renames, self.result: out}
+    def substituted(self, bindings: list[relax.Binding],
+                    outs: list[relax.Var]) -> list[relax.Binding]:
+        """``bindings`` with the branch's renamings and its result buffers replaced by
+        ``outs``, the caller's."""
+        mapping = {**self.renames, **dict(zip(self.results, outs))}
         mutator = _Substitute(mapping)
         return [relax.VarBinding(b.var, mutator.visit_expr(b.value)) for b in bindings]
 
 
-def _shape_of(var: relax.Var) -> relax.ShapeExpr | None:
+def _result_types(var: relax.Var) -> list[relax.TensorType] | None:
+    """The tensors an ``if`` returns (one, or a tuple's fields), each of known shape."""
     ty = var.ty
-    if isinstance(ty, relax.TensorType) and isinstance(ty.shape, relax.ShapeExpr):
-        return ty.shape
+    fields = list(ty.fields) if isinstance(ty, relax.TupleType) else [ty]
+    if all(isinstance(f, relax.TensorType) and isinstance(f.shape, relax.ShapeExpr)
+           for f in fields):
+        return fields
     return None
 
 
@@ -103,8 +117,8 @@ class BranchesToConditionalRegions:
     both, each guarded on the device by the condition: no host read of it, no graph split.
     Nested branches are converted inside out. An ``if`` stays on the host when a branch
     returns a value it did not write (an input, say: that would need a copy), has a host
-    step, or launches nothing, or when the result is not one tensor of known shape; the
-    reason is kept in the caller's ``grape.host_branches`` attribute.
+    step, or launches nothing, or when the result is not tensors of known shape (one, or a
+    tuple of them); the reason is kept in the caller's ``grape.host_branches`` attribute.
 
     Before::
 
@@ -177,21 +191,29 @@ class BranchesToConditionalRegions:
         branches = [_Branch("then", true_seq, self._mod, self._made),
                     _Branch("else", false_seq, self._mod, self._made)]
         reason = next((b.reason for b in branches if b.reason), "")
-        shape = _shape_of(binding.var)
-        if not reason and shape is None:
-            reason = f"its result is {binding.var.ty}, not one tensor of known shape"
+        types = _result_types(binding.var)
+        if not reason and types is None:
+            reason = f"its result is {binding.var.ty}, not tensors of known shape"
         if reason:
             self._stayed[binding.var.name] = reason
             if true_seq is value.true_branch and false_seq is value.false_branch:
                 return None
             return [relax.VarBinding(binding.var, relax.If(value.cond, true_seq, false_seq))]
-        return self._conditional(binding.var, value.cond, shape, branches)
+        return self._conditional(binding.var, value.cond, types, branches)
 
-    def _conditional(self, out: relax.Var, cond: relax.Expr, shape: relax.ShapeExpr,
+    def _conditional(self, result: relax.Var, cond: relax.Expr, types: list[relax.TensorType],
                      branches: list[_Branch]) -> list[relax.Binding]:
-        alloc = relax.VarBinding(out, relax.op.builtin.alloc_tensor(shape, str(out.ty.dtype), 0))
-        work = [b.substituted(b.work, out) for b in branches]
-        hoisted = [h for b in branches for h in b.substituted(b.hoisted, out)]
+        # The caller's buffers, one per result tensor: the if's own variable for a tensor,
+        # one per field (and the tuple of them) for a tuple.
+        tupled = isinstance(result.ty, relax.TupleType)
+        outs = [relax.Var(f"{result.name}_{i}", ty) for i, ty in enumerate(types)] \
+            if tupled else [result]
+        allocs = [relax.VarBinding(out, relax.op.builtin.alloc_tensor(ty.shape, str(ty.dtype), 0))
+                  for out, ty in zip(outs, types)]
+        if tupled:
+            allocs.append(relax.VarBinding(result, relax.Tuple(outs)))
+        work = [b.substituted(b.work, outs) for b in branches]
+        hoisted = [h for b in branches for h in b.substituted(b.hoisted, outs)]
         sunk = [s for b in branches for s in b.sunk]
         seqs = [relax.SeqExpr([relax.BindingBlock(w)], relax.Tuple([])) for w in work]
         params = []
@@ -209,13 +231,15 @@ class BranchesToConditionalRegions:
         func = relax.Function(params + [shape_param], body, shape_param.ty, is_pure=False)
         func = relax.utils.copy_with_new_vars(func)
         func = func.with_attr(CONDITIONAL_ATTR, self._index).with_attr("relax.force_pure", True)
+        # The condition's name as the model has it (lowering renames it after an allocation).
+        func = func.with_attr(CONDITION_NAME_ATTR, getattr(cond, "name", str(cond)))
         name = f"{CONDITIONAL_PREFIX}{self._index}"
         self._index += 1
         gvar = self._bb.add_func(func, name)
         self._made.add(gvar)
         call = relax.Call(gvar, params + [relax.ShapeExpr(sym)])
         called = relax.VarBinding(relax.Var(f"{name}_done", relax.ShapeType(sym)), call)
-        return [alloc, *hoisted, called, *sunk]
+        return [*allocs, *hoisted, called, *sunk]
 
 
 @module_pass(opt_level=0, name="DescribeConditionals")

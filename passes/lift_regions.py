@@ -366,7 +366,9 @@ def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> None
             else:
                 _add_conditional(plan, mod, call["callee"], None)
                 kernels += plan.conditionals[-1].kernels
-    condition = binding.value.args[0].name if binding is not None else "(nested)"
+    condition = str(func.attrs.get("grape.condition", ""))
+    if not condition:
+        condition = binding.value.args[0].name if binding is not None else "(nested)"
     plan.conditionals.append(ConditionalInfo(
         name, condition, "predicated: both branches' graphs launch, the one not taken "
         "disabled on the device", sides[0], sides[1], kernels))

@@ -367,3 +367,36 @@ def test_branches_left_to_the_vm_run_their_regions_as_graphs(tmp_path):
         _check(executor, vm, {"x": x, "w": w, "cond": np.array(cond)}, ["x", "w", "cond"])
         assert executor.stats.last["path"] == "vm"
     assert executor.stats.region_replays > 0
+
+
+@I.ir_module
+class TupleResult:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), cond: R.Tensor((), "bool")):
+        h = R.multiply(x, x)
+        if cond:
+            a = R.nn.relu(h)
+            b = R.sum(h, axis=[1])
+            r = (a, b)
+        else:
+            a2 = R.negative(h)
+            b2 = R.max(h, axis=[1])
+            r = (a2, b2)
+        y = R.add(r[0], x)
+        z = R.multiply(r[1], R.const(2.0, "float32"))
+        return (y, z)
+
+
+def test_tuple_result_becomes_a_conditional_region(tmp_path):
+    module = build(fresh(TupleResult), DIMS, "llvm", select_ops=0)
+    assert module.plan["host_steps"] == [] and len(module.plan["conditionals"]) == 1
+    executor = load(module.export(tmp_path / "tuple.grape"), "cpu")
+    vm = _vm(TupleResult)
+    rng = np.random.default_rng(9)
+    for n, cond in [(4, True), (4, False), (4, True), (13, False), (13, True)]:
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        got = list(executor.run({"x": x, "cond": np.array(cond)}).values())
+        want = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(np.array(cond)))
+        for g, w in zip(got, want):
+            np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-5)
+    assert executor.stats.last["path"] == "planned"

@@ -9,7 +9,8 @@ from tvm import relax
 from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
-                              CheckDeviceKernels, DescribeConditionals, IfToSelect,
+                              CheckDeviceKernels, CopyPassThroughBranches,
+                              DescribeConditionals, IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
                               gpu_legalize_passes)
@@ -92,6 +93,10 @@ class GrapePipeline:
             # dataflow blocks (hence fusion) that an ``if`` from the ONNX importer removed.
             if self.select_ops > 0:
                 passes += [IfToSelect(self.select_ops), relax.transform.Normalize()]
+            if self.device_branches:
+                # A branch passing a value through copies it: a conditional region needs
+                # each branch to write its result.
+                passes.append(CopyPassThroughBranches())
             # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
             passes += lowering.library_dispatch_passes(target)

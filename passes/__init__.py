@@ -9,7 +9,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``IfToSelect``: cheap, pure branches on a tensor condition become selects (no host read).
 - ``BranchesToConditionalRegions``: other branches on device data become conditional
   regions (both branches run guarded by the condition on the device);
-  ``DescribeConditionals`` writes down what their branches call, for the runtime.
+  ``DescribeConditionals`` writes down what their branches call, for the runtime;
+  ``CopyPassThroughBranches`` makes a branch that passes a value through copy it first.
 - ``OutlineBranches`` / ``InlineBranches``: branches moved into functions of their own for
   ``FuseOps`` (which does not look inside an ``if``), and back after fusion.
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
@@ -21,6 +22,7 @@ Passes touch IR only: nothing here launches a kernel or owns a device resource.
 """
 
 from .bound_shapes import BoundShapeRanges, signature_dims
+from .branch_copy import CopyPassThroughBranches
 from .branch_fusion import InlineBranches, OutlineBranches
 from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .conv_slice import SliceIntoConvPadding
@@ -37,6 +39,7 @@ __all__ = [
     "CONDITIONAL_ATTR",
     "CONDITIONAL_PREFIX",
     "CheckDeviceKernels",
+    "CopyPassThroughBranches",
     "DescribeConditionals",
     "GraphPlan",
     "HostFallbackError",

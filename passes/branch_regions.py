@@ -190,10 +190,9 @@ class BranchesToConditionalRegions:
             else value.false_branch
         branches = [_Branch("then", true_seq, self._mod, self._made),
                     _Branch("else", false_seq, self._mod, self._made)]
-        reason = next((b.reason for b in branches if b.reason), "")
         types = _result_types(binding.var)
-        if not reason and types is None:
-            reason = f"its result is {binding.var.ty}, not tensors of known shape"
+        reason = f"its result is {binding.var.ty}, not tensors of known shape" \
+            if types is None else next((b.reason for b in branches if b.reason), "")
         if reason:
             self._stayed[binding.var.name] = reason
             if true_seq is value.true_branch and false_seq is value.false_branch:

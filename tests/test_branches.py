@@ -17,7 +17,8 @@ from tvm.script import ir as I
 from tvm.script import relax as R
 
 from grape_tvm import build, compile_onnx, load
-from grape_tvm.passes import (CONDITIONAL_ATTR, BranchesToConditionalRegions, DescribeConditionals,
+from grape_tvm.passes import (CONDITIONAL_ATTR, BranchesToConditionalRegions, CopyPassThroughBranches,
+                              DescribeConditionals,
                               InlineBranches, LiftGraphRegions, OutlineBranches, graph_plan)
 from grape_tvm.passes.branch_fusion import BRANCH_FUNC_ATTR
 from grape_tvm.passes.branch_regions import HOST_BRANCHES_ATTR
@@ -178,10 +179,37 @@ def test_graph_plan_reports_conditionals_and_no_host_step():
                                 outer.then_calls + outer.else_calls) + names["grape_cond_0"].kernels
 
 
+@I.ir_module
+class ShapeDependsOnBranch:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), cond: R.Tensor((), "bool")):
+        h = R.multiply(x, x)
+        if cond:
+            r = R.nn.relu(h)
+        else:
+            r = R.strided_slice(h, axes=[0], begin=[0], end=[1])
+        return r
+
+
 def test_host_branch_reason_reaches_the_plan():
-    plan = graph_plan(lowered(PassThrough))
+    plan = graph_plan(lowered(ShapeDependsOnBranch))
     (step,) = plan.host_steps
-    assert step.op == "if" and "else branch returns" in step.reason
+    assert step.op == "if" and "not tensors of known shape" in step.reason
+    assert "launch 2 kernel(s)" in step.reason  # still graph regions, driven by the VM
+
+
+def test_pass_through_branch_is_copied_and_becomes_conditional(tmp_path):
+    copied = CopyPassThroughBranches()(fresh(PassThrough))
+    (branch_if,) = [b.value for b in bindings(copied["main"]) if isinstance(b.value, relax.If)]
+    (copy,) = bindings(branch_if.false_branch)[-1:]
+    assert copy.value.op.name == "relax.astype" and copy.value.args[0].name == "h"
+    executor = load(_artifact(PassThrough, tmp_path, select_ops=0), "cpu")
+    assert executor.manifest["plan"]["host_steps"] == []
+    vm = _vm(PassThrough)
+    rng = np.random.default_rng(10)
+    for n, cond in [(2, False), (2, True), (2, False), (7, True)]:
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        _check(executor, vm, {"x": x, "cond": np.array(cond)}, ["x", "cond"])
 
 
 # -- fusion inside branches ---------------------------------------------------------------

@@ -428,3 +428,66 @@ def test_tuple_result_becomes_a_conditional_region(tmp_path):
         for g, w in zip(got, want):
             np.testing.assert_allclose(g, w.numpy(), rtol=1e-5, atol=1e-5)
     assert executor.stats.last["path"] == "planned"
+
+
+def _onnx_if_between_layers():
+    """MatMul-Add-Relu, an ``If`` on the mean before the relu (sigmoid of a layer, or the
+    negation), then
+    MatMul-Add-Tanh: fusable work on both sides of the branch and inside it."""
+    import onnx  # pylint: disable=import-outside-toplevel
+    from onnx import TensorProto, helper, numpy_helper  # pylint: disable=import-outside-toplevel
+
+    rng = np.random.default_rng(0)
+    consts = [numpy_helper.from_array(rng.standard_normal((8, 8)).astype(np.float32), "w"),
+              numpy_helper.from_array(rng.standard_normal((8,)).astype(np.float32), "b"),
+              numpy_helper.from_array(np.array(0.0, np.float32), "zero")]
+    info = helper.make_tensor_value_info
+    node = helper.make_node
+    then_g = helper.make_graph([node("MatMul", ["h", "w"], ["t0"]), node("Add", ["t0", "b"], ["t1"]),
+                                node("Sigmoid", ["t1"], ["t"])],
+                               "then", [], [info("t", TensorProto.FLOAT, ["n", 8])])
+    else_g = helper.make_graph([node("Neg", ["h"], ["e"])], "else", [],
+                               [info("e", TensorProto.FLOAT, ["n", 8])])
+    nodes = [node("MatMul", ["x", "w"], ["m"]), node("Add", ["m", "b"], ["a"]), node("Relu", ["a"], ["h"]),
+             node("ReduceMean", ["a"], ["s"], keepdims=0), node("Greater", ["s", "zero"], ["c"]),
+             node("If", ["c"], ["y0"], then_branch=then_g, else_branch=else_g),
+             node("MatMul", ["y0", "w"], ["y1"]), node("Add", ["y1", "b"], ["y2"]), node("Tanh", ["y2"], ["y"])]
+    graph = helper.make_graph(nodes, "if_between_layers", [info("x", TensorProto.FLOAT, ["n", 8])],
+                              [info("y", TensorProto.FLOAT, ["n", 8])], consts)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
+
+def test_onnx_if_keeps_fusion_around_the_branch(tmp_path):
+    """TVM's importer makes the ``If`` a Relax ``if``, outside any dataflow block: unfused,
+    every operator would be a kernel. The grape pipeline fuses before and after it (inside
+    a branch: ``test_branches_are_fused``; here TVM's importer computes the then branch's
+    matmul and add before the ``if``, as they read only outer values); results equal
+    onnxruntime on both branches."""
+    ort = pytest.importorskip("onnxruntime")
+    import onnx  # pylint: disable=import-outside-toplevel
+
+    model = _onnx_if_between_layers()
+    module = compile_onnx(model, {"n": (1, 16)}, "llvm", select_ops=0)
+    kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
+    # Before the if, after it (matmul, add, tanh: one kernel), and the condition itself.
+    assert {"fused_matmul_add", "fused_mean_greater", "fused_matmul_add_tir_tanh"} <= set(kernels)
+    assert module.plan["host_steps"] == [] and len(module.plan["conditionals"]) == 1
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    executor = load(module.export(tmp_path / "m.grape"), "cpu")
+    from onnx import numpy_helper  # pylint: disable=import-outside-toplevel
+
+    w, b = (numpy_helper.to_array(t) for t in model.graph.initializer[:2])
+    rng = np.random.default_rng(11)
+    taken, paths = set(), set()
+    for n in (1, 6, 6, 16, 6, 16):
+        for _ in range(3):
+            x = (3 * rng.standard_normal((n, 8))).astype(np.float32)
+            want = session.run(None, {"x": x})[0]
+            np.testing.assert_allclose(executor.run({"x": x})["y"], want, rtol=1e-5, atol=1e-5)
+            taken.add(bool((x @ w + b).mean() > 0))
+            paths.add(executor.stats.last["path"])
+    assert taken == {True, False} and paths == {"vm", "planned"}

@@ -256,7 +256,9 @@ class DescribeConditionals:
         {"condition": 0, "branches": [[...], [{"callee": "grape_region_2",
          "args": [3, 1, 2], "dims": [0]}]]}
 
-    ``args`` index the conditional's parameters, ``dims`` its shape's values.
+    ``args`` index the conditional's parameters, ``dims`` its shape's values. A branch
+    that is not only such calls gets ``{"error": why}``: the conditional then stays a
+    host step (``graph_plan``), run by the VM.
     """
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
@@ -265,7 +267,13 @@ class DescribeConditionals:
         for gvar, func in list(mod.functions.items()):
             if isinstance(func, relax.Function) and func.attrs is not None and \
                     CONDITIONAL_ATTR in func.attrs:
-                bb.update_func(gvar, func.with_attr(BRANCHES_ATTR, json.dumps(describe(func, mod))))
+                try:
+                    described = describe(func, mod)
+                except ValueError as err:
+                    # Not a sequence of region calls: the runtime cannot issue it, so the
+                    # VM runs it (reading the condition), and the plan says why.
+                    described = {"error": str(err)}
+                bb.update_func(gvar, func.with_attr(BRANCHES_ATTR, json.dumps(described)))
                 changed = True
         return bb.get() if changed else mod
 
@@ -281,8 +289,7 @@ def describe(func: relax.Function, mod: IRModule) -> dict:
         for b in _bindings(seq):
             kind, op, _ = classify(b, mod)
             if kind not in ("region", "conditional"):
-                raise ValueError(f"{func.attrs[CONDITIONAL_ATTR]}: a branch of a conditional "
-                                 f"region calls {op}; expected regions only")
+                raise ValueError(f"a branch holds {op} ({kind}), not only region calls")
             *args, shape = b.value.args
             calls.append({"callee": op, "kind": kind,
                           "args": [_index_of(a, params, op) for a in args],

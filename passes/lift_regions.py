@@ -353,6 +353,12 @@ def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> None
 
     func = mod[name]
     described = json.loads(str(func.attrs["grape.branches"]))
+    if "error" in described:
+        plan.host_steps.append(HostStep(
+            "main", name, binding.var.name if binding is not None else name,
+            f"a conditional region the runtime cannot issue ({described['error']}): "
+            "TVM's VM runs it, reading its condition on the host"))
+        return
     plan.branches[name] = described
     kernels = 0
     sides = []

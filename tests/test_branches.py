@@ -434,7 +434,6 @@ def _onnx_if_between_layers():
     """MatMul-Add-Relu, an ``If`` on the mean before the relu (sigmoid of a layer, or the
     negation), then
     MatMul-Add-Tanh: fusable work on both sides of the branch and inside it."""
-    import onnx  # pylint: disable=import-outside-toplevel
     from onnx import TensorProto, helper, numpy_helper  # pylint: disable=import-outside-toplevel
 
     rng = np.random.default_rng(0)
@@ -491,3 +490,13 @@ def test_onnx_if_keeps_fusion_around_the_branch(tmp_path):
             taken.add(bool((x @ w + b).mean() > 0))
             paths.add(executor.stats.last["path"])
     assert taken == {True, False} and paths == {"vm", "planned"}
+
+
+def test_conditional_the_runtime_cannot_issue_is_a_host_step():
+    mod = lowered(Branchy)
+    gvar = mod.get_global_var("grape_cond_0")
+    mod[gvar] = mod[gvar].with_attr("grape.branches", json.dumps({"error": "a branch holds x"}))
+    plan = graph_plan(mod)
+    (step,) = plan.host_steps
+    assert step.op == "grape_cond_0" and "a branch holds x" in step.reason
+    assert plan.branches == {}

@@ -191,8 +191,15 @@ class BranchesToConditionalRegions:
         branches = [_Branch("then", true_seq, self._mod, self._made),
                     _Branch("else", false_seq, self._mod, self._made)]
         types = _result_types(binding.var)
-        reason = f"its result is {binding.var.ty}, not tensors of known shape" \
-            if types is None else next((b.reason for b in branches if b.reason), "")
+        cond_ty = value.cond.ty
+        if not (isinstance(cond_ty, relax.TensorType) and cond_ty.ndim == 0
+                and str(cond_ty.dtype) == "bool"):
+            # The patch kernel reads a condition as one byte of device memory.
+            reason = f"its condition is {cond_ty}, not a 0-d bool tensor"
+        elif types is None:
+            reason = f"its result is {binding.var.ty}, not tensors of known shape"
+        else:
+            reason = next((b.reason for b in branches if b.reason), "")
         if reason:
             self._stayed[binding.var.name] = reason
             if true_seq is value.true_branch and false_seq is value.false_branch:

@@ -348,7 +348,8 @@ def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
     return plan
 
 
-def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> None:
+def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> int:
+    """Add a conditional region (and those nested in it) to ``plan``; its kernel count."""
     import json  # pylint: disable=import-outside-toplevel
 
     func = mod[name]
@@ -358,7 +359,7 @@ def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> None
             "main", name, binding.var.name if binding is not None else name,
             f"a conditional region the runtime cannot issue ({described['error']}): "
             "TVM's VM runs it, reading its condition on the host"))
-        return
+        return 0
     plan.branches[name] = described
     kernels = 0
     sides = []
@@ -370,14 +371,14 @@ def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> None
                 plan.regions.append(info)
                 kernels += len(info.kernels)
             else:
-                _add_conditional(plan, mod, call["callee"], None)
-                kernels += plan.conditionals[-1].kernels
+                kernels += _add_conditional(plan, mod, call["callee"], None)
     condition = str(func.attrs.get("grape.condition", ""))
     if not condition:
         condition = binding.value.args[0].name if binding is not None else "(nested)"
     plan.conditionals.append(ConditionalInfo(
         name, condition, "predicated: both branches' graphs launch, the one not taken "
         "disabled on the device", sides[0], sides[1], kernels))
+    return kernels
 
 
 def _region_info(mod: IRModule, name: str) -> RegionInfo:

@@ -24,6 +24,9 @@ import tvm_ffi
 from .signature import nbytes
 
 MEMO_LIMIT = 1 << 16  # entries of the pool's shared caches before they start over
+# Guards per region call: the conditionals a region may nest in. The patch kernel's launch
+# record holds this many (topology_graph.MAX_GUARDS); a call nested deeper keeps the VM.
+MAX_GUARDS = 8
 
 
 @dataclass(frozen=True)
@@ -294,6 +297,7 @@ class CallPlanRecorder:
         # (region, shape, arguments then guard conditions, what each guard expects)
         self.calls: list[tuple[str, tuple, list[Any], tuple[bool, ...]]] = []
         self._depth = 0  # inside a conditional region's call: its regions are planned already
+        self.unplannable = ""  # why no plan can be made, if so
 
     def on_region(self, region: str, shape: tuple, args: Sequence[Any]) -> None:
         if self._depth == 0:
@@ -303,14 +307,20 @@ class CallPlanRecorder:
         """A conditional region's call: the regions of both its branches, each guarded by
         the condition (and by those of the conditionals it is nested in)."""
         if self._depth == 0:
-            self._expand(name, shape, list(args), ())
+            if name in self.branches:
+                self._expand(name, shape, list(args), ())
+            else:  # not described (an executor given no branches): no plan, the VM runs it
+                self.unplannable = f"conditional region {name} is not described"
         self._depth += 1
 
     def end_conditional(self) -> None:
         self._depth -= 1
 
     def _expand(self, name: str, shape: tuple, args: list[Any], guards: tuple) -> None:
-        described = self.branches[name]
+        described = self.branches.get(name)
+        if described is None or len(guards) >= MAX_GUARDS:
+            self.unplannable = f"conditional region {name}: not described, or nested too deep"
+            return
         condition = args[described["condition"]]
         for expect, calls in zip((True, False), described["branches"]):
             inner = guards + ((condition, expect),)
@@ -332,6 +342,8 @@ class CallPlanRecorder:
         at every shape, so ``buffer_of`` (shared by all plans of an executor) gives it the
         same pool buffer at every shape, sized for the largest.
         """
+        if self.unplannable:
+            return None
         seen: dict[int, tuple[int, int]] = {}  # address -> (slot, nbytes)
         position = [0, 0]
 

@@ -198,7 +198,11 @@ class GraphExecutor:
             self._check_out(out, plan)
             outputs = plan.run(args, self._pool, self.backend, side, out)
             self._returned = plan.described(side)
-            if outputs is not None:
+            if outputs is None:
+                # A region lost its recording (a bounded per-shape cache): the VM records
+                # it again, watched, so that a branch it does not take is recorded too.
+                del self._plans[key]
+            else:
                 self.stats.planned_calls += 1
                 self.stats.region_replays += len(plan.regions)
                 self.stats.last["path"] = "planned"
@@ -214,7 +218,11 @@ class GraphExecutor:
         if recorder is not None:
             self._plans[key] = plan = recorder.finish(values, self._pool, self._buffer_of)
             if plan is not None and plan.guarded:
-                self._record_branches_not_taken(recorder)
+                try:
+                    self._record_branches_not_taken(recorder)
+                except BaseException:
+                    del self._plans[key]  # planned calls would find a branch unrecorded
+                    raise
         for index, target in out.items():  # the VM allocated its own: copy, and count it
             _check_like(target, values[index], self.signature.outputs[index].name)
             target.copyfrom(values[index])
@@ -392,9 +400,11 @@ class GraphExecutor:
             return VMInstrumentReturnKind.NO_OP
         if before_run:
             recorder.on_call(func, symbol, args)
+            # Recorded, not run (no side effect): the kernels, not the host's shape
+            # bookkeeping (VM builtins, VMShapeLower's shape functions) they depend on.
             if not run and getattr(self.backend, "records_by_running", False) and \
-                    not symbol.startswith("vm.builtin."):
-                return VMInstrumentReturnKind.SKIP_RUN  # recorded, not run: no side effect
+                    not symbol.startswith(("vm.builtin.", "shape_func")):
+                return VMInstrumentReturnKind.SKIP_RUN
         return VMInstrumentReturnKind.NO_OP
 
     # -- recording ahead of time ----------------------------------------------------------

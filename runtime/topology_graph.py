@@ -195,7 +195,8 @@ class LaunchRecord:
     def __init__(self, num_args: int):
         # The kernel finds the guards after max(num_args, 1) slots too: keep them agreeing.
         self.guards_at = 8 + 8 * max(num_args, 1)
-        self.data = bytearray(self.guards_at + GUARD.size * MAX_GUARDS)
+        self.capacity = self.guards_at + GUARD.size * MAX_GUARDS  # bytes the device needs
+        self.data = bytearray(self.capacity)
         self.num_guards = 0
         self._sent: bytes | None = None
 
@@ -261,6 +262,10 @@ class TopologyGraph(OwnedGraph):
         # The launch record: its host copy, which knows what the device holds (the last copy
         # queued), so that a call queues a copy only if the record changed.
         self._launch = LaunchRecord(num_args)
+        # Room for every guard now: the patch node holds this buffer's address, and a
+        # call's copy (``replay``) writes as many guards as it has, unchecked.
+        self.buffers["launch"].close()
+        self.buffers["launch"] = DeviceBuffer(self._launch.capacity)
         self.buffers["launch"].write(self._launch.pending())
         pointers, self._pointer_spans = encode_pointers(pointer_map, layouts)
         self.buffers["pointers"].write(pointers)

@@ -500,3 +500,31 @@ def test_conditional_the_runtime_cannot_issue_is_a_host_step():
     (step,) = plan.host_steps
     assert step.op == "grape_cond_0" and "a branch holds x" in step.reason
     assert plan.branches == {}
+
+
+def test_nested_conditional_the_runtime_cannot_issue_is_a_host_step():
+    mod = lowered(Nested)
+    inner = mod.get_global_var("grape_cond_0")
+    mod[inner] = mod[inner].with_attr("grape.branches", json.dumps({"error": "inner"}))
+    plan = graph_plan(mod)
+    assert [s.op for s in plan.host_steps] == ["grape_cond_0"]
+    assert [c.name for c in plan.conditionals] == ["grape_cond_1"]
+
+
+def test_a_lost_branch_recording_is_made_again(tmp_path):
+    """A region of the branch not taken that loses its recording (a bounded per-shape
+    cache evicts it) sends the call back to the VM, which records the branch again."""
+    executor = load(_artifact(ResultIsOutput, tmp_path, select_ops=0), "cpu")
+    vm = _vm(ResultIsOutput)
+    x = np.random.default_rng(12).standard_normal((5, 16)).astype(np.float32)
+    for cond in (True, False):
+        _check(executor, vm, {"x": x, "cond": np.array(cond)}, ["x", "cond"])
+    assert executor.stats.last["path"] == "planned"
+    (conditional,) = executor.manifest["plan"]["conditionals"]
+    (else_region,) = conditional["else_calls"]
+    executor.backend._groups[else_region].where.pop((5,))  # pylint: disable=protected-access
+    paths = []
+    for cond in (True, False, True):
+        _check(executor, vm, {"x": x, "cond": np.array(cond)}, ["x", "cond"])
+        paths.append(executor.stats.last["path"])
+    assert paths == ["vm", "planned", "planned"]

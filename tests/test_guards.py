@@ -153,3 +153,15 @@ def test_a_failed_guard_disables_the_nodes_and_patches_nothing():
 def test_the_patch_kernel_compiles():
     """As the compiler builds it for an artifact (compile_cubin: nvcc --cubin -O3)."""
     assert len(compile_cubin(PATCH_SOURCE.read_text(), "sm_90")) > 0
+
+
+def test_launch_buffer_and_plans_agree_on_the_guard_limit():
+    """A plan never gives a region more guards than the launch record holds, and the
+    record's capacity (what the device buffer is allocated with) holds them all."""
+    from grape_tvm.runtime import call_plan, topology_graph  # pylint: disable=import-outside-toplevel
+
+    assert call_plan.MAX_GUARDS == topology_graph.MAX_GUARDS
+    for num_args in (0, 1, 5):
+        record = topology_graph.LaunchRecord(num_args)
+        record.set_guards([(64 * (g + 1), g % 2) for g in range(topology_graph.MAX_GUARDS)])
+        assert len(record.used()) == record.capacity

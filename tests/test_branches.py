@@ -528,3 +528,16 @@ def test_a_lost_branch_recording_is_made_again(tmp_path):
         _check(executor, vm, {"x": x, "cond": np.array(cond)}, ["x", "cond"])
         paths.append(executor.stats.last["path"])
     assert paths == ["vm", "planned", "planned"]
+
+
+def test_early_exit_example_runs(tmp_path):
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+    from pathlib import Path  # pylint: disable=import-outside-toplevel
+
+    script = Path(__file__).resolve().parents[1] / "examples" / "early_exit.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "1 conditional region(s), 0 host step(s)" in proc.stdout
+    assert "7 of 10 calls without the VM" in proc.stdout

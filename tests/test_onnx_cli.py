@@ -58,6 +58,28 @@ def test_if_model_takes_both_branches_like_onnxruntime(models, tmp_path):
     assert set(branches) == {True, False}
     description = _inspect_json(artifact)  # cheap branches: selects, one graph region
     assert description["host_steps"] == [] and len(description["regions"]) == 1
+    assert description["conditionals"] == []
+
+
+def test_if_as_a_conditional_region_from_the_command_line(models, tmp_path, capsys):
+    """``--select-ops 0``: the If becomes a conditional region; inspect says how it runs,
+    the CLI's run equals onnxruntime on both signs of the input."""
+    artifact = tmp_path / "if_cond.grape"
+    assert main(["compile", str(models["if"]), "-o", str(artifact), "--dim", "n=1:16",
+                 "--select-ops", "0"]) == 0
+    assert "1 conditional region(s), 0 host step(s)" in capsys.readouterr().out
+    description = _inspect_json(artifact)
+    (conditional,) = description["conditionals"]
+    assert conditional["then_calls"] and conditional["else_calls"]
+    assert "by the CPU replay" in conditional["condition_read"]
+    assert "first call at new dims" in conditional["host_read"]
+    assert main(["inspect", str(artifact)]) == 0
+    assert "conditional regions (data-dependent branches, no host read): 1" in capsys.readouterr().out
+    u = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)
+    for x in (u, -u):
+        got = _run(artifact, {"x": x}, tmp_path)["y"]
+        np.testing.assert_allclose(got, onnxruntime_outputs(models["if"], {"x": x})[0],
+                                   rtol=1e-4, atol=1e-4)
 
 
 def test_two_inputs_share_dims(models, tmp_path):

@@ -541,3 +541,22 @@ def test_early_exit_example_runs(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 conditional region(s), 0 host step(s)" in proc.stdout
     assert "7 of 10 calls without the VM" in proc.stdout
+
+
+def test_record_all_records_both_branches_at_every_size(tmp_path):
+    """``record_all`` runs zeros (one branch) at each size: the other branch is recorded
+    without running, so every later call at those sizes is planned, whichever branch."""
+    executor = load(_artifact(Branchy, tmp_path, select_ops=0), "cpu")
+    executor.record_all({"n": [2, 3, 4]}, progress=False)
+    (conditional,) = executor.manifest["plan"]["conditionals"]
+    recorded = executor.recorded_shapes
+    for region in conditional["then_calls"] + conditional["else_calls"]:
+        assert sorted(recorded[region]) == [(2,), (3,), (4,)]
+    vm = _vm(Branchy)
+    rng = np.random.default_rng(13)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    for n in (2, 3, 4):
+        for cond in (False, True):
+            x = rng.standard_normal((n, 16)).astype(np.float32)
+            _check(executor, vm, {"x": x, "w": w, "cond": np.array(cond)}, ["x", "w", "cond"])
+            assert executor.stats.last["path"] == "planned"

@@ -24,16 +24,17 @@ def _is_branch_func(func) -> bool:
 
 
 def _outlinable(seq: relax.Expr) -> bool:
-    """A branch of pure bindings (a nested ``if`` among them is outlined in its own
-    function's turn): fusing it cannot reorder a side effect."""
+    """A branch of pure bindings (nested ``if``s included, outlined in their own function's
+    turn): the outlined function is pure, and fusing it cannot reorder a side effect."""
     if not isinstance(seq, relax.SeqExpr) or not seq.blocks:
         return False
-    return all(isinstance(b.value, relax.If) or not relax.analysis.contains_impure_call(b.value)
-               for b in _bindings(seq))
+    return not any(relax.analysis.contains_impure_call(b.value) for b in _bindings(seq))
 
 
 @relax.expr_functor.mutator
 class _Outliner(relax.PyExprMutator):
+    """Outlines the branches of the ``if``s of one function into new private functions."""
+
     def __init__(self, mod: IRModule, prefix: str):
         super().__init__(mod)
         self.prefix = prefix
@@ -127,6 +128,8 @@ class InlineBranches:
 
 @relax.expr_functor.mutator
 class _Inliner(relax.PyExprMutator):
+    """Binds the outlined branches of one function's ``if``s back into them."""
+
     def __init__(self, mod: IRModule):
         super().__init__()
         self.mod = mod

@@ -376,8 +376,8 @@ def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> int:
     if not condition:
         condition = binding.value.args[0].name if binding is not None else "(nested)"
     plan.conditionals.append(ConditionalInfo(
-        name, condition, "predicated: both branches' graphs launch, the one not taken "
-        "disabled on the device", sides[0], sides[1], kernels))
+        name, condition, "predicated: the regions of both branches launch, each guarded by "
+        "the condition; the branch not taken runs nothing", sides[0], sides[1], kernels))
     return kernels
 
 

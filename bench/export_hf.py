@@ -2,6 +2,7 @@
 
     python bench/export_hf.py OUTDIR            # GPT-2 124M and Wav2Vec2 base, weightless ONNX
     python bench/export_hf.py OUTDIR --tiny     # the tiny configurations
+    python bench/export_hf.py OUTDIR --dtype float16 --models gpt2   # GPT-2 in fp16 (NAME_fp16)
     python bench/export_hf.py --tests           # tiny models WITH weights into tests/data/
 
 Needs torch and transformers (not project dependencies). For every model it writes:
@@ -63,10 +64,14 @@ def _perturbed(model):
     return model
 
 
-def make_model(kind: str, config: dict[str, Any], seed: int = 0):
+DTYPES = ("float32", "float16")
+
+
+def make_model(kind: str, config: dict[str, Any], seed: int = 0, dtype: str = "float32"):
     """The transformers model ``kind`` ("gpt2" or "wav2vec2") with random weights: the
     config's own initialization under ``torch.manual_seed(seed)``, then noise (std 0.02)
-    on every parameter, fp32, eval mode.
+    on every parameter, eval mode; made in fp32, then cast to ``dtype`` (the same weights,
+    rounded, in either dtype).
 
     The noise makes every weight distinct: the exporter merges initializers of equal
     value (all zero biases, all-one norm scales) into one, which would tie inputs that
@@ -75,16 +80,20 @@ def make_model(kind: str, config: dict[str, Any], seed: int = 0):
     import torch  # pylint: disable=import-outside-toplevel
     import transformers  # pylint: disable=import-outside-toplevel
 
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     torch.manual_seed(seed)
     if kind == "gpt2":
         cfg = transformers.GPT2Config(**config)
         cfg._attn_implementation = "eager"  # pylint: disable=protected-access
-        return _perturbed(transformers.GPT2LMHeadModel(cfg).eval())
-    if kind == "wav2vec2":
+        model = _perturbed(transformers.GPT2LMHeadModel(cfg).eval())
+    elif kind == "wav2vec2":
         cfg = transformers.Wav2Vec2Config(**config)
         cfg._attn_implementation = "eager"  # pylint: disable=protected-access
-        return _perturbed(transformers.Wav2Vec2Model(cfg).eval())
-    raise ValueError(f"unknown model kind {kind!r}: expected 'gpt2' or 'wav2vec2'")
+        model = _perturbed(transformers.Wav2Vec2Model(cfg).eval())
+    else:
+        raise ValueError(f"unknown model kind {kind!r}: expected 'gpt2' or 'wav2vec2'")
+    return model.to(getattr(torch, dtype))
 
 
 def _gpt2_wrappers(model):
@@ -138,12 +147,14 @@ def _export(module, args: tuple, path: Path, inputs: list[str], outputs: list[st
     return onnx.load(str(path))
 
 
-def export_gpt2(config: dict[str, Any], seed: int = 0) -> dict[str, onnx.ModelProto]:
-    """GPT-2's prefill and decode step, weights embedded as initializers."""
+def export_gpt2(config: dict[str, Any], seed: int = 0,
+                dtype: str = "float32") -> dict[str, onnx.ModelProto]:
+    """GPT-2's prefill and decode step, weights embedded as initializers; the weights, KV
+    cache and logits in ``dtype``."""
     import torch  # pylint: disable=import-outside-toplevel
     import tempfile  # pylint: disable=import-outside-toplevel
 
-    model = make_model("gpt2", config, seed)
+    model = make_model("gpt2", config, seed, dtype)
     cfg = model.config
     layers, heads, head_dim = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
     prefill, decode = _gpt2_wrappers(model)
@@ -155,7 +166,8 @@ def export_gpt2(config: dict[str, Any], seed: int = 0) -> dict[str, onnx.ModelPr
                       ["logits", *_kv_names("present", layers)],
                       {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"},
                        **{n: present_axes for n in _kv_names("present", layers)}})
-        past = [torch.randn(2, heads, 3, head_dim) for _ in range(2 * layers)]
+        past = [torch.randn(2, heads, 3, head_dim, dtype=getattr(torch, dtype))
+                for _ in range(2 * layers)]
         dec = _export(decode, (ids[:, :1], *past), Path(tmp, "decode.onnx"),
                       ["input_ids", *_kv_names("past", layers)],
                       ["logits", *_kv_names("present", layers)],
@@ -216,8 +228,8 @@ def weight_map(proto: onnx.ModelProto, state_dict: dict[str, Any]) -> dict[str, 
     return found
 
 
-def _spec(kind: str, config: dict, seed: int) -> dict:
-    return {"model": kind, "config": config, "seed": seed}
+def _spec(kind: str, config: dict, seed: int, dtype: str = "float32") -> dict:
+    return {"model": kind, "config": config, "seed": seed, "dtype": dtype}
 
 
 def _write(outdir: Path, name: str, proto: onnx.ModelProto, spec: dict, state_dict,
@@ -234,14 +246,17 @@ def _write(outdir: Path, name: str, proto: onnx.ModelProto, spec: dict, state_di
 
 
 def export_all(outdir: Path, tiny: bool, embed_weights: bool, seed: int = 0,
-               models: tuple[str, ...] = ("gpt2", "wav2vec2")) -> None:
+               models: tuple[str, ...] = ("gpt2", "wav2vec2"), dtype: str = "float32") -> None:
     outdir.mkdir(parents=True, exist_ok=True)
-    suffix = "_tiny" if tiny else ""
+    suffix = ("_fp16" if dtype == "float16" else "") + ("_tiny" if tiny else "")
     if "gpt2" in models:
         config = GPT2_TINY if tiny else {}
-        state = make_model("gpt2", config, seed).state_dict()
-        for name, proto in export_gpt2(config, seed).items():
-            _write(outdir, name + suffix, proto, _spec("gpt2", config, seed), state, embed_weights)
+        state = make_model("gpt2", config, seed, dtype).state_dict()
+        for name, proto in export_gpt2(config, seed, dtype).items():
+            _write(outdir, name + suffix, proto, _spec("gpt2", config, seed, dtype), state,
+                   embed_weights)
+    if "wav2vec2" in models and dtype != "float32":
+        raise ValueError("Wav2Vec2 is exported in float32 only")
     if "wav2vec2" in models:
         config = WAV2VEC2_TINY if tiny else {}
         state = make_model("wav2vec2", config, seed).state_dict()
@@ -255,7 +270,7 @@ def hf_weights(map_path: str | Path) -> dict[str, np.ndarray]:
     ``{input name: array}`` for ``GraphExecutor.bind_inputs``."""
     spec = json.loads(Path(map_path).read_text())
     config = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()}
-    state = make_model(spec["model"], config, spec["seed"]).state_dict()
+    state = make_model(spec["model"], config, spec["seed"], spec.get("dtype", "float32")).state_dict()
     weights = {}
     for name, entry in spec["inputs"].items():
         array = state[entry["key"]].detach().cpu().numpy()
@@ -275,13 +290,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="tiny models with their weights embedded, into tests/data/")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--models", default="gpt2,wav2vec2")
+    parser.add_argument("--dtype", default="float32", choices=DTYPES,
+                        help="weights and activations (float16: GPT-2 only)")
     args = parser.parse_args(argv)
     models = tuple(args.models.split(","))
     if args.tests:
         export_all(ROOT / "tests" / "data", tiny=True, embed_weights=True, seed=args.seed,
-                   models=models)
+                   models=models, dtype=args.dtype)
     else:
-        export_all(args.outdir, tiny=args.tiny, embed_weights=False, seed=args.seed, models=models)
+        export_all(args.outdir, tiny=args.tiny, embed_weights=False, seed=args.seed,
+                   models=models, dtype=args.dtype)
     return 0
 
 

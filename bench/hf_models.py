@@ -1,5 +1,5 @@
-"""Benchmark: Hugging Face GPT-2 (124M, fp32) and Wav2Vec2 base end to end, every system on
-the same weights (issue #6).
+"""Benchmark: Hugging Face GPT-2 (124M, fp32 or fp16) and Wav2Vec2 base end to end, every
+system on the same weights (issue #6).
 
 Weights are created here from the config and seed in ``NAME.weights.json``
 (``bench/export_hf.py``: ``make_model`` for PyTorch, ``hf_weights`` for the artifacts);
@@ -27,6 +27,9 @@ latency across audio lengths, where its artifacts were built.
 
     python3 bench/hf_models.py --artifacts build/gpu --out OUT_DIR
     python3 bench/hf_models.py --device cpu --tiny --build-dev /tmp/hf_dev   # CPU dev run
+
+``--dtype float16``: GPT-2 in fp16 (artifacts ``gpt2_*_fp16``; weights, cache and logits
+fp16, PyTorch's model cast to fp16 too), results in ``models_fp16.json``; no Wav2Vec2.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ def _median_us(fn, reps: int, warmup: int = 2) -> float:
 class Env:
     """The device, torch and TVM, and where the artifacts are."""
 
-    def __init__(self, artifacts: Path, device: str, tiny: bool):
+    def __init__(self, artifacts: Path, device: str, tiny: bool, dtype: str = "float32"):
         import torch  # pylint: disable=import-outside-toplevel
         import tvm  # pylint: disable=import-outside-toplevel
 
@@ -81,7 +84,11 @@ class Env:
         self.artifacts, self.device, self.tiny = artifacts, device, tiny
         self.cuda = device == "cuda"
         self.kind = "cuda" if self.cuda else "llvm"
-        self.suffix = "_tiny" if tiny else ""
+        # export_hf's names: NAME[_fp16][_tiny]
+        self.suffix = ("_fp16" if dtype == "float16" else "") + ("_tiny" if tiny else "")
+        self.dtype = dtype  # the model's weights, KV cache and logits
+        self.np_dtype = np.dtype(dtype)
+        self.torch_dtype = getattr(torch, dtype)
 
     def path(self, model: str, system: str = "") -> Path:
         return self.artifacts / f"{model}{self.suffix}{'.' + system if system else ''}.{self.kind}.grape"
@@ -190,7 +197,8 @@ class TorchGraphs:
         if length not in self.graphs:
             torch, tm = self.torch, self.tm
             ids = torch.zeros((1, 1), dtype=torch.int64, device="cuda")
-            past = [torch.zeros((1, tm.heads, length, tm.head_dim), device="cuda")
+            past = [torch.zeros((1, tm.heads, length, tm.head_dim), device="cuda",
+                                dtype=tm.model.dtype)
                     for _ in range(2 * tm.layers)]
             side = torch.cuda.Stream()
             side.wait_stream(torch.cuda.current_stream())
@@ -226,7 +234,7 @@ class TorchCompiled:
             self.cache = StaticCache(config=cfg, max_cache_len=max_len)
         except TypeError:  # transformers 4.x
             self.cache = StaticCache(config=cfg, max_batch_size=1, max_cache_len=max_len,
-                                     device=tm.device, dtype=self.torch.float32)
+                                     device=tm.device, dtype=tm.model.dtype)
         mode = "reduce-overhead" if tm.device == "cuda" else "default"
         self.compiled = self.torch.compile(self._decode, mode=mode, fullgraph=True)
 
@@ -260,7 +268,8 @@ class Gpt2Bench:
         self.errors: dict = {}  # system -> past length -> the error a step measurement raised
         spec = json.loads(env.weights_json("gpt2_decode").read_text())
         config = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()}
-        self.tm = TorchGpt2(torch, make_model("gpt2", config, spec["seed"]), env.device)
+        self.tm = TorchGpt2(torch, make_model("gpt2", config, spec["seed"],
+                                              spec.get("dtype", "float32")), env.device)
         weights_np = {**hf_weights(env.weights_json("gpt2_prefill")),
                       **hf_weights(env.weights_json("gpt2_decode"))}
         self.executors: dict = {}
@@ -337,8 +346,8 @@ class Gpt2Bench:
         out: dict[str, dict] = {s: {} for s in STEP_SYSTEMS}
         for length in lengths:
             rng = np.random.default_rng(length)
-            past_np = [(0.5 * rng.standard_normal((1, tm.heads, length, tm.head_dim))).astype(np.float32)
-                       for _ in range(2 * tm.layers)]
+            past_np = [(0.5 * rng.standard_normal((1, tm.heads, length, tm.head_dim)))
+                       .astype(self.env.np_dtype) for _ in range(2 * tm.layers)]
             ids_np = rng.integers(0, tm.vocab, (1, 1)).astype(np.int64)
             past_tvm = dict(zip(self.kv_names("past"),
                                 (self.tvm.runtime.tensor(a, self.dev) for a in past_np)))
@@ -526,7 +535,7 @@ class Gpt2Bench:
         tm, out = self.tm, {}
         try:
             for length in lengths:
-                zeros = np.zeros((1, tm.heads, length, tm.head_dim), np.float32)
+                zeros = np.zeros((1, tm.heads, length, tm.head_dim), self.env.np_dtype)
                 past = {n: self.tvm.runtime.tensor(zeros, self.dev) for n in self.kv_names("past")}
                 ids = self.tvm.runtime.tensor(np.zeros((1, 1), np.int64), self.dev)
                 before = set(backend._per_shape)  # pylint: disable=protected-access
@@ -584,7 +593,7 @@ def run_gpt2(env: Env, args) -> dict:
     instantiated = {s: sum(g.get("graphs_instantiated", 0) for g in d.values()) for s, d in graphs.items()}
     result = {
         "model": (f"GPT-2 ({bench.tm.layers} layers, {bench.tm.heads} heads, hidden "
-                  f"{bench.tm.heads * bench.tm.head_dim}, vocab {bench.tm.vocab}), fp32, batch 1, "
+                  f"{bench.tm.heads * bench.tm.head_dim}, vocab {bench.tm.vocab}), {env.dtype}, batch 1, "
                   "random weights from config and seed"),
         "tokens_per_s": gen["tokens_per_s"],
         "decode_step_us": step_us,
@@ -819,8 +828,9 @@ def plot(result: dict, path: Path) -> None:
 
 # -- CPU development -------------------------------------------------------------------------
 
-def build_dev_artifacts(out: Path) -> None:
-    """Tiny GPT-2 (and Wav2Vec2) for llvm, grape and TVM's VM: the CPU dev run's artifacts."""
+def build_dev_artifacts(out: Path, dtype: str = "float32") -> None:
+    """Tiny GPT-2 (and Wav2Vec2, in fp32) for llvm, grape and TVM's VM: the CPU dev run's
+    artifacts."""
     import tvm  # pylint: disable=import-outside-toplevel
 
     import grape_tvm  # pylint: disable=import-outside-toplevel
@@ -828,11 +838,14 @@ def build_dev_artifacts(out: Path) -> None:
     from grape_tvm.compiler import package  # pylint: disable=import-outside-toplevel
     from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature  # pylint: disable=import-outside-toplevel
 
-    dims = {"gpt2_prefill_tiny": {"batch": (1, 2), "seq": (1, 128)},
-            "gpt2_decode_tiny": {"batch": (1, 2), "past": (1, 128)},
-            "wav2vec2_tiny": {"batch": (1, 1), "samples": (400, 4000)}}
+    fp16 = "_fp16" if dtype == "float16" else ""
+    dims = {f"gpt2_prefill{fp16}_tiny": {"batch": (1, 2), "seq": (1, 128)},
+            f"gpt2_decode{fp16}_tiny": {"batch": (1, 2), "past": (1, 128)}}
+    if not fp16:
+        dims["wav2vec2_tiny"] = {"batch": (1, 1), "samples": (400, 4000)}
     out.mkdir(parents=True, exist_ok=True)
-    export_all(out / "onnx", tiny=True, embed_weights=False)
+    export_all(out / "onnx", tiny=True, embed_weights=False, dtype=dtype,
+               models=("gpt2",) if fp16 else ("gpt2", "wav2vec2"))
     for name, declared in dims.items():
         onnx_path = out / "onnx" / f"{name}.onnx"
         grape_tvm.compile_onnx(onnx_path, dims=declared).export(out / f"{name}.llvm.grape")
@@ -842,9 +855,8 @@ def build_dev_artifacts(out: Path) -> None:
         mod = import_onnx(proto, signature.dims)
         mod["main"] = mod["main"].with_attr("tir_var_upper_bound",
                                             {k: v.hi for k, v in signature.dims.items()})
-        base, _, _ = name.partition("_tiny")
         vm = tvm.compile(mod, target="llvm")
-        package(vm, signature, "llvm").export(out / f"{base}_tiny.tvm_vm.llvm.grape")
+        package(vm, signature, "llvm").export(out / f"{name}.tvm_vm.llvm.grape")
         print(f"{name}: built", flush=True)
 
 
@@ -861,14 +873,16 @@ def main() -> None:
     parser.add_argument("--skip", default="", help="comma list: gpt2,wav2vec2")
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--tiny", action="store_true", help="the tiny models (CPU development)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "float16"),
+                        help="GPT-2's dtype (float16: no Wav2Vec2; results in models_fp16.json)")
     parser.add_argument("--build-dev", type=Path, default=None,
                         help="build tiny llvm artifacts into this folder first and use them "
                              "(needs the TVM compiler)")
     args = parser.parse_args()
     if args.build_dev is not None:
-        build_dev_artifacts(args.build_dev)
+        build_dev_artifacts(args.build_dev, args.dtype)
         args.artifacts = args.build_dev
-    env = Env(args.artifacts, args.device, args.tiny)
+    env = Env(args.artifacts, args.device, args.tiny, args.dtype)
     torch = env.torch
     machine = (f"{torch.cuda.get_device_name(0)}" if env.cuda else "CPU") + \
         f", torch {torch.__version__}, tvm {env.tvm.__version__}"
@@ -878,6 +892,9 @@ def main() -> None:
     except ImportError:
         pass
     skip = set(filter(None, args.skip.split(",")))
+    if args.dtype != "float32":
+        skip.add("wav2vec2")  # exported in fp32 only
+    stem = "models" if args.dtype == "float32" else "models_fp16"
     result = {"machine": machine,
               "command": "python3 -P bench/hf_models.py " + " ".join(sys.argv[1:]) +
                          " (bash bench/gpu/run_all.sh runs it with --artifacts build/gpu --out $OUT)"}
@@ -896,13 +913,13 @@ def main() -> None:
             result["wav2vec2"] = {"status": "failed", "reason": _error(err), "latency_ms": {}}
     result["wall_s"] = time.perf_counter() - t0
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "models.json").write_text(json.dumps(result, indent=2))
+    (args.out / f"{stem}.json").write_text(json.dumps(result, indent=2))
     print_tables(result)
     try:
-        plot(result, args.out / "models.png")
+        plot(result, args.out / f"{stem}.png")
     except Exception as err:  # pylint: disable=broad-except
         print(f"plot failed: {_error(err)}", flush=True)
-    print(f"wrote {args.out / 'models.json'} in {result['wall_s']:.0f} s", flush=True)
+    print(f"wrote {args.out / (stem + '.json')} in {result['wall_s']:.0f} s", flush=True)
     failed = [k for k in ("gpt2", "wav2vec2") if result.get(k, {}).get("status") == "failed"]
     if failed:
         sys.exit(f"failed: {failed}")

@@ -35,10 +35,36 @@ class TolerantRule(ScheduleRule):
         return f"TolerantRule({type(self.rule).__name__})"
 
 
+class CudaCoreMatmul(ScheduleRule):
+    """dlight's ``Matmul`` without its tensor-core path.
+
+    In TVM 0.27 ``MatmulTensorization``, which ``Matmul`` takes for an fp16 matmul on
+    sm_70 and later, crashes the process (a segfault in ``Tensorize``) on every fp16
+    matmul tried, static or not: (1, 128, 768) x (768, 768) included, with TVM's own
+    default pipeline too (docs/tvm_onnx_frontend.md). A crash cannot be caught, so the
+    rule is shown a target without tensor cores (the same CUDA target, arch sm_60: it
+    picks its configuration by target kind alone) and schedules the matmul on CUDA cores.
+    fp32 matmuls never take that path: their schedules do not change.
+    """
+
+    def __init__(self):
+        self.rule = dl.gpu.Matmul()
+
+    def apply(self, func: tirx.PrimFunc, target: tvm.target.Target, tunable: bool):
+        if target.kind.name == "cuda":
+            config = dict(target.export())
+            config["arch"] = "sm_60"
+            target = tvm.target.Target(config)
+        return self.rule.apply(func, target, tunable)
+
+    def __repr__(self) -> str:
+        return "CudaCoreMatmul()"
+
+
 def default_gpu_rules() -> list[ScheduleRule]:
     """TVM's CUDA rules in TVM's order, each ``TolerantRule``; ``Fallback`` last binds
-    whatever the others left."""
-    return [TolerantRule(rule) for rule in (dl.gpu.Matmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
+    whatever the others left. ``Matmul`` is ``CudaCoreMatmul``: see there."""
+    return [TolerantRule(rule) for rule in (CudaCoreMatmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
                                             dl.gpu.GeneralReduction())] + [dl.gpu.Fallback()]
 
 

@@ -104,6 +104,55 @@ def test_tolerant_rule_passes_a_failing_kernel_on():
     assert TolerantRule(_Raises()).apply(None, None, False) is None
 
 
+_FP16_MATMUL = """
+import tvm
+from tvm import relax, tirx
+import grape_tvm
+n = tirx.Var("n", "int64")
+bb = relax.BlockBuilder()
+x = relax.Var("x", relax.TensorType((1, n, 768), "float16"))
+w = relax.Var("w", relax.TensorType((768, 768), "float16"))
+with bb.function("main", [x, w]):
+    with bb.dataflow():
+        y = bb.emit_output(relax.op.matmul(x, w))
+    bb.emit_func_output(y)
+module = grape_tvm.build(bb.get(), {"n": (1, 1024)}, "cuda", prebuild_cubin=False)
+kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
+print("built", kernels)
+"""
+
+
+def test_fp16_matmul_builds_for_cuda_on_cuda_cores():
+    """TVM 0.27's MatmulTensorization segfaults on fp16 matmuls (TVM's own pipeline too):
+    grape's ``CudaCoreMatmul`` keeps dlight's Matmul off that path. In a subprocess: a
+    regression would kill the interpreter, not just fail."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+    import sys  # pylint: disable=import-outside-toplevel
+
+    proc = subprocess.run([sys.executable, "-c", _FP16_MATMUL], capture_output=True, text=True,
+                          timeout=600, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "built ['matmul']" in proc.stdout
+
+
+def test_cuda_core_matmul_hides_tensor_cores_only():
+    from grape_tvm.passes.gpu_schedules import CudaCoreMatmul  # pylint: disable=import-outside-toplevel
+
+    seen = []
+
+    class _Spy:
+        def apply(self, func, target, tunable):
+            seen.append(target)
+
+    rule = CudaCoreMatmul()
+    rule.rule = _Spy()
+    rule.apply(None, tvm.target.Target({"kind": "cuda", "arch": "sm_90"}), False)
+    rule.apply(None, tvm.target.Target({"kind": "llvm"}), False)
+    assert seen[0].kind.name == "cuda" and str(seen[0].attrs["arch"]) == "sm_60"
+    assert seen[0].attrs["max_num_threads"] == 1024
+    assert seen[1].kind.name == "llvm"
+
+
 def _frames_module() -> tvm.IRModule:
     """``softmax(reshape(x[:(samples // 4) * 4], (samples // 4, 4)))``: a dim with a division."""
     samples = tvm.tirx.Var("samples", "int64")

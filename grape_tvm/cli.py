@@ -109,8 +109,9 @@ def _conditional_description(manifest: dict) -> list[dict]:
     where = ("on the device by each branch region's patch kernel, which disables the nodes "
              "of the branch not taken" if on_gpu else "by the CPU replay, before each branch region")
     return [dict(c, condition_read=where,
-                 host_read="only on the first call at new dims (TVM's VM runs that call and "
-                           "the branch not taken is recorded without running)")
+                 host_read="only by a call that meets a branch region not yet recorded at "
+                           "its shape (TVM's VM runs the conditional and records the branch "
+                           "taken; the other is recorded without running)")
             for c in manifest["plan"].get("conditionals", [])]
 
 

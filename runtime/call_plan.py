@@ -282,6 +282,33 @@ class CallPlan:
         return results
 
 
+def guarded_calls(branches: dict, name: str, shape: tuple, args: Sequence[Any],
+                  guards: tuple = ()) -> list[tuple[str, tuple, list, tuple]] | None:
+    """The region calls of conditional region ``name`` called with ``args`` at ``shape``:
+    ``(region, shape, arguments, guards)`` for both branches, a guard being ``(condition,
+    expect)``; a nested conditional adds its own. None if a conditional is not described
+    (``branches``, from ``DescribeConditionals``) or a region would need more than
+    ``MAX_GUARDS`` guards."""
+    described = branches.get(name)
+    if described is None or len(guards) >= MAX_GUARDS:
+        return None
+    condition = args[described["condition"]]
+    calls = []
+    for expect, side in zip((True, False), described["branches"]):
+        inner = guards + ((condition, expect),)
+        for call in side:
+            call_args = [args[i] for i in call["args"]]
+            call_shape = tuple(shape[i] for i in call["dims"])
+            if call["kind"] == "conditional":
+                nested = guarded_calls(branches, call["callee"], call_shape, call_args, inner)
+                if nested is None:
+                    return None
+                calls += nested
+            else:
+                calls.append((call["callee"], call_shape, call_args, inner))
+    return calls
+
+
 class CallPlanRecorder:
     """Watches one VM call's region calls and turns them into a ``CallPlan``, if it can.
 
@@ -307,32 +334,17 @@ class CallPlanRecorder:
         """A conditional region's call: the regions of both its branches, each guarded by
         the condition (and by those of the conditionals it is nested in)."""
         if self._depth == 0:
-            if name in self.branches:
-                self._expand(name, shape, list(args), ())
-            else:  # not described (an executor given no branches): no plan, the VM runs it
-                self.unplannable = f"conditional region {name} is not described"
+            calls = guarded_calls(self.branches, name, shape, args)
+            if calls is None:  # not described, or nested too deep: no plan, the VM runs it
+                self.unplannable = f"conditional region {name} cannot be planned"
+            else:
+                self.calls += [(region, region_shape, region_args + [c for c, _ in guards],
+                                tuple(e for _, e in guards))
+                               for region, region_shape, region_args, guards in calls]
         self._depth += 1
 
     def end_conditional(self) -> None:
         self._depth -= 1
-
-    def _expand(self, name: str, shape: tuple, args: list[Any], guards: tuple) -> None:
-        described = self.branches.get(name)
-        if described is None or len(guards) >= MAX_GUARDS:
-            self.unplannable = f"conditional region {name}: not described, or nested too deep"
-            return
-        condition = args[described["condition"]]
-        for expect, calls in zip((True, False), described["branches"]):
-            inner = guards + ((condition, expect),)
-            for call in calls:
-                call_args = [args[i] for i in call["args"]]
-                call_shape = tuple(shape[i] for i in call["dims"])
-                if call["kind"] == "conditional":
-                    self._expand(call["callee"], call_shape, call_args, inner)
-                else:
-                    self.calls.append((call["callee"], call_shape,
-                                       call_args + [c for c, _ in inner],
-                                       tuple(e for _, e in inner)))
 
     def finish(self, outputs: Sequence[Any], pool: BufferPool,
                buffer_of: dict[tuple, int]) -> CallPlan | None:

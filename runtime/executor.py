@@ -13,7 +13,7 @@ import tvm
 import tvm_ffi
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
-from .call_plan import BufferPool, CallPlan, CallPlanRecorder
+from .call_plan import BufferPool, CallPlan, CallPlanRecorder, guarded_calls
 from .progress import Progress
 from .signature import InputError, Signature, nbytes
 
@@ -36,6 +36,7 @@ class CallStats:
     d2h_bytes: int = 0  # outputs copied back to numpy
     d2d_bytes: int = 0  # device copies the executor made (out= on the VM path)
     graph_launches: int = 0
+    host_branch_reads: int = 0  # conditional regions the VM ran, reading the condition
     last: dict[str, Any] = field(default_factory=dict)
 
     def begin_call(self) -> None:
@@ -57,10 +58,10 @@ class GraphExecutor:
     those dims skip the VM altogether (``CallPlan``) and run on buffers the executor owns.
 
     A conditional region (a data-dependent ``if``, ``branches`` from the artifact's plan)
-    runs on the VM the first time at given dims: the VM reads the condition, the branch
-    taken is recorded as it runs and the other one recorded without running. Planned calls
-    then launch the regions of both branches, each guarded by the condition, which the
-    backend checks on the device: no host read.
+    launches the regions of both branches, each guarded by the condition, which the
+    backend checks on the device: no host read. Until both are recorded at their shapes
+    the VM runs it instead (reading the condition, counted in ``stats.host_branch_reads``):
+    the branch taken is recorded as it runs, the other one recorded without running.
 
     The executor owns its VM, its backend (streams, graphs) and its buffers; ``close()``
     frees them. Calls are serialized by a lock; use one executor per thread for parallel
@@ -373,13 +374,7 @@ class GraphExecutor:
         if self._open is not None:
             return self._while_recording(func, symbol, before_run, args)
         if symbol.startswith(CONDITIONAL_PREFIX):
-            # The VM runs the branch (reading the condition); the plan gets both.
-            if self._watch is not None:
-                if before_run:
-                    self._watch.on_conditional(symbol, tuple(int(v) for v in args[-1]), args[:-1])
-                else:
-                    self._watch.end_conditional()
-            return VMInstrumentReturnKind.NO_OP
+            return self._on_conditional(symbol, before_run, args)
         if before_run and symbol.startswith(REGION_PREFIX):
             shape = tuple(int(v) for v in args[-1])
             if self._watch is not None:
@@ -389,6 +384,30 @@ class GraphExecutor:
                 return VMInstrumentReturnKind.SKIP_RUN
             self._open = (symbol, self.backend.begin(symbol, shape, args[:-1]), True)
         return VMInstrumentReturnKind.NO_OP
+
+    def _on_conditional(self, symbol: str, before_run: bool, args) -> int:
+        """A conditional region called by the VM. When every region of both its branches
+        is recorded at these dims, they are launched here, each guarded by the condition,
+        and the VM skips the call: no host read, on the VM path too. Otherwise the VM runs
+        it (reading the condition, recording the branch it takes) and the plan, if one is
+        being made, gets both branches."""
+        if not before_run:  # the VM ran it (a skipped call has no "after")
+            if self._watch is not None:
+                self._watch.end_conditional()
+            return VMInstrumentReturnKind.NO_OP
+        shape = tuple(int(v) for v in args[-1])
+        if self._watch is not None:
+            self._watch.on_conditional(symbol, shape, args[:-1])
+        calls = guarded_calls(self.branches, symbol, shape, args[:-1])
+        if not calls or not all(self.backend.has(region, s) for region, s, _, _ in calls):
+            self.stats.add("host_branch_reads", 1)
+            return VMInstrumentReturnKind.NO_OP
+        for region, region_shape, region_args, guards in calls:
+            self.backend.replay(region, region_shape, region_args, guards=guards)
+        self.stats.region_replays += len(calls)
+        if self._watch is not None:
+            self._watch.end_conditional()  # no "after" for a skipped call
+        return VMInstrumentReturnKind.SKIP_RUN
 
     def _while_recording(self, func, symbol: str, before_run: bool, args) -> int:
         region, recorder, run = self._open

@@ -560,3 +560,35 @@ def test_record_all_records_both_branches_at_every_size(tmp_path):
             x = rng.standard_normal((n, 16)).astype(np.float32)
             _check(executor, vm, {"x": x, "w": w, "cond": np.array(cond)}, ["x", "w", "cond"])
             assert executor.stats.last["path"] == "planned"
+
+
+@I.ir_module
+class StaticBranch:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), w: R.Tensor((16, 16), "float32"),
+             cond: R.Tensor((), "bool")):
+        h = R.sum(x, axis=[0], keepdims=True)
+        if cond:
+            r = R.nn.relu(R.matmul(h, w))
+        else:
+            r = R.multiply(h, h)
+        y = R.add(x, r)
+        return y
+
+
+def test_recorded_branches_are_issued_without_a_host_read_at_new_dims(tmp_path):
+    """The branches work on (1, 16) whatever n is: once recorded, a call at a new n (on the
+    VM, which runs main there) launches both, guarded, instead of letting the VM read the
+    condition."""
+    executor = load(_artifact(StaticBranch, tmp_path, select_ops=0), "cpu")
+    vm = _vm(StaticBranch)
+    rng = np.random.default_rng(14)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    reads = []
+    for n, cond in [(3, True), (3, False), (5, False), (7, True), (9, False), (9, True)]:
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        _check(executor, vm, {"x": x, "w": w, "cond": np.array(cond)}, ["x", "w", "cond"])
+        reads.append(executor.stats.last.get("host_branch_reads", 0))
+    # Only the very first call reads it: then both branches are recorded at (1, 16).
+    assert reads == [1, 0, 0, 0, 0, 0]
+    assert executor.stats.host_branch_reads == 1

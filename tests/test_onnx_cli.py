@@ -72,7 +72,7 @@ def test_if_as_a_conditional_region_from_the_command_line(models, tmp_path, caps
     (conditional,) = description["conditionals"]
     assert conditional["then_calls"] and conditional["else_calls"]
     assert "by the CPU replay" in conditional["condition_read"]
-    assert "first call at new dims" in conditional["host_read"]
+    assert "not yet recorded" in conditional["host_read"]
     assert main(["inspect", str(artifact)]) == 0
     assert "conditional regions (data-dependent branches, no host read): 1" in capsys.readouterr().out
     u = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)

@@ -11,11 +11,9 @@ from __future__ import annotations
 from tvm import IRModule, relax
 from tvm.ir.transform import PassContext, module_pass
 
+from .lift_regions import seq_bindings
+
 BRANCH_FUNC_ATTR = "grape.branch_body"
-
-
-def _bindings(seq: relax.SeqExpr) -> list[relax.Binding]:
-    return [b for block in seq.blocks for b in block.bindings]
 
 
 def _is_branch_func(func) -> bool:
@@ -28,7 +26,7 @@ def _outlinable(seq: relax.Expr) -> bool:
     turn): the outlined function is pure, and fusing it cannot reorder a side effect."""
     if not isinstance(seq, relax.SeqExpr) or not seq.blocks:
         return False
-    return not any(relax.analysis.contains_impure_call(b.value) for b in _bindings(seq))
+    return not any(relax.analysis.contains_impure_call(b.value) for b in seq_bindings(seq))
 
 
 @relax.expr_functor.mutator
@@ -138,7 +136,7 @@ class _Inliner(relax.PyExprMutator):
         return relax.If(op.cond, self._inline(op.true_branch), self._inline(op.false_branch))
 
     def _inline(self, seq: relax.Expr) -> relax.Expr:
-        bindings = _bindings(seq) if isinstance(seq, relax.SeqExpr) else []
+        bindings = seq_bindings(seq) if isinstance(seq, relax.SeqExpr) else []
         if len(bindings) != 1 or not isinstance(bindings[0].value, relax.Call) or \
                 not isinstance(bindings[0].value.op, relax.GlobalVar) or \
                 not _is_branch_func(self.mod[bindings[0].value.op]):

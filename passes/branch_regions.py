@@ -8,7 +8,7 @@ from tvm import IRModule, relax
 from tvm.ir.transform import PassContext, module_pass
 
 from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, classify,
-                           tir_vars)
+                           seq_bindings, tir_vars)
 
 BRANCHES_ATTR = "grape.branches"  # DescribeConditionals' JSON, on each conditional function
 HOST_BRANCHES_ATTR = "grape.host_branches"  # on the caller: If var -> why it stayed on the host
@@ -27,10 +27,6 @@ class _Substitute(relax.PyExprMutator):
 
     def visit_var_(self, op: relax.Var) -> relax.Expr:
         return self.mapping.get(op, op)
-
-
-def _bindings(seq: relax.SeqExpr) -> list[relax.Binding]:
-    return [b for block in seq.blocks for b in block.bindings]
 
 
 def _op_name(value: relax.Expr) -> str:
@@ -54,7 +50,7 @@ class _Branch:
             f"the {side} branch is not a sequence of bindings"
 
     def _split(self, seq: relax.SeqExpr, mod: IRModule) -> str:
-        bindings = _bindings(seq)
+        bindings = seq_bindings(seq)
         for b in bindings:  # x = y: a renaming, resolved to the variable it names
             if isinstance(b, relax.VarBinding) and isinstance(b.value, relax.Var):
                 self.renames[b.var] = self.renames.get(b.value, b.value)
@@ -289,11 +285,11 @@ def describe(func: relax.Function, mod: IRModule) -> dict:
     """The branches of a lifted conditional function (see ``DescribeConditionals``)."""
     params = list(func.params[:-1])
     dims = [str(v) for v in func.params[-1].ty.values]
-    branch_if = _bindings(func.body)[0].value
+    branch_if = seq_bindings(func.body)[0].value
     branches = []
     for seq in (branch_if.true_branch, branch_if.false_branch):
         calls = []
-        for b in _bindings(seq):
+        for b in seq_bindings(seq):
             kind, op, _ = classify(b, mod)
             if kind not in ("region", "conditional"):
                 raise ValueError(f"a branch holds {op} ({kind}), not only region calls")

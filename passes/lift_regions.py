@@ -145,6 +145,11 @@ def classify(binding: relax.Binding, mod: IRModule) -> tuple[str, str, str]:
     return "view", type(value).__name__, ""
 
 
+def seq_bindings(seq: relax.SeqExpr) -> list[relax.Binding]:
+    """Every binding of a sequence (a function body, a branch), block after block."""
+    return [b for block in seq.blocks for b in block.bindings]
+
+
 def tir_vars(exprs) -> list[tirx.Var]:
     """The symbolic dims of ``exprs``: in their types, and in shapes and values passed."""
     found: dict[str, tirx.Var] = {}

@@ -23,6 +23,7 @@ from grape_tvm.passes import (CONDITIONAL_ATTR, BranchesToConditionalRegions, Co
 from grape_tvm.passes.branch_fusion import BRANCH_FUNC_ATTR
 from grape_tvm.passes.branch_regions import HOST_BRANCHES_ATTR
 from grape_tvm.pipeline import grape_pipeline
+from test_passes import _Branchy as Branchy  # x @ w, then relu or square on cond, then + x
 
 LLVM = tvm.target.Target({"kind": "llvm"})
 DIMS = {"n": (1, 32)}
@@ -30,20 +31,6 @@ DIMS = {"n": (1, 32)}
 
 def fresh(mod: tvm.IRModule) -> tvm.IRModule:
     return tvm.IRModule(dict(mod.functions))
-
-
-@I.ir_module
-class Branchy:
-    @R.function
-    def main(x: R.Tensor(("n", 16), "float32"), w: R.Tensor((16, 16), "float32"),
-             cond: R.Tensor((), "bool")):
-        h = R.matmul(x, w)
-        if cond:
-            r = R.nn.relu(h)
-        else:
-            r = R.multiply(h, h)
-        y = R.add(r, x)
-        return y
 
 
 @I.ir_module

@@ -381,7 +381,7 @@ def branch_weights(width: int = 512, seed: int = 0) -> dict[str, np.ndarray]:
 
 
 def branch_numpy(x: np.ndarray, weights: dict[str, np.ndarray], threshold: float) -> np.ndarray:
-    """``branch_model`` in numpy (float64), tanh-approximated gelu replaced by erf's."""
+    """``branch_model`` in numpy (float64; gelu by erf, as Relax's)."""
     from math import erf, sqrt  # pylint: disable=import-outside-toplevel
 
     verf = np.vectorize(erf)

@@ -217,13 +217,10 @@ class BranchesToConditionalRegions:
         work = [b.substituted(b.work, outs) for b in branches]
         hoisted = [h for b in branches for h in b.substituted(b.hoisted, outs)]
         sunk = [s for b in branches for s in b.sunk]
+        # The condition first, then what the branches read and write (free_vars: each once).
         seqs = [relax.SeqExpr([relax.BindingBlock(w)], relax.Tuple([])) for w in work]
-        params = []
-        for v in relax.analysis.free_vars(relax.Tuple([cond] + seqs)):
-            if not isinstance(v, relax.GlobalVar) and not any(v.same_as(p) for p in params):
-                params.append(v)
-        if not any(cond.same_as(p) for p in params) or not params[0].same_as(cond):
-            params = [cond] + [p for p in params if not p.same_as(cond)]
+        params = [cond] + [v for v in relax.analysis.free_vars(relax.Tuple(seqs))
+                           if not isinstance(v, relax.GlobalVar) and not v.same_as(cond)]
         sym = tir_vars(params + [a for w in work for b in w for a in getattr(b.value, "args", [])])
         shape_param = relax.Var("shape", relax.ShapeType(sym))
         done = relax.Var("done", relax.ShapeType(sym))

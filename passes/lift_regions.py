@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import json
+
 import tvm
 from tvm import IRModule, relax, tirx
 from tvm.ir.transform import PassContext, module_pass
@@ -339,7 +341,7 @@ def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
             if kind == "region":
                 plan.regions.append(_region_info(mod, op))
             elif kind == "conditional":
-                _add_conditional(plan, mod, op, binding)
+                _add_conditional(plan, mod, op, binding, entry)
             elif kind == "bookkeeping":
                 plan.host_bookkeeping += 1
             elif kind in ("host", "kernel"):
@@ -353,15 +355,13 @@ def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
     return plan
 
 
-def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> int:
+def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding, entry: str) -> int:
     """Add a conditional region (and those nested in it) to ``plan``; its kernel count."""
-    import json  # pylint: disable=import-outside-toplevel
-
     func = mod[name]
     described = json.loads(str(func.attrs["grape.branches"]))
     if "error" in described:
         plan.host_steps.append(HostStep(
-            "main", name, binding.var.name if binding is not None else name,
+            entry, name, binding.var.name if binding is not None else name,
             f"a conditional region the runtime cannot issue ({described['error']}): "
             "TVM's VM runs it, reading its condition on the host"))
         return 0
@@ -376,7 +376,7 @@ def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding) -> int:
                 plan.regions.append(info)
                 kernels += len(info.kernels)
             else:
-                kernels += _add_conditional(plan, mod, call["callee"], None)
+                kernels += _add_conditional(plan, mod, call["callee"], None, entry)
     condition = str(func.attrs.get("grape.condition", ""))
     if not condition:
         condition = binding.value.args[0].name if binding is not None else "(nested)"

@@ -24,8 +24,8 @@ import tvm_ffi
 from .signature import nbytes
 
 MEMO_LIMIT = 1 << 16  # entries of the pool's shared caches before they start over
-# Guards per region call: the conditionals a region may nest in. The patch kernel's launch
-# record holds this many (topology_graph.MAX_GUARDS); a call nested deeper keeps the VM.
+# Guards per region call: the conditionals a region may nest in; a call nested deeper keeps
+# the VM. The patch kernel's launch record has room for this many (topology_graph).
 MAX_GUARDS = 8
 
 
@@ -268,11 +268,9 @@ class CallPlan:
             for position, index in outputs.items():
                 if index in redirect:
                     args[position] = redirect[index]
-            if expects:
-                backend.replay(region, shape, args[:num_args], caller, moving,
-                               guards=list(zip(args[num_args:], expects)))
-            else:
-                backend.replay(region, shape, args, caller, moving)
+            guards = list(zip(args[num_args:], expects)) if expects else ()
+            backend.replay(region, shape, args[:num_args] if expects else args, caller, moving,
+                           guards)
         results = []
         for i, (slot, held) in enumerate(zip(self.outputs, self._outs[side])):
             if out and i in out:
@@ -316,11 +314,9 @@ class CallPlanRecorder:
     not move from call to call, so a replay need not look at their addresses.
     """
 
-    def __init__(self, inputs: Sequence[Any], fixed: Sequence[int] = (),
-                 branches: dict | None = None):
+    def __init__(self, inputs: Sequence[Any], fixed: Sequence[int] = ()):
         self.inputs = list(inputs)
         self.fixed = set(fixed)
-        self.branches = branches or {}
         # (region, shape, arguments then guard conditions, what each guard expects)
         self.calls: list[tuple[str, tuple, list[Any], tuple[bool, ...]]] = []
         self._depth = 0  # inside a conditional region's call: its regions are planned already
@@ -330,11 +326,10 @@ class CallPlanRecorder:
         if self._depth == 0:
             self.calls.append((region, shape, list(args), ()))
 
-    def on_conditional(self, name: str, shape: tuple, args: Sequence[Any]) -> None:
-        """A conditional region's call: the regions of both its branches, each guarded by
-        the condition (and by those of the conditionals it is nested in)."""
+    def on_conditional(self, name: str, calls: list | None) -> None:
+        """A conditional region's call: ``calls`` (``guarded_calls``), the regions of both
+        its branches, each guarded by the condition (and by those it is nested in)."""
         if self._depth == 0:
-            calls = guarded_calls(self.branches, name, shape, args)
             if calls is None:  # not described, or nested too deep: no plan, the VM runs it
                 self.unplannable = f"conditional region {name} cannot be planned"
             else:

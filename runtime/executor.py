@@ -210,7 +210,7 @@ class GraphExecutor:
                 return self._name_outputs(outputs)
         self._returned = {}
         watch = self._plan_calls and key is not None and key not in self._plans
-        self._watch = CallPlanRecorder(args, self._fixed, self.branches) if watch else None
+        self._watch = CallPlanRecorder(args, self._fixed) if watch else None
         try:
             result = self._vm[self.entry](*args)
         finally:
@@ -313,8 +313,8 @@ class GraphExecutor:
                              "buffers); pass an aligned buffer")
         aligned = tvm.runtime.empty(tensor.shape, tensor.dtype, tensor.device)
         aligned.copyfrom(tensor)
-        self.stats.add("d2d_bytes" if tensor.device.dlpack_device_type() != 1 else "h2d_bytes",
-                       nbytes(tensor))
+        on_host = tensor.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+        self.stats.add("h2d_bytes" if on_host else "d2d_bytes", nbytes(tensor))
         return aligned
 
     def _name_outputs(self, values: list) -> dict[str, tvm.runtime.Tensor] | list:
@@ -395,10 +395,9 @@ class GraphExecutor:
             if self._watch is not None:
                 self._watch.end_conditional()
             return VMInstrumentReturnKind.NO_OP
-        shape = tuple(int(v) for v in args[-1])
+        calls = guarded_calls(self.branches, symbol, tuple(int(v) for v in args[-1]), args[:-1])
         if self._watch is not None:
-            self._watch.on_conditional(symbol, shape, args[:-1])
-        calls = guarded_calls(self.branches, symbol, shape, args[:-1])
+            self._watch.on_conditional(symbol, calls)
         if not calls or not all(self.backend.has(region, s) for region, s, _, _ in calls):
             self.stats.add("host_branch_reads", 1)
             return VMInstrumentReturnKind.NO_OP

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .argument_table import ArgumentTable
+from .call_plan import MAX_GUARDS  # guards per launch: how deep a region may nest in ifs
 from .cuda_compile import CubinStore, RuntimeKernel
 from .cuda_driver import check, driver
 from .cuda_graph import OwnedGraph
@@ -30,7 +31,6 @@ from .cuda_graph import OwnedGraph
 MAX_PARAM_BYTES = 16  # the widest kernel parameter a column may patch
 NO_ROW = 0xFFFFFFFF  # state.applied_row before anything was applied
 NODES_UNKNOWN = 0xFFFFFFFF  # state.nodes when the nodes' enabled state is not known
-MAX_GUARDS = 8  # guards per launch: how deeply a region may nest in data-dependent ifs
 GUARD = struct.Struct("<QQ")  # {u64 address, u64 expect}
 PATCH_SOURCE = Path(__file__).with_name("kernels") / "patch.cu"
 
@@ -230,17 +230,6 @@ class LaunchRecord:
         return used
 
 
-def pack_launch_record(row: int, addresses: Sequence[int], guards: Sequence[tuple[Any, Any]] = (),
-                       num_args: int | None = None) -> bytes:
-    """The launch record of one call, as ``TopologyGraph.replay`` sends it."""
-    record = LaunchRecord(len(addresses) if num_args is None else num_args)
-    record.set_row(row)
-    for i, address in enumerate(addresses):
-        record.set_arg(i, address)
-    record.set_guards(guards)
-    return record.used()
-
-
 class TopologyGraph(OwnedGraph):
     """The one graph of a topology group, with its argument table on the device."""
 
@@ -255,17 +244,15 @@ class TopologyGraph(OwnedGraph):
         self.num_args = num_args
         self._last_caller: Any = None
         self.dev_nodes = [_device_updatable(n.node) for n in nodes]
-        self.buffers = {name: DeviceBuffer(16) for name in
-                        ("columns", "rows", "pointers", "spans", "launch", "applied", "state",
-                         "nodes")}
-        self.buffers["nodes"].write(struct.pack(f"<{len(self.dev_nodes)}Q", *self.dev_nodes))
         # The launch record: its host copy, which knows what the device holds (the last copy
-        # queued), so that a call queues a copy only if the record changed.
+        # queued), so that a call queues a copy only if the record changed. Its device buffer
+        # has room for every guard from the start: the patch node holds its address, and a
+        # call's copy (``replay``) writes as many guards as the call has, unchecked.
         self._launch = LaunchRecord(num_args)
-        # Room for every guard now: the patch node holds this buffer's address, and a
-        # call's copy (``replay``) writes as many guards as it has, unchecked.
-        self.buffers["launch"].close()
-        self.buffers["launch"] = DeviceBuffer(self._launch.capacity)
+        self.buffers = {name: DeviceBuffer(self._launch.capacity if name == "launch" else 16)
+                        for name in ("columns", "rows", "pointers", "spans", "launch", "applied",
+                                     "state", "nodes")}
+        self.buffers["nodes"].write(struct.pack(f"<{len(self.dev_nodes)}Q", *self.dev_nodes))
         self.buffers["launch"].write(self._launch.pending())
         pointers, self._pointer_spans = encode_pointers(pointer_map, layouts)
         self.buffers["pointers"].write(pointers)

@@ -194,7 +194,7 @@ def test_planned_decode_steps_share_their_address_lists(tmp_path):
             super().__init__(device)
             self.planned = []
 
-        def replay(self, region, shape, region_args, caller=None, moving=None):
+        def replay(self, region, shape, region_args, caller=None, moving=None, guards=()):
             if caller is None:  # the VM's own call, during a recorded run
                 return super().replay(region, shape, region_args)
             self.planned.append((shape, list(region_args), caller, list(moving)))

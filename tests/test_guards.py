@@ -1,9 +1,6 @@
-"""Guards (predication) of region graphs, without a GPU.
-
-The launch record's bytes are checked against the layout patch.cu reads; ``run_patch`` is a
-Python model of the kernel's guard handling around ``apply_patch`` (test_argument_table's
-model of the patching), run on those bytes.
-"""
+"""Guards (predication) of region graphs, without a GPU: the launch record's bytes against
+the layout patch.cu reads, and the patch kernel compiles. What the kernel does with them is
+tested on the GPU only (tests/test_gpu.py)."""
 
 from __future__ import annotations
 
@@ -12,19 +9,24 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from test_argument_table import LAYOUT, apply_patch, records
 
-from grape_tvm.runtime.argument_table import ArgumentTable
+from grape_tvm.runtime.call_plan import MAX_GUARDS
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available
-from grape_tvm.runtime.topology_graph import (MAX_GUARDS, NO_ROW, NODES_UNKNOWN, PATCH_SOURCE,
-                                              LaunchRecord, encode_pointers, encode_spans,
-                                              encode_table, pack_launch_record)
-
-ENABLED, DISABLED = 0, 1  # GRAPE_NODES_ENABLED / _DISABLED in patch.cu
+from grape_tvm.runtime.topology_graph import PATCH_SOURCE, LaunchRecord
 
 
 def tensor(address: int):
     return SimpleNamespace(data_ptr=lambda: address)
+
+
+def pack_launch_record(row: int, addresses, guards=(), num_args: int | None = None) -> bytes:
+    """One call's launch record, as ``TopologyGraph.replay`` fills it."""
+    record = LaunchRecord(len(addresses) if num_args is None else num_args)
+    record.set_row(row)
+    for i, address in enumerate(addresses):
+        record.set_arg(i, address)
+    record.set_guards(guards)
+    return record.used()
 
 
 def test_launch_record_layout():
@@ -82,86 +84,16 @@ def test_a_copy_is_queued_only_when_the_record_changed():
     assert record.pending() is None
 
 
-def run_patch(launch: bytes, num_args: int, memory: dict[int, int], enabled: list[bool],
-              state: list[int], *table, applied: list[int], params, grids) -> bool:
-    """What patch.cu does with the guards of ``launch`` (bytes as the host sends them):
-    thread 0 reads them, then the nodes are enabled or disabled if that changes them, and
-    only a launch whose guards hold patches. Returns whether the region runs."""
-    shape_row, num_guards = struct.unpack_from("<II", launch)
-    args = list(struct.unpack_from(f"<{num_args}Q", launch, 8))
-    guards_at = 8 + 8 * max(num_args, 1)
-    run = all((memory[address] != 0) == (expect != 0) for address, expect in
-              (struct.unpack_from("<QQ", launch, guards_at + 16 * g) for g in range(num_guards)))
-    nodes_now = ENABLED if run else DISABLED
-    if state[1] != nodes_now:
-        enabled[:] = [run] * len(enabled)
-    state[1] = nodes_now
-    if run:
-        apply_patch(*table, shape_row, args, applied, state, params, grids)
-    return run
-
-
-def test_a_failed_guard_disables_the_nodes_and_patches_nothing():
-    table = ArgumentTable(records(1))
-    rows = {n: table.add(records(n)) for n in (100, 300)}
-    columns, packed, row_bytes, column_spans = encode_table(table, [LAYOUT] * 3)
-    pointers, pointer_spans = encode_pointers([(1, 1, 0, 64)], [LAYOUT] * 3)
-    encoded = (columns, packed, row_bytes, pointers, encode_spans(3, column_spans, pointer_spans))
-    base = records(1)
-    params = [bytearray(b"".join(r.fields[1:])) for r in base]
-    grids = [list(r.fields[0]) for r in base]
-    state, applied, enabled = [NO_ROW, NODES_UNKNOWN, 0, 0], [2 ** 64 - 1], [True] * 3
-    cond = 0xC0
-    memory = {cond: 1}
-
-    def launch(n, address, expect):
-        record = pack_launch_record(rows[n], [address], [(cond, expect)])
-        return run_patch(record, 1, memory, enabled, state, *encoded, applied=applied,
-                         params=params, grids=grids)
-
-    def holds(n, address):
-        want = records(n)
-        for node in range(3):
-            expect = bytearray(b"".join(want[node].fields[1:]))
-            if node == 1:
-                expect[8:16] = struct.pack("<Q", address + 64)
-            assert params[node] == expect and tuple(grids[node]) == want[node].fields[0]
-
-    assert launch(100, 0x5000, 1) and enabled == [True] * 3
-    holds(100, 0x5000)
-    patched = [bytearray(p) for p in params]
-    assert not launch(300, 0x6000, 0)  # the other branch: skipped, nothing patched
-    assert enabled == [False] * 3 and params == patched
-    assert state[:2] == [rows[100], DISABLED] and applied == [0x5000]
-    memory[cond] = 0  # the condition flips: this branch runs, patched relative to n=100
-    assert launch(300, 0x6000, 0) and enabled == [True] * 3
-    holds(300, 0x6000)
-
-    # A re-encode while the nodes are disabled: the host cannot know what the device holds
-    # (TopologyGraph._encode_table), so the next launch sets every node either way.
-    assert not launch(300, 0x6000, 1) and enabled == [False] * 3
-    state[:] = [NO_ROW, NODES_UNKNOWN, 0, 0]
-    applied[:] = [2 ** 64 - 1]
-    enabled[:] = [True] * 3  # had the upload enabled them, a failed guard still disables
-    assert not launch(300, 0x6000, 1) and enabled == [False] * 3
-    state[1] = NODES_UNKNOWN
-    assert launch(100, 0x5000, 0) and enabled == [True] * 3  # and a passing one enables
-    holds(100, 0x5000)
-
-
 @pytest.mark.skipif(not nvcc_available(), reason="nvcc is not on PATH")
 def test_the_patch_kernel_compiles():
     """As the compiler builds it for an artifact (compile_cubin: nvcc --cubin -O3)."""
     assert len(compile_cubin(PATCH_SOURCE.read_text(), "sm_90")) > 0
 
 
-def test_launch_buffer_and_plans_agree_on_the_guard_limit():
-    """A plan never gives a region more guards than the launch record holds, and the
-    record's capacity (what the device buffer is allocated with) holds them all."""
-    from grape_tvm.runtime import call_plan, topology_graph  # pylint: disable=import-outside-toplevel
-
-    assert call_plan.MAX_GUARDS == topology_graph.MAX_GUARDS
+def test_the_launch_buffer_holds_as_many_guards_as_a_plan_gives():
+    """The record's capacity (what the device buffer is allocated with) holds the most
+    guards a plan gives a region (``call_plan.MAX_GUARDS``)."""
     for num_args in (0, 1, 5):
-        record = topology_graph.LaunchRecord(num_args)
-        record.set_guards([(64 * (g + 1), g % 2) for g in range(topology_graph.MAX_GUARDS)])
+        record = LaunchRecord(num_args)
+        record.set_guards([(64 * (g + 1), g % 2) for g in range(MAX_GUARDS)])
         assert len(record.used()) == record.capacity

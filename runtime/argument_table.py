@@ -18,8 +18,9 @@ Pure Python: used by the CUDA backend (bytes of kernel parameters) and the CPU r
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable, Sequence
+from typing import Any, Hashable, NamedTuple, Sequence
 
 
 @dataclass(frozen=True)
@@ -56,23 +57,35 @@ class ArgumentTable:
         self.base: list[tuple] = [r.fields for r in base]
         self.columns: list[tuple[int, int]] = []  # (node, field index)
         self._rows: list[list[Any]] = [[]]  # row 0 is the base itself
+        self._free: list[int] = []  # rows of shapes given up, reused before new ones
 
     def __len__(self) -> int:
+        """Rows held, in use or free: a row's index never changes while it is in use."""
         return len(self._rows)
 
     def matches(self, records: Sequence[NodeRecord]) -> bool:
         return topology_of(records) == self.topology
 
     def add(self, records: Sequence[NodeRecord]) -> int:
-        """Add one shape's records; return its row. Columns grow as new fields vary."""
+        """Add one shape's records; return its row (a free one if there is one, else a new
+        one at the end). Columns grow as new fields vary."""
         if not self.matches(records):
             raise ValueError("records of another topology: they need a graph of their own")
         for node, record in enumerate(records):
             for i, value in enumerate(record.fields):
                 if value != self.base[node][i] and (node, i) not in self._column_index:
                     self._add_column(node, i)
-        self._rows.append([records[n].fields[i] for n, i in self.columns])
+        values = [records[n].fields[i] for n, i in self.columns]
+        if self._free:
+            row = self._free.pop()
+            self._rows[row] = values
+            return row
+        self._rows.append(values)
         return len(self._rows) - 1
+
+    def release(self, row: int) -> None:
+        """The shape at ``row`` is given up: a later ``add`` may write another shape there."""
+        self._free.append(row)
 
     @property
     def _column_index(self) -> dict[tuple[int, int], int]:
@@ -109,31 +122,69 @@ class ArgumentTable:
         return base + row * len(self._rows)
 
 
+class Placement(NamedTuple):
+    """Where ``TopologyGroups.add`` put a shape."""
+
+    table: int
+    row: int
+    new_table: bool  # the first shape of a new topology: it needs a graph of its own
+    reused_row: bool  # the row held a shape given up before: a copy of it must be rewritten
+
+
 class TopologyGroups:
-    """Shapes grouped by topology: one ``ArgumentTable`` (and one graph) per group."""
+    """Shapes grouped by topology: one ``ArgumentTable`` (and one graph) per group.
 
-    def __init__(self):
+    At most ``max_shapes`` shapes are held: adding one more gives up the least recently used
+    (``lookup`` counts as a use), whose row the next shape of its table reuses. A table and
+    its graph stay once made; only rows come and go.
+    """
+
+    def __init__(self, max_shapes: int | None = None):
+        if max_shapes is not None and max_shapes < 1:
+            raise ValueError(f"max_shapes must be at least 1, got {max_shapes}")
+        self.max_shapes = max_shapes
         self.tables: list[ArgumentTable] = []
-        self.where: dict[Hashable, tuple[int, int]] = {}  # shape key -> (table, row)
+        self.where: OrderedDict[Hashable, tuple[int, int]] = OrderedDict()  # shape -> (table, row)
+        self.evicted = 0
 
-    def add(self, shape: Hashable, records: Sequence[NodeRecord]) -> tuple[int, int, bool]:
-        """Return ``(table index, row, new_table)`` for a shape's records."""
+    def lookup(self, shape: Hashable) -> tuple[int, int] | None:
+        """``(table, row)`` of a shape held, marked as the most recently used; else None."""
+        found = self.where.get(shape)
+        if found is not None:
+            self.where.move_to_end(shape)
+        return found
+
+    def add(self, shape: Hashable, records: Sequence[NodeRecord]) -> Placement:
+        """Place a shape's records: in the table of its topology, or in a new one."""
         topology = topology_of(records)
-        for t, table in enumerate(self.tables):
-            if table.topology == topology:
-                row = table.add(records)
-                self.where[shape] = (t, row)
-                return t, row, False
-        self.tables.append(ArgumentTable(records))
-        self.where[shape] = (len(self.tables) - 1, 0)
-        return len(self.tables) - 1, 0, True
+        index = next((t for t, table in enumerate(self.tables) if table.topology == topology),
+                     None)
+        if index is None:
+            self.tables.append(ArgumentTable(records))
+            placement = Placement(len(self.tables) - 1, 0, True, False)
+        else:
+            table = self.tables[index]
+            rows_before = len(table)
+            row = table.add(records)
+            placement = Placement(index, row, False, row < rows_before)
+        self.where[shape] = (placement.table, placement.row)
+        self.where.move_to_end(shape)
+        self._bound()
+        return placement
+
+    def _bound(self) -> None:
+        while self.max_shapes is not None and len(self.where) > self.max_shapes:
+            _, (table, row) = self.where.popitem(last=False)
+            self.tables[table].release(row)
+            self.evicted += 1
 
     def describe(self) -> list[dict]:
         shapes_of: dict[int, list] = {}
         for shape, (t, _) in self.where.items():
             shapes_of.setdefault(t, []).append(shape)
         return [
-            {"nodes": len(table.base), "shapes": len(table), "columns": len(table.columns),
+            {"nodes": len(table.base), "shapes": len(shapes_of.get(t, [])),
+             "rows": len(table), "columns": len(table.columns),
              "table_bytes_uncompressed": table.uncompressed_bytes(),
              "table_bytes_compressed": table.compressed_bytes(),
              "shape_keys": sorted(shapes_of.get(t, []))[:8]}

@@ -71,15 +71,20 @@ class CpuGroup:
 
 
 class CpuReplayBackend:
-    """Records each region per shape on first sight; replays its topology group's kernels."""
+    """Records each region per shape on first sight; replays its topology group's kernels.
+
+    At most ``max_shapes`` shapes per region are held, the least recently used given up
+    first (recorded again if they come back).
+    """
 
     name = "cpu-replay"
     # Recording runs the kernels (the VM calls them, the recorder watches): to record a
     # region without its effects the executor must skip them. A capture runs nothing.
     records_by_running = True
 
-    def __init__(self, device: tvm.runtime.Device):
+    def __init__(self, device: tvm.runtime.Device, max_shapes: int | None = None):
         self.device = device
+        self.max_shapes = max_shapes
         self._groups: dict[str, TopologyGroups] = {}
         self._kernels: dict[str, list[CpuGroup]] = {}
 
@@ -89,6 +94,16 @@ class CpuReplayBackend:
     def has(self, region: str, shape: tuple) -> bool:
         groups = self._groups.get(region)
         return groups is not None and shape in groups.where
+
+    @property
+    def shapes_held(self) -> int:
+        """(region, shape) recordings held now."""
+        return sum(len(groups.where) for groups in self._groups.values())
+
+    @property
+    def evicted(self) -> int:
+        """Recordings given up so far to stay within ``max_shapes``."""
+        return sum(groups.evicted for groups in self._groups.values())
 
     def replay(self, region: str, shape: tuple, region_args: Sequence[Any],
                caller: Any = None, moving: Sequence[int] | None = None,
@@ -100,7 +115,7 @@ class CpuReplayBackend:
         reading it is no synchronization).
         """
         groups = self._groups.get(region)
-        where = groups.where.get(shape) if groups else None
+        where = groups.lookup(shape) if groups else None
         if where is None:
             return False
         if all(bool(condition.numpy()) == bool(expect) for condition, expect in guards):
@@ -114,13 +129,13 @@ class CpuReplayBackend:
         # The VM ran the kernels while they were recorded (unless the executor skipped
         # them: ``run`` False, see ``records_by_running``): the results are in place.
         records, constants = recorder.records()
-        groups = self._groups.setdefault(recorder.region, TopologyGroups())
-        index, _, new = groups.add(recorder.shape, records)
-        if new:
+        groups = self._groups.setdefault(recorder.region, TopologyGroups(self.max_shapes))
+        placed = groups.add(recorder.shape, records)
+        if placed.new_table:
             self._kernels.setdefault(recorder.region, []).append(
-                CpuGroup(recorder, groups.tables[index], constants))
+                CpuGroup(recorder, groups.tables[placed.table], constants))
         else:
-            self._kernels[recorder.region][index].constants.update(constants)
+            self._kernels[recorder.region][placed.table].constants.update(constants)
 
     def abort(self, recorder: CallRecorder) -> None:
         pass

@@ -8,6 +8,10 @@ Two modes:
   ``max_graphs`` of them (least recently used go first). The fallback where nodes cannot be
   made device-updatable (drivers before CUDA 12.4), and a baseline for the benchmarks.
 
+In topology mode at most ``max_shapes`` shapes per region are held (their rows in the
+argument tables); the least recently used is given up first and recorded again if it
+comes back. Graphs of topologies stay.
+
 A replay may carry guards, ``(condition tensor or address, expect)``: the region runs only if
 each 1-byte condition is ``expect``. In topology mode the patch kernel reads them on the
 device; per-shape graphs have no patch kernel, so the backend reads them on the host (a
@@ -56,7 +60,7 @@ class CudaGraphBackend:
 
     def __init__(self, device: tvm.runtime.Device, mode: str = "topology",
                  max_graphs: int = 4096, arch: str | None = None,
-                 cubins: CubinStore | None = None):
+                 cubins: CubinStore | None = None, max_shapes: int | None = None):
         import tvm_ffi  # pylint: disable=import-outside-toplevel
 
         if mode not in MODES:
@@ -64,8 +68,15 @@ class CudaGraphBackend:
         self.device = device
         self.mode = mode
         self.max_graphs = max_graphs
+        self.max_shapes = max_shapes
         self.fallback_reason: str | None = None
         self._use_stream = tvm_ffi.use_raw_stream
+        # What close() frees, set before the first driver call so that a failed start
+        # closes cleanly too.
+        self._context = self.stream = self.capture_stream = None
+        self._patch: PatchKernel | None = None
+        self._regions: dict[str, _RegionGraphs] = {}
+        self._per_shape: OrderedDict[tuple, CapturedGraph] = OrderedDict()
         check(driver.cuInit(0), "cuInit")
         self._cu_device = check(driver.cuDeviceGet(device.index), "cuDeviceGet")
         self._context = check(driver.cuDevicePrimaryCtxRetain(self._cu_device),
@@ -89,16 +100,12 @@ class CudaGraphBackend:
         self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
         self.capture_stream = check(
             driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        self._patch: PatchKernel | None = None
-        self._regions: dict[str, _RegionGraphs] = {}
-        self._per_shape: OrderedDict[tuple, CapturedGraph] = OrderedDict()
-        self._rows: dict[tuple, tuple[TopologyGraph, int]] = {}
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # CUfunction -> parameter layout
         self.graphs_captured = 0
         self.graphs_instantiated = 0
         self.launches = 0  # graph launches, for the executor's statistics
         self.synchronizing_guards = 0  # guards read on the host (per-shape mode): each a sync
-        self.evicted = 0
+        self._evicted_graphs = 0
         # Device memory taken by graphs and their tables: free memory read just before and
         # after each instantiation, table write and release (nothing else allocates there).
         self.graph_device_bytes = 0
@@ -118,7 +125,19 @@ class CudaGraphBackend:
         return self._context
 
     def has(self, region: str, shape: tuple) -> bool:
-        return (region, shape) in self._rows or (region, shape) in self._per_shape
+        graphs = self._regions.get(region)
+        return (graphs is not None and shape in graphs.groups.where) or \
+            (region, shape) in self._per_shape
+
+    @property
+    def shapes_held(self) -> int:
+        """(region, shape) recordings held now: rows of argument tables, per-shape graphs."""
+        return sum(len(r.groups.where) for r in self._regions.values()) + len(self._per_shape)
+
+    @property
+    def evicted(self) -> int:
+        """Recordings given up so far to stay within ``max_shapes`` / ``max_graphs``."""
+        return sum(r.groups.evicted for r in self._regions.values()) + self._evicted_graphs
 
     def replay(self, region: str, shape: tuple, region_args: Sequence[Any],
                caller: Any = None, moving: Sequence[int] | None = None,
@@ -130,10 +149,11 @@ class CudaGraphBackend:
         each 1-byte condition is ``expect`` (nonzero counts as 1). True also when a guard
         failed: the recording exists, the call is done.
         """
-        found = self._rows.get((region, shape))
+        graphs = self._regions.get(region)
+        found = graphs.groups.lookup(shape) if graphs is not None else None
         if found is not None:
-            graph, row = found
-            graph.replay(row, region_args, self.stream, caller, moving, guards)
+            table, row = found
+            graphs.graphs[table].replay(row, region_args, self.stream, caller, moving, guards)
             self.launches += 1
             return True
         captured = self._per_shape.get((region, shape))
@@ -195,25 +215,25 @@ class CudaGraphBackend:
         nodes = read_kernel_nodes(graph, self._layouts)
         slots = find_pointer_slots(nodes, capture.region_args)
         records = node_records(nodes, slots)
-        region = self._regions.setdefault(capture.region, _RegionGraphs(TopologyGroups(), []))
-        table_index, row, new = region.groups.add(capture.shape, records)
+        region = self._regions.setdefault(
+            capture.region, _RegionGraphs(TopologyGroups(self.max_shapes), []))
+        placed = region.groups.add(capture.shape, records)
         patch = self._patch_kernel()
         free = _free_bytes()
-        if new:
+        if placed.new_table:
             pointer_map = [(s.node, s.param, s.arg, s.delta) for s in slots]
             topology_graph = TopologyGraph(
                 graph, nodes, [n.layout for n in nodes], pointer_map,
-                region.groups.tables[table_index], len(capture.region_args), patch, self.stream)
+                region.groups.tables[placed.table], len(capture.region_args), patch, self.stream)
             region.graphs.append(topology_graph)
             self.graphs_instantiated += 1
         else:
             driver.cuGraphDestroy(graph)  # the group's graph serves this shape too
-            topology_graph = region.graphs[table_index]
-            topology_graph.refresh()
+            topology_graph = region.graphs[placed.table]
+            topology_graph.refresh(placed.row if placed.reused_row else None)
         self.graph_device_bytes += free - _free_bytes()
-        self._rows[(capture.region, capture.shape)] = (topology_graph, row)
         if run:
-            topology_graph.replay(row, capture.region_args, self.stream)
+            topology_graph.replay(placed.row, capture.region_args, self.stream)
 
     # -- per-shape mode ------------------------------------------------------------------
     def _keep_per_shape(self, capture: Capture, graph, run: bool) -> None:
@@ -229,14 +249,14 @@ class CudaGraphBackend:
             free = _free_bytes()
             old.close()
             self.graph_device_bytes -= _free_bytes() - free
-            self.evicted += 1
+            self._evicted_graphs += 1
         if run:
             captured.replay(capture.region_args, self.stream)
 
     # -- what is held ----------------------------------------------------------------------
     def recorded_shapes(self) -> dict[str, list[tuple]]:
-        shapes: dict[str, list[tuple]] = {}
-        for region, shape in list(self._rows) + list(self._per_shape):
+        shapes = {name: list(r.groups.where) for name, r in self._regions.items()}
+        for region, shape in self._per_shape:
             shapes.setdefault(region, []).append(shape)
         return shapes
 
@@ -255,23 +275,29 @@ class CudaGraphBackend:
                 "synchronizing_guards": self.synchronizing_guards,
                 "topology_groups": regions}
 
+    def __del__(self):
+        try:
+            if hasattr(self, "_regions"):  # __init__ got as far as owning something
+                self.close()
+        except Exception:  # pylint: disable=broad-except
+            pass  # interpreter shutdown: the driver may already be gone
+
     def close(self) -> None:
+        """Free every graph, table, stream and the context reference; idempotent."""
         for region in self._regions.values():
             for graph in region.graphs:
                 graph.close()
         self._regions.clear()
-        self._rows.clear()
         for graph in self._per_shape.values():
             graph.close()
         self._per_shape.clear()
         if self._patch is not None:
             self._patch.close()
             self._patch = None
-        for attr in ("stream", "capture_stream"):
-            stream = getattr(self, attr, None)
+        for stream in (self.stream, self.capture_stream):
             if stream is not None:
                 driver.cuStreamDestroy(stream)
-                setattr(self, attr, None)
-        if getattr(self, "_context", None) is not None:
+        self.stream = self.capture_stream = None
+        if self._context is not None:
             driver.cuDevicePrimaryCtxRelease(self._cu_device)
             self._context = None

@@ -315,23 +315,34 @@ class TopologyGraph(OwnedGraph):
         # reset to "enabled" could say so over disabled nodes (a passing guard would run
         # nothing). Unknown is right either way, for one call per node on a launch that
         # patches everything anyway.
-        self.buffers["state"].write(struct.pack("<4I", NO_ROW, NODES_UNKNOWN, 0, 0))
+        self._reset_patch_state()
         self.buffers["applied"].write(b"\xff" * (8 * max(self.num_args, 1)))
         self._encoded = (list(self.table.columns), len(self.table))
         self._placement = _placement(self.table, self.layouts)
         return moved
 
-    def refresh(self) -> None:
-        """The table gained rows (append them) or columns (write it all again)."""
+    def _reset_patch_state(self) -> None:
+        """No row applied and the nodes' enabled state unknown: the next launch patches
+        every column and enables or disables every node (see ``_encode_table``)."""
+        self.buffers["state"].write(struct.pack("<4I", NO_ROW, NODES_UNKNOWN, 0, 0))
+
+    def refresh(self, rewritten: int | None = None) -> None:
+        """The table gained rows (append them), had row ``rewritten`` given to another
+        shape (write it), or gained columns (write it all again)."""
         columns, rows = self._encoded
-        if columns == self.table.columns and rows == len(self.table):
+        if columns == self.table.columns and rows == len(self.table) and rewritten is None:
             return
         end = len(self.table) * self._row_bytes
         if columns == self.table.columns and end <= self.buffers["rows"].nbytes:
+            first = rows if rewritten is None else min(rows, rewritten)
             new = b"".join(encode_row(self.table.row(r), self._placement, self._row_bytes)
-                           for r in range(rows, len(self.table)))
-            self.buffers["rows"].write_at(rows * self._row_bytes, new)
+                           for r in range(first, len(self.table)))
+            self.buffers["rows"].write_at(first * self._row_bytes, new)
             self._encoded = (columns, len(self.table))
+            if rewritten is not None:
+                # The patch kernel skips the columns whose value equals the row it applied
+                # last; that row's bytes may be the ones just rewritten: apply everything.
+                self._reset_patch_state()
             return
         self._encode_table()
         storage = self._patch_params()

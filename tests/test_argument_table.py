@@ -66,8 +66,8 @@ def test_compression_against_full_tables():
 
 def test_other_block_dims_or_kernels_make_another_group():
     groups = TopologyGroups()
-    assert groups.add((1,), records(1))[2] is True
-    assert groups.add((2,), records(2)) == (0, 1, False)
+    assert groups.add((1,), records(1)).new_table is True
+    assert groups.add((2,), records(2)) == (0, 1, False, False)
     assert groups.add((3,), records(3, block=256))[:1] == (1,)  # block dims differ
     assert groups.add((4,), records(4, kernels=("ln", "mm")))[:1] == (2,)  # fewer kernels
     assert groups.where[(2,)] == (0, 1)

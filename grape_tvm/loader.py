@@ -11,7 +11,7 @@ import tvm
 
 from grape_tvm.artifact import Artifact, ArtifactError
 from grape_tvm.runtime.cuda_compile import CubinStore, cache_dir
-from grape_tvm.runtime.executor import GraphExecutor
+from grape_tvm.runtime.executor import DEFAULT_MAX_SHAPES, GraphExecutor
 from grape_tvm.runtime.signature import Signature
 
 
@@ -78,12 +78,13 @@ def _open(path: str | Path, device: Any):
 
 
 def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
-         max_graphs: int = 4096) -> GraphExecutor:
+         max_graphs: int = 4096, max_shapes: int = DEFAULT_MAX_SHAPES) -> GraphExecutor:
     """Load an artifact and return an executor on ``device`` (``"cpu"`` or ``"cuda"``).
 
     On CUDA, ``graph_mode="topology"`` keeps one graph per topology with per-shape argument
     tables applied on the device; ``"per-shape"`` keeps one graph per shape, at most
-    ``max_graphs`` (least recently used evicted).
+    ``max_graphs`` (least recently used evicted). Plans and recordings are kept for at most
+    ``max_shapes`` dims (per region), least recently used given up first.
     """
     library, manifest, dev, cubins = _open(path, device)
     signature = Signature.from_json(manifest["signature"])
@@ -92,10 +93,10 @@ def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
         from grape_tvm.runtime.cuda_backend import CudaGraphBackend  # pylint: disable=import-outside-toplevel
 
         backend = CudaGraphBackend(dev, graph_mode, max_graphs, manifest["target"].get("arch"),
-                                   cubins)
+                                   cubins, max_shapes)
     # Without host steps a call is only region launches: run such calls without the VM.
     plan_calls = not manifest["plan"]["host_steps"] and bool(manifest["plan"]["regions"])
     executor = GraphExecutor(library, dev, signature, backend, plan_calls=plan_calls,
-                             branches=manifest["plan"].get("branches"))
+                             branches=manifest["plan"].get("branches"), max_shapes=max_shapes)
     executor.manifest = manifest
     return executor

@@ -80,6 +80,13 @@ class BufferPool:
                 held[side] = tvm.runtime.empty((size,), "uint8", self.device)
                 self.generation += 1
 
+    def close(self) -> None:
+        """Give every buffer up: views made before are stale."""
+        self.buffers.clear()
+        self._memo.clear()
+        self._shapes.clear()
+        self.generation += 1
+
     def shared(self, key: Any, make) -> Any:
         """``make()``, made once per generation for ``key``."""
         if self._memo_generation != self.generation or len(self._memo) > MEMO_LIMIT:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+import weakref
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +21,13 @@ from .signature import InputError, Signature, nbytes
 
 # TVM's kernels assume buffers aligned this far (tvm.runtime.from_dlpack's requirement).
 ALIGNMENT = 64
+# Shapes (dims) an executor keeps plans and recordings for, least recently used given up
+# first: a few KiB of host memory each (bench/memory.py).
+DEFAULT_MAX_SHAPES = 2048
+# TVM's VM keeps every buffer it frees in a pool keyed by exact size, for ever: each new
+# shape leaves its outputs there. The executor empties the pool after this many VM calls
+# at dims it had not seen (planned calls do not use the VM's memory at all).
+VM_POOL_CLEAR_CALLS = 64
 
 REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
 CONDITIONAL_PREFIX = "grape_cond_"  # and BranchesToConditionalRegions, conditional regions
@@ -37,6 +46,11 @@ class CallStats:
     d2d_bytes: int = 0  # device copies the executor made (out= on the VM path)
     graph_launches: int = 0
     host_branch_reads: int = 0  # conditional regions the VM ran, reading the condition
+    unrecorded_calls: int = 0  # VM calls not recorded: their inputs share memory
+    evicted_shapes: int = 0  # dims whose plan was given up (max_shapes)
+    # Held now (not summed): plans of dims, and (region, shape) recordings of the backend.
+    plans_held: int = 0
+    shapes_held: int = 0
     last: dict[str, Any] = field(default_factory=dict)
 
     def begin_call(self) -> None:
@@ -63,27 +77,42 @@ class GraphExecutor:
     the VM runs it instead (reading the condition, counted in ``stats.host_branch_reads``):
     the branch taken is recorded as it runs, the other one recorded without running.
 
-    The executor owns its VM, its backend (streams, graphs) and its buffers; ``close()``
-    frees them. Calls are serialized by a lock; use one executor per thread for parallel
+    A recording maps kernel arguments to the call's tensors by address, so a call whose
+    inputs share memory (one tensor passed for two inputs, overlapping views) is run by the
+    VM without being recorded: it could not stand for calls on separate tensors.
+
+    The executor keeps plans and recordings for at most ``max_shapes`` dims (least recently
+    used given up first, recorded again if they come back). It owns its VM, its backend
+    (streams, graphs) and its buffers; ``close()`` frees them, and so does dropping the
+    executor. Calls are serialized by a lock; use one executor per thread for parallel
     calls.
     """
 
     def __init__(self, executable: tvm.runtime.Module, device: tvm.runtime.Device,
                  signature: Signature | None = None, backend=None, entry: str = "main",
-                 plan_calls: bool = False, branches: Mapping[str, dict] | None = None):
+                 plan_calls: bool = False, branches: Mapping[str, dict] | None = None,
+                 max_shapes: int = DEFAULT_MAX_SHAPES):
+        if max_shapes < 1:
+            raise ValueError(f"max_shapes must be at least 1, got {max_shapes}")
         self.device = device
         self.branches = dict(branches or {})
         self.signature = signature
-        self.backend = backend if backend is not None else default_backend(device)
+        self.max_shapes = max_shapes
+        self.backend = backend if backend is not None else default_backend(device, max_shapes)
         self.entry = entry
         self.stats = CallStats()
         self._vm = VirtualMachine(executable, device)
-        self._vm.set_instrument(self._instrument)
+        # The VM keeps its instrument alive, and the executor its VM: a strong reference
+        # back would make a cycle through TVM's FFI that Python's collector cannot see.
+        self._vm.set_instrument(_weakly_bound(self._instrument))
         self._open: tuple[str, Any, bool] | None = None  # (region, recorder, run) while recording
+        self._recording = True  # False during a call whose inputs share memory
         self._lock = threading.Lock()
         # Calls without the VM: only for an entry function with no host step (see call_plan).
         self._plan_calls = plan_calls and signature is not None
-        self._plans: dict[tuple, CallPlan | None] = {}
+        # Dims seen, least recently used first: their plan, or None (no plan possible).
+        self._plans: OrderedDict[tuple, CallPlan | None] = OrderedDict()
+        self._vm_calls_at_new_dims = 0
         self._watch: CallPlanRecorder | None = None
         self._pool = BufferPool(device)
         self._buffer_of: dict[tuple, int] = {}
@@ -106,6 +135,7 @@ class GraphExecutor:
         if self.signature is None:
             raise ValueError("bind_inputs needs the model's signature (load it from an artifact)")
         with self._lock:
+            self._check_open()
             tensors = {name: self._as_tensor(name, value) for name, value in inputs.items()}
             specs = {t.name for t in self.signature.inputs}
             unknown = sorted(set(tensors) - specs)
@@ -144,6 +174,7 @@ class GraphExecutor:
         back as a list. ``stats`` counts copies and launches.
         """
         with self._lock:
+            self._check_open()
             self.stats.begin_call()
             args, key, passed = self._prepare(inputs)
             targets = self._prepare_out(out)
@@ -159,6 +190,8 @@ class GraphExecutor:
                 raise
             self.stats.add("graph_launches", self._launches() - launches)
             self.stats.calls += 1
+            self.stats.plans_held = len(self._plans)
+            self.stats.shapes_held = self.backend.shapes_held
             return outputs
 
     __call__ = run
@@ -184,6 +217,8 @@ class GraphExecutor:
 
     def _call(self, args: list, key: tuple | None, passed: list, out: dict[int, Any]):
         plan = self._plans.get(key) if key is not None else None
+        if plan is not None:
+            self._plans.move_to_end(key)
         side = None
         if plan is not None:
             # Our own outputs passed back: their side is known; the rest are looked up.
@@ -209,27 +244,53 @@ class GraphExecutor:
                 self.stats.last["path"] = "planned"
                 return self._name_outputs(outputs)
         self._returned = {}
-        watch = self._plan_calls and key is not None and key not in self._plans
-        self._watch = CallPlanRecorder(args, self._fixed) if watch else None
-        try:
-            result = self._vm[self.entry](*args)
-        finally:
-            recorder, self._watch = self._watch, None
-        values = _values(result, self.signature)
+        values, recorder = self._call_vm(args, key)
         if recorder is not None:
-            self._plans[key] = plan = recorder.finish(values, self._pool, self._buffer_of)
+            plan = recorder.finish(values, self._pool, self._buffer_of)
+            self._remember(key, plan)
             if plan is not None and plan.guarded:
                 try:
                     self._record_branches_not_taken(recorder)
                 except BaseException:
                     del self._plans[key]  # planned calls would find a branch unrecorded
                     raise
+        elif key is not None and not self._plan_calls and self._recording:
+            self._remember(key, None)  # dims seen (for the VM's pool), nothing to plan
         for index, target in out.items():  # the VM allocated its own: copy, and count it
             _check_like(target, values[index], self.signature.outputs[index].name)
             target.copyfrom(values[index])
             self.stats.add("d2d_bytes", nbytes(values[index]))
             values[index] = target
         return self._name_outputs(values)
+
+    def _call_vm(self, args: list, key: tuple | None) -> tuple[list, CallPlanRecorder | None]:
+        """The entry function on TVM's VM, regions intercepted (``_instrument``); a call at
+        dims without a plan is watched, to make one, unless its inputs share memory."""
+        new_dims = key is not None and key not in self._plans
+        self._recording = not _share_memory(args)
+        if not self._recording:
+            self.stats.unrecorded_calls += 1
+        watch = self._plan_calls and new_dims and self._recording
+        self._watch = CallPlanRecorder(args, self._fixed) if watch else None
+        try:
+            result = self._vm[self.entry](*args)
+        finally:
+            recorder, self._watch, self._recording = self._watch, None, True
+        if new_dims:
+            self._vm_calls_at_new_dims += 1
+            if self._vm_calls_at_new_dims >= VM_POOL_CLEAR_CALLS:
+                _clear_vm_memory_pools()
+                self._vm_calls_at_new_dims = 0
+        return _values(result, self.signature), recorder
+
+    def _remember(self, key: tuple, plan: CallPlan | None) -> None:
+        """Keep the plan of ``key``'s dims, giving up the least recently used beyond
+        ``max_shapes``."""
+        self._plans[key] = plan
+        self._plans.move_to_end(key)
+        while len(self._plans) > self.max_shapes:
+            self._plans.popitem(last=False)
+            self.stats.evicted_shapes += 1
 
     def _check_out(self, out: dict[int, Any], plan: CallPlan) -> None:
         for index, target in out.items():
@@ -249,6 +310,9 @@ class GraphExecutor:
                             f"{type(inputs).__name__}")
         tensors, described = {}, []
         for name, value in inputs.items():
+            if name in self._bound:
+                raise InputError(f"input {name!r} is bound (bind_inputs): it cannot also be "
+                                 "passed to run(); bind it again to change it")
             known = self._returned.get(id(value))
             if known is not None and known[0] is value:  # our own output, checked when made
                 tensors[name] = value
@@ -357,6 +421,7 @@ class GraphExecutor:
         arguments are the given input tensors, bound inputs and the executor's buffers.
         """
         with self._lock:
+            self._check_open()
             args, key, passed = self._prepare(inputs)
             plan = self._plans.get(key)
             if plan is None:
@@ -382,7 +447,8 @@ class GraphExecutor:
             if self.backend.replay(symbol, shape, args[:-1]):
                 self.stats.region_replays += 1
                 return VMInstrumentReturnKind.SKIP_RUN
-            self._open = (symbol, self.backend.begin(symbol, shape, args[:-1]), True)
+            if self._recording:
+                self._open = (symbol, self.backend.begin(symbol, shape, args[:-1]), True)
         return VMInstrumentReturnKind.NO_OP
 
     def _on_conditional(self, symbol: str, before_run: bool, args) -> int:
@@ -456,8 +522,24 @@ class GraphExecutor:
         return self.backend.recorded_shapes()
 
     def close(self) -> None:
-        """Free every graph and stream this executor holds."""
-        self.backend.close()
+        """Free everything this executor holds: graphs, streams, buffers, plans, bound
+        inputs and its VM. Later calls raise; closing twice is harmless."""
+        with self._lock:
+            if self._vm is None:
+                return
+            self.backend.close()
+            self._vm = None
+            self._plans.clear()
+            self._pool.close()
+            self._buffer_of.clear()
+            self._bound.clear()
+            self._template = [None] * len(self._template)
+            self._returned, self._dims_of = {}, {}
+            self.stats.plans_held = self.stats.shapes_held = 0
+
+    def _check_open(self) -> None:
+        if self._vm is None:
+            raise RuntimeError("this executor is closed")
 
     def __enter__(self) -> "GraphExecutor":
         return self
@@ -492,15 +574,42 @@ def _to_numpy(outputs):
     return [_numpy(v) for v in outputs]
 
 
-def default_backend(device: tvm.runtime.Device):
+def default_backend(device: tvm.runtime.Device, max_shapes: int | None = None):
     """CUDA graphs on a CUDA device, CPU replay on the CPU."""
     if device.dlpack_device_type() == tvm.cuda(0).dlpack_device_type():
         from .cuda_backend import CudaGraphBackend  # pylint: disable=import-outside-toplevel
 
-        return CudaGraphBackend(device)
+        return CudaGraphBackend(device, max_shapes=max_shapes)
     from .cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
 
-    return CpuReplayBackend(device)
+    return CpuReplayBackend(device, max_shapes)
+
+
+def _weakly_bound(method):
+    """``method`` as a plain function holding its object weakly (``weakref.WeakMethod``):
+    a call after the object is gone does nothing (``NO_OP``)."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args):
+        bound = ref()
+        return VMInstrumentReturnKind.NO_OP if bound is None else bound(*args)
+
+    return call
+
+
+def _share_memory(tensors: Sequence[Any]) -> bool:
+    """Whether two of ``tensors`` (tensors and other values) overlap in memory."""
+    spans = sorted((t.data_ptr(), t.data_ptr() + nbytes(t))
+                   for t in tensors if isinstance(t, tvm.runtime.Tensor) and nbytes(t))
+    return any(start < end for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def _clear_vm_memory_pools() -> None:
+    """Free the buffers TVM's VMs keep pooled and unused (every VM of the process shares
+    the pool of a device: the others allocate again what they need)."""
+    clear = tvm.get_global_func("vm.builtin.memory_manager.clear", allow_missing=True)
+    if clear is not None:
+        clear()
 
 
 def _bytes(outputs) -> int:

@@ -86,6 +86,25 @@ def _check_state(spec: LoopSpec, state: Mapping[str, Any]) -> None:
                          f"unknown {extra} (loop invariants are bound with bind_inputs)")
 
 
+def fill_state(state: Mapping[str, tvm.runtime.Tensor], values: Mapping[str, Any]
+               ) -> tuple[int, int]:
+    """Copy a loop's initial state into its own buffers ``state``; a buffer passed back (the
+    last run's state) stays as it is. Returns the bytes copied from the host and from the
+    device."""
+    from_host = from_device = 0
+    for name, value in values.items():
+        own = state[name]
+        if _on_host(value):
+            value = np.asarray(value, order="C")  # keeps a 0-d value 0-d
+            from_host += value.nbytes
+        elif value.data_ptr() == own.data_ptr():
+            continue
+        else:
+            from_device += nbytes(value)
+        own.copyfrom(value)
+    return from_host, from_device
+
+
 class HostLoop:
     """One executor call per step; ``stop`` read back on the host after each."""
 
@@ -180,7 +199,7 @@ class DeviceLoop:
         start = time.perf_counter()
         _check_state(self.spec, state)
         limit = self.spec.limit(max_steps)
-        # Host arrays are copied once, straight into the loop's buffers (``_load``).
+        # Host arrays are copied once, straight into the loop's buffers (``fill_state``).
         values = {n: np.asarray(state[n]) if _on_host(state[n])
                   else self.executor.device_tensor(n, state[n]) for n in self.spec.carried}
         key = tuple((n, tuple(v.shape), str(v.dtype)) for n, v in values.items())
@@ -190,7 +209,9 @@ class DeviceLoop:
             graph = None
         if graph is None:
             graph = self._graphs[key] = self._build(key)
-        self._load(graph, values)
+        h2d, d2d = fill_state(graph.state, values)
+        self.h2d_bytes += h2d
+        self.d2d_bytes += d2d
         with self.backend.stream_context():
             graph.launch(limit)
         self.launches += 1
@@ -200,19 +221,6 @@ class DeviceLoop:
         result = LoopResult(dict(graph.state), graph.steps())
         self.last_host_s = (launched - start) + (time.perf_counter() - waited)
         return result
-
-    def _load(self, graph: LoopGraph, values: dict) -> None:
-        """The initial state into the loop's buffers; a buffer passed back stays as it is."""
-        for name, value in values.items():
-            own = graph.state[name]
-            if _on_host(value):
-                value = np.ascontiguousarray(value)
-                self.h2d_bytes += value.nbytes
-            elif value.data_ptr() == own.data_ptr():
-                continue
-            else:
-                self.d2d_bytes += nbytes(value)
-            own.copyfrom(value)
 
     # -- building ----------------------------------------------------------------------
     def _build(self, key: tuple) -> LoopGraph:

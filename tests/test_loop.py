@@ -158,20 +158,18 @@ def test_inspect_says_how_the_loop_runs(loop_artifact, capsys):
 
 def test_device_loop_loads_an_initial_state_once():
     """A host array is copied once into the loop's buffer (counted as h2d), a tensor of the
-    caller's once (d2d), and the loop's own buffer passed back not at all (CPU tensors stand
-    in for device ones: the copies are the same calls)."""
-    from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+    caller's once (d2d), and the loop's own buffer passed back not at all; a 0-d value (an
+    ONNX Loop's iteration count) stays 0-d. CPU tensors stand in for device ones: the
+    copies are the same calls."""
+    from grape_tvm.runtime.device_loop import fill_state  # pylint: disable=import-outside-toplevel
 
-    from grape_tvm.runtime.device_loop import DeviceLoop  # pylint: disable=import-outside-toplevel
-
-    loop = DeviceLoop.__new__(DeviceLoop)  # no CUDA here: only the loading logic
-    loop.h2d_bytes = loop.d2d_bytes = 0
     own = tvm.runtime.empty((4,), "float32", tvm.cpu())
-    graph = SimpleNamespace(state={"a": own})
-    loop._load(graph, {"a": np.arange(4, dtype=np.float32)})
+    step = tvm.runtime.empty((), "int64", tvm.cpu())
+    state = {"a": own, "step": step}
+    assert fill_state(state, {"a": np.arange(4, dtype=np.float32), "step": np.array(3)}) == (24, 0)
     np.testing.assert_array_equal(own.numpy(), np.arange(4))
+    assert step.numpy() == 3 and step.shape == ()
     theirs = tvm.runtime.tensor(np.full(4, 7, np.float32), tvm.cpu())
-    loop._load(graph, {"a": theirs})
+    assert fill_state(state, {"a": theirs}) == (0, 16)
     np.testing.assert_array_equal(own.numpy(), np.full(4, 7))
-    loop._load(graph, {"a": own})
-    assert (loop.h2d_bytes, loop.d2d_bytes) == (16, 16)
+    assert fill_state(state, {"a": own, "step": step}) == (0, 0)

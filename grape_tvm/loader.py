@@ -48,6 +48,20 @@ def _library_path(artifact: Artifact) -> Path:
     return path
 
 
+# TVM 0.27 keeps about 85 KiB of host memory each time it loads a library, however often the
+# same file is loaded (bench/memory.py): each artifact's library is loaded once per process
+# and shared by the executors of it (a VM keeps its own state apart from its library).
+_LIBRARIES: dict[Path, tvm.runtime.Module] = {}
+
+
+def _library(artifact: Artifact) -> tvm.runtime.Module:
+    path = _library_path(artifact)
+    module = _LIBRARIES.get(path)
+    if module is None:
+        module = _LIBRARIES[path] = tvm.runtime.load_module(str(path))
+    return module
+
+
 def load_library(path: str | Path, device: Any = "cpu") -> tuple[Any, dict, tvm.runtime.Device]:
     """The artifact's TVM library, loadable by TVM's own VM, with its manifest and device."""
     library, manifest, dev, _ = _open(path, device)
@@ -74,7 +88,7 @@ def _open(path: str | Path, device: Any):
         store.install()
     else:
         store = None
-    return tvm.runtime.load_module(str(_library_path(artifact))), manifest, dev, store
+    return _library(artifact), manifest, dev, store
 
 
 def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",

@@ -121,6 +121,83 @@ def test_record_all_then_every_call_replays():
         executor.close()
 
 
+def test_shapes_beyond_max_shapes_reuse_table_rows_and_equal_tvm_vm():
+    """At most ``max_shapes`` shapes held: the least recently used gives its argument-table
+    row up, the next shape is written there on the device (the patch kernel forgets the
+    row it applied last), and an evicted shape is recorded again when it comes back."""
+    from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
+
+    path = _artifact("blocks.cuda.grape")
+    library, _, dev = load_library(path, "cuda")
+    vm = VirtualMachine(library, dev)
+    executor = load(path, "cuda", max_shapes=6)
+    try:
+        rng = np.random.default_rng(8)
+        sizes = [int(n) for n in rng.integers(1, 257, size=12)]
+        for n in [sizes[i % len(sizes)] for i in range(40)] + sizes[::-1]:
+            x = rng.standard_normal((n, 64)).astype(np.float32)
+            np.testing.assert_allclose(executor.run({"x": x})["y"], _vm_reference(vm, dev, x),
+                                       rtol=1e-5, atol=1e-5)
+            assert executor.stats.plans_held <= 6 and executor.stats.shapes_held <= 6
+        assert executor.backend.evicted > 0 and executor.stats.planned_calls > 0
+        print(f"max_shapes=6: {executor.stats}")
+    finally:
+        executor.close()
+
+
+def test_one_tensor_for_several_inputs_does_not_poison_a_shape():
+    """Self-attention called with q = k = v (one device tensor) first: later calls at those
+    dims with separate tensors read each of them; equal to TVM's VM every time."""
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
+
+    path = _artifact("attention.cuda.grape")
+    library, _, dev = load_library(path, "cuda")
+    vm = VirtualMachine(library, dev)
+    executor = load(path, "cuda")
+    rng = np.random.default_rng(9)
+
+    def check(q, k, v):
+        got = executor.run({"q": q, "k": k, "v": v})
+        want = vm["main"](*[t if isinstance(t, tvm.runtime.Tensor) else tvm.runtime.tensor(t, dev)
+                            for t in (q, k, v)])
+        for name, value in zip(("y", "z"), want):
+            np.testing.assert_allclose(got[name], value.numpy(), rtol=1e-5, atol=1e-5)
+
+    try:
+        for n in (5, 9, 5):
+            one = tvm.runtime.tensor(rng.standard_normal((n, 16)).astype(np.float32), dev)
+            check(one, one, one)
+            for _ in range(3):
+                check(*(rng.standard_normal((n, 16)).astype(np.float32) for _ in range(3)))
+        assert executor.stats.unrecorded_calls >= 2 and executor.stats.planned_calls > 0
+    finally:
+        executor.close()
+
+
+def test_a_dropped_executor_frees_its_graphs():
+    """No cycle through TVM's FFI keeps an executor alive: dropped, it is collected and its
+    graphs, tables and streams are freed."""
+    import gc  # pylint: disable=import-outside-toplevel
+    import weakref  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    def run_and_drop():
+        executor = load(_artifact("blocks.cuda.grape"), "cuda")
+        for n in (3, 70, 3):
+            executor.run({"x": np.ones((n, 64), np.float32)})
+        return weakref.ref(executor), weakref.ref(executor.backend)
+
+    executor, backend = run_and_drop()
+    gc.collect()
+    assert executor() is None and backend() is None
+
+
 def test_replays_in_random_order_with_new_inputs(blocks):
     executor, vm, dev, _ = blocks
     rng = np.random.default_rng(1)

@@ -3,6 +3,7 @@
     python bench/gpu/build_artifacts.py build/gpu
 
 - ``blocks.cuda.grape``: the bundled example (tests, demo).
+- ``attention.cuda.grape``: three inputs of one shape (tests: one tensor for all three).
 - ``gpt2_tiny.cuda.grape``, ``gpt2.grape.cuda.grape``: decode steps with a KV cache (tests,
   zero-copy benchmark).
 - ``decoder_tiny.{loop,tvm_vm}.cuda.grape``, ``decoder{,_small}.{loop,tvm_vm}.cuda.grape``: a greedy
@@ -287,9 +288,20 @@ def build_branches(out: Path) -> None:
     nested.export(out / "nested.cuda.grape")
 
 
+def build_attention(out: Path) -> None:
+    """Three inputs of one shape, for calls that pass one tensor for all three (tests)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from test_executor_lifecycle import _attention_module  # pylint: disable=import-outside-toplevel
+
+    module = _timed("attention", lambda: grape_tvm.build(
+        _attention_module(), {"n": (1, 32)}, CUDA, output_names=["y", "z"]))
+    module.export(out / "attention.cuda.grape")
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     build_example(out)
+    build_attention(out)
     build_bench(out)
     build_decode(out)
     build_hf_models(out)

@@ -9,7 +9,9 @@ Layout (little endian)::
     sections               the compiled library (.so) and any cubins, back to back
     sha256                 32 bytes, over everything before it
 
-Reading needs only the TVM runtime: nothing here imports the compiler.
+Reading checks the manifest's fields before anything uses them: an edited or foreign one
+fails with ``ArtifactError`` naming the field. Reading needs only the TVM runtime: nothing
+here imports the compiler.
 """
 
 from __future__ import annotations
@@ -28,6 +30,116 @@ _DIGEST = 32
 
 class ArtifactError(ValueError):
     """The file is not a loadable grape artifact; the message says why."""
+
+
+class _Each:
+    """A JSON object of any keys, each value fitting ``schema``."""
+
+    def __init__(self, schema):
+        self.schema = schema
+
+
+# The manifest fields grape reads when it loads, runs or describes an artifact, checked once
+# here so that an edited or foreign manifest fails with the field's name, not deep inside.
+# A dict lists an object's keys ("?": optional), a one-item list a list of such items, a
+# type or tuple of types a value, a frozenset the values allowed.
+_TENSOR = {"name": str, "dtype": str, "shape": [(int, str)],
+           "kind?": frozenset({"tensor", "sequence"})}
+_SIGNATURE = {"inputs": [_TENSOR], "outputs": [_TENSOR], "dims": _Each([int])}
+_BRANCH_CALL = {"callee": str, "kind": str, "args": [int], "dims": [int]}
+_ONNX_LOOP = {"node": str, "trip_count": (dict, type(None)), "cond": (dict, type(None)),
+              "carried": [{"state": str, "init": dict}], "invariants": _Each(str),
+              "outputs": [{"name": str, "source": dict}], "signature": _SIGNATURE}
+_MANIFEST = {
+    "target": {"kind": frozenset({"llvm", "cuda"}), "arch?": str},
+    "signature": _SIGNATURE,
+    "plan": {
+        "regions": [{"name": str, "kernels": [str], "symbolic_vars": [str]}],
+        "host_steps": [{"function": str, "var": str, "op": str, "reason": str}],
+        "host_bookkeeping?": int,
+        "conditionals?": [{"name": str, "condition": str, "mode": str, "then_calls": [str],
+                           "else_calls": [str], "kernels": int}],
+        "branches?": _Each({"condition": int, "dims": [str], "branches": [[_BRANCH_CALL]]}),
+    },
+    "loop?": {"carried": [str], "stop": str, "max_steps": int, "onnx?": _ONNX_LOOP},
+    "sections": [{"name": str, "offset": int, "size": int, "sha256": str}],
+    "cubins?": [str],
+}
+_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer",
+               type(None): "null"}
+
+
+class _Malformed(ValueError):
+    """A manifest field that does not fit ``_MANIFEST``; the message names it."""
+
+
+def _field(where: str, key) -> str:
+    return f"{where}.{key}" if where else str(key)
+
+
+def _shown(value) -> str:
+    text = json.dumps(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _fit(value, schema, where: str) -> None:
+    """Raise ``_Malformed`` naming the first field of ``value`` that ``schema`` refuses."""
+    if isinstance(schema, dict):
+        _fit_type(value, dict, where)
+        for key, item_schema in schema.items():
+            name = key.rstrip("?")
+            if name in value:
+                _fit(value[name], item_schema, _field(where, name))
+            elif not key.endswith("?"):
+                raise _Malformed(f"field {_field(where, name)!r} is missing")
+    elif isinstance(schema, list):
+        _fit_type(value, list, where)
+        for i, item in enumerate(value):
+            _fit(item, schema[0], f"{where}[{i}]")
+    elif isinstance(schema, _Each):
+        _fit_type(value, dict, where)
+        for key, item in value.items():
+            _fit(item, schema.schema, _field(where, key))
+    elif isinstance(schema, frozenset):
+        if not (isinstance(value, str) and value in schema):
+            raise _Malformed(f"field {where!r} is {_shown(value)}, expected one of "
+                             f"{sorted(schema)}")
+    else:
+        _fit_type(value, schema, where)
+
+
+def _fit_type(value, types, where: str) -> None:
+    types = types if isinstance(types, tuple) else (types,)
+    # JSON's true and false are Python bools, which are ints too: not an integer here.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        expected = " or ".join(_TYPE_NAMES[t] for t in types)
+        what = f"field {where!r}" if where else "the manifest"
+        raise _Malformed(f"{what} is {_shown(value)}, expected {expected}")
+
+
+def _check_manifest(manifest, payload_size: int) -> None:
+    """The manifest has every field loading reads, of its type; its dims are ranges and its
+    sections lie in the payload."""
+    _fit(manifest, _MANIFEST, "")
+    for signature, where in _signatures(manifest):
+        for dim, bounds in signature["dims"].items():
+            if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+                raise _Malformed(f"field {_field(where, 'dims.' + dim)!r} is {_shown(bounds)}, "
+                                 "expected [lo, hi] with 0 <= lo <= hi")
+    for i, entry in enumerate(manifest["sections"]):
+        if entry["offset"] < 0 or entry["size"] < 0 or \
+                entry["offset"] + entry["size"] > payload_size:
+            raise _Malformed(f"section {entry['name']!r} (sections[{i}]) lies outside the "
+                             f"file's {payload_size} bytes of sections")
+    if "library" not in {entry["name"] for entry in manifest["sections"]}:
+        raise _Malformed("it has no 'library' section")
+
+
+def _signatures(manifest: dict):
+    yield manifest["signature"], "signature"
+    onnx_loop = manifest.get("loop", {}).get("onnx")
+    if onnx_loop is not None:
+        yield onnx_loop["signature"], "loop.onnx.signature"
 
 
 @dataclass
@@ -75,6 +187,10 @@ class Artifact:
         except ValueError as err:
             raise ArtifactError(f"{name} has an unreadable manifest: {err}") from None
         payload = start + manifest_len
+        try:
+            _check_manifest(manifest, len(body) - payload)
+        except _Malformed as err:
+            raise ArtifactError(f"{name} has a malformed manifest: {err}") from None
         sections = {}
         for entry in manifest.get("sections", []):
             lo = payload + entry["offset"]

@@ -249,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError, KeyError) as err:
+    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
         print(f"grape-tvm {args.command}: error: {err}", file=sys.stderr)
         return 2
 

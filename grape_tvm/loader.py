@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -37,8 +38,8 @@ def _load_cuda_runtime() -> None:
 
 
 def _library_path(artifact: Artifact) -> Path:
-    # A .so must be a file to be loaded; one file per artifact content, reused across loads.
-    digest = artifact.manifest["sections"][0]["sha256"]
+    # A .so must be a file to be loaded; one file per library content, reused across loads.
+    digest = hashlib.sha256(artifact.sections["library"]).hexdigest()
     path = cache_dir() / "lib" / f"{digest}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)

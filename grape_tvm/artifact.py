@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 MAGIC = b"GRAPETVM"
 FORMAT_VERSION = 1
@@ -142,6 +145,23 @@ def _signatures(manifest: dict):
         yield onnx_loop["signature"], "loop.onnx.signature"
 
 
+def write_atomically(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
+    """Write ``path`` through ``write(file)`` on a temporary file beside it, renamed over it
+    once complete: a failed write leaves neither a half-written ``path`` nor the temporary."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder, expected a file name")
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")  # unique: writers may race
+    try:
+        with open(tmp, "wb") as file:
+            write(file)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
 @dataclass
 class Artifact:
     manifest: dict
@@ -159,11 +179,7 @@ class Artifact:
         return body + hashlib.sha256(body).digest()
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_bytes(self.to_bytes())
-        tmp.replace(path)  # never leave a half-written artifact under the real name
-        return path
+        return write_atomically(path, lambda file: file.write(self.to_bytes()))
 
     @classmethod
     def from_bytes(cls, data: bytes, name: str = "artifact") -> "Artifact":

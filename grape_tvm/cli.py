@@ -11,9 +11,12 @@ import argparse
 import json
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
+
+from grape_tvm.artifact import Artifact, write_atomically
 
 
 def _parse_dims(items: list[str]) -> dict[str, str]:
@@ -26,9 +29,18 @@ def _parse_dims(items: list[str]) -> dict[str, str]:
     return dims
 
 
+def _check_output(path: Path, option: str) -> None:
+    """Refuse, before any work, an output path that cannot be written."""
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a folder, expected a file name")
+    if not path.parent.is_dir():
+        raise ValueError(f"{option} {path}: folder {path.parent} does not exist")
+
+
 def cmd_compile(args: argparse.Namespace) -> int:
     from grape_tvm.compiler import compile_onnx  # pylint: disable=import-outside-toplevel
 
+    _check_output(args.output, "-o")
     start = time.perf_counter()
     print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
     module = compile_onnx(args.model, _parse_dims(args.dim), args.target,
@@ -42,11 +54,44 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_inputs(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file, by name. Only arrays of numbers are read: never pickled
+    objects (np.load's allow_pickle stays off)."""
+    if path.is_dir():
+        raise ValueError(f"--inputs {path} is a folder, expected an .npz file")
+    if not path.is_file():
+        raise FileNotFoundError(f"--inputs {path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"--inputs {path} is not an .npz file (np.savez, one array per input "
+                         "name)")
+    with np.load(path, allow_pickle=False) as npz:
+        return {name: _read_array(npz, name, path) for name in npz.files}
+
+
+def _read_array(npz, name: str, path: Path) -> np.ndarray:
+    try:
+        array = npz[name]
+    except (ValueError, zipfile.BadZipFile) as err:  # object arrays need pickle: refused
+        raise ValueError(f"input {name!r} in {path} is not an array of numbers: {err}") from None
+    if not isinstance(array, np.ndarray):  # a zip member that is no .npy
+        raise ValueError(f"input {name!r} in {path} is not an array (.npy) but "
+                         f"{len(array)} bytes of something else")
+    return array
+
+
+def _write_outputs(path: Path, outputs: dict, note: str = "") -> None:
+    """All outputs in one .npz file at exactly ``path`` (np.savez would add ".npz" to another
+    name), in place of any earlier file only once complete."""
+    write_atomically(path, lambda file: np.savez(file, **outputs))
+    shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
+    print(f"wrote {path}: {shapes}{note}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 
-    with np.load(args.inputs) as npz:
-        inputs = {k: npz[k] for k in npz.files}
+    _check_output(args.outputs, "--outputs")
+    inputs = _read_inputs(args.inputs)
     if _is_onnx_loop(args.model):
         return _run_onnx_loop(args, inputs)
     executor = load(args.model, device=args.device)
@@ -54,14 +99,11 @@ def cmd_run(args: argparse.Namespace) -> int:
         outputs = executor.run(inputs)
     finally:
         executor.close()
-    np.savez(args.outputs, **outputs)
-    shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
-    print(f"wrote {args.outputs}: {shapes}")
+    _write_outputs(args.outputs, outputs)
     return 0
 
 
 def _is_onnx_loop(path: Path) -> bool:
-    from grape_tvm.artifact import Artifact  # pylint: disable=import-outside-toplevel
     from grape_tvm.onnx_loop import is_onnx_loop  # pylint: disable=import-outside-toplevel
 
     return is_onnx_loop(Artifact.load(path).manifest)
@@ -72,9 +114,7 @@ def _run_onnx_loop(args: argparse.Namespace, inputs: dict) -> int:
 
     with load_onnx_loop(args.model, args.device) as loop:
         outputs = loop.run(inputs)
-    np.savez(args.outputs, **outputs)
-    shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
-    print(f"wrote {args.outputs}: {shapes} after {loop.steps} loop step(s) ({loop.mode})")
+    _write_outputs(args.outputs, outputs, f" after {loop.steps} loop step(s) ({loop.mode})")
     return 0
 
 
@@ -166,8 +206,6 @@ def _print_description(d: dict) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from grape_tvm.artifact import Artifact  # pylint: disable=import-outside-toplevel
-
     description = describe(Artifact.load(args.model).manifest)
     if args.record:
         description["graphs"] = _record(args)
@@ -249,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError) as err:
+    except (ValueError, TypeError, OSError, RuntimeError) as err:
         print(f"grape-tvm {args.command}: error: {err}", file=sys.stderr)
         return 2
 

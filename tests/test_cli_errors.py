@@ -3,7 +3,10 @@ what was expected; no traceback, nothing written, nothing left behind."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
+import onnx
 import pytest
 
 import grape_tvm
@@ -53,3 +56,107 @@ def test_crafted_manifest(artifact, tmp_path, capsys, edit, message, command):
         if command == "run" else []
     line = refused(capsys, tmp_path, command, crafted, *args)
     assert f"{crafted} has a malformed manifest: " in line and message in line
+
+
+@pytest.fixture(scope="module")
+def cuda_artifact(tmp_path_factory):
+    """The same model built for CUDA: building needs no GPU (nor nvcc without prebuilt cubins)."""
+    path = tmp_path_factory.mktemp("cli") / "tiny.cuda.grape"
+    grape_tvm.compile_onnx(tiny_onnx(), dims={"n": (1, 8)}, target="cuda",
+                           prebuild_cubin=False).export(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def onnx_model(tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "tiny.onnx"
+    onnx.save(tiny_onnx(), str(path))
+    return path
+
+
+def _has_cuda_driver() -> bool:
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(_has_cuda_driver(), reason="this host has a CUDA driver")
+def test_run_on_cuda_without_a_driver(cuda_artifact, tmp_path, capsys):
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    line = refused(capsys, tmp_path, "run", cuda_artifact, "--inputs", tmp_path / "in.npz",
+                   "--outputs", tmp_path / "out.npz", "--device", "cuda")
+    assert f"{cuda_artifact} runs on a CUDA GPU, and no CUDA driver is available here" in line
+
+
+def test_compile_into_an_existing_folder(onnx_model, tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    line = refused(capsys, tmp_path, "compile", onnx_model, "-o", tmp_path / "out",
+                   "--dim", "n=1:8")
+    assert f"-o {tmp_path / 'out'} is a folder, expected a file name" in line
+
+
+def test_compile_into_a_missing_folder(onnx_model, tmp_path, capsys):
+    line = refused(capsys, tmp_path, "compile", onnx_model, "-o", tmp_path / "no" / "m.grape",
+                   "--dim", "n=1:8")
+    assert f"-o {tmp_path / 'no' / 'm.grape'}: folder {tmp_path / 'no'} does not exist" in line
+
+
+def _write_inputs(tmp_path, kind: str, artifact):
+    """An --inputs path of the given kind: none of them an .npz file of numeric arrays."""
+    x = np.ones((2, 8), np.float32)
+    path = tmp_path / {"folder": "in", "npy": "x.npy", "artifact": "model.grape",
+                       "big-endian": "in.npz", "objects": "in.npz"}[kind]
+    if kind == "folder":
+        path.mkdir()
+    elif kind == "npy":
+        np.save(path, x)
+    elif kind == "artifact":
+        path.write_bytes(artifact.read_bytes())
+    elif kind == "big-endian":
+        np.savez(path, x=x.astype(">f4"))
+    else:
+        np.savez(path, x=np.array([[1.0] * 8, ["a"] * 8], dtype=object))
+    return path
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("folder", "--inputs {path} is a folder, expected an .npz file"),
+    ("npy", "--inputs {path} is not an .npz file (np.savez"),
+    ("artifact", "--inputs {path} is not an .npz file (np.savez"),
+    ("big-endian", "input 'x' is big-endian (>f4), expected the host's byte order"),
+    ("objects", "input 'x' in {path} is not an array of numbers"),
+])
+def test_run_inputs_that_are_not_numeric_npz(artifact, tmp_path, capsys, kind, message):
+    path = _write_inputs(tmp_path, kind, artifact)
+    line = refused(capsys, tmp_path, "run", artifact, "--inputs", path,
+                   "--outputs", tmp_path / "out.npz")
+    assert message.format(path=path) in line
+
+
+def test_run_writes_exactly_the_outputs_path_given(artifact, tmp_path, capsys):
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    assert main(["run", str(artifact), "--inputs", str(tmp_path / "in.npz"),
+                 "--outputs", str(tmp_path / "out.txt")]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {tmp_path / 'out.txt'}: y(3, 8)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["in.npz", "out.txt"]
+    with np.load(tmp_path / "out.txt") as npz:
+        assert npz.files == ["y"] and npz["y"].shape == (3, 8)
+
+
+def test_failed_run_keeps_an_existing_outputs_file(artifact, tmp_path, capsys):
+    (tmp_path / "out.npz").write_bytes(b"results of an earlier run")
+    np.savez(tmp_path / "in.npz", x=np.ones((9, 8), np.float32))  # n = 9 is outside 1..8
+    line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
+                   "--outputs", tmp_path / "out.npz")
+    assert "input 'x' axis 0 (dimension 'n') is 9, outside its declared range 1..8" in line
+
+
+def test_run_into_a_folder(artifact, tmp_path, capsys):
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    (tmp_path / "out").mkdir()
+    line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
+                   "--outputs", tmp_path / "out")
+    assert f"--outputs {tmp_path / 'out'} is a folder, expected a file name" in line

@@ -115,3 +115,14 @@ def test_zero_size_dims_where_the_range_allows_them(tmp_path):
     grape_tvm.compile_onnx(tmp_path / "add.onnx", {"n": (1, 8)}).export(tmp_path / "add1.grape")
     with pytest.raises(grape_tvm.runtime.InputError, match="is 0, outside its declared range 1..8"):
         load(tmp_path / "add1.grape", "cpu").run({"x": np.zeros((0, 3), np.float32)})
+
+
+@pytest.mark.parametrize("x, message", [
+    (np.ones((2, 64), ">f4"), "input 'x' is big-endian (>f4), expected the host's byte order"),
+    (np.full((2, 64), None, dtype=object), "input 'x' has dtype object: not an array of numbers"),
+    (np.full((2, 64), "a"), "input 'x' has dtype <U1: not an array of numbers"),
+])
+def test_arrays_tvm_cannot_hold_are_refused_naming_the_input(blocks, x, message):
+    with pytest.raises(grape_tvm.runtime.InputError) as err:
+        load(blocks[0], "cpu").run({"x": x})
+    assert message in str(err.value)

@@ -23,9 +23,13 @@ def _parse_dims(items: list[str]) -> dict[str, str]:
     dims = {}
     for item in items:
         name, sep, rng = item.partition("=")
+        name, rng = name.strip(), rng.strip()
         if not sep or not name:
             raise ValueError(f"--dim takes NAME=LO:HI, got {item!r}")
-        dims[name.strip()] = rng.strip()
+        if name in dims:
+            raise ValueError(f"--dim {name} is given twice ({dims[name]} and {rng}): give each "
+                             "dimension one range")
+        dims[name] = rng
     return dims
 
 

@@ -32,15 +32,41 @@ class ImportError_(RuntimeError):
 
 
 def load_onnx(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    """An ONNX model from a file (or as given), refused naming it when it is not one that
+    grape can import: empty, without a graph, or of an opset newer than onnx here knows."""
     if isinstance(model, onnx.ModelProto):
+        _check_model(model, f"ONNX graph {model.graph.name!r}")
         return model
     path = Path(model)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such ONNX file")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty, not an ONNX model")
     try:
-        return onnx.load(str(path))
+        proto = onnx.load(str(path))
     except Exception as err:  # pylint: disable=broad-except
         raise ValueError(f"{path} is not a readable ONNX model: {err}") from None
+    _check_model(proto, str(path))
+    return proto
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's opset of the default domain (ai.onnx)."""
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return 1
+
+
+def _check_model(model: onnx.ModelProto, name: str) -> None:
+    if not model.HasField("graph"):
+        raise ValueError(f"{name} is not an ONNX model: it has no graph")
+    # As onnxruntime: operators of a newer opset may have changed in ways no converter knows.
+    opset, newest = default_opset(model), onnx.defs.onnx_opset_version()
+    if opset > newest:
+        raise ValueError(f"{name} uses ONNX opset {opset} (domain ai.onnx); the installed onnx "
+                         f"{onnx.__version__} knows opsets up to {newest}: export the model "
+                         f"with opset {newest} or older")
 
 
 def _tensor_type(value: onnx.ValueInfoProto, output: bool):
@@ -62,6 +88,10 @@ def _value_spec(value: onnx.ValueInfoProto, output: bool = False) -> TensorSpec:
     depends on the data, as Unique's) is "?": outputs are not checked against ranges. A
     sequence output is of kind "sequence": its tensors come back as a list."""
     ttype, sequence = _tensor_type(value, output)
+    if not output and not ttype.HasField("shape"):
+        raise ValueError(f"ONNX input {value.name!r} has no shape (its rank is unknown): "
+                         "grape-tvm needs every input's rank; give it a shape, with dim_param "
+                         "names for the sizes that vary")
     dtype = _ONNX_DTYPES.get(ttype.elem_type)
     if dtype is None:
         raise ValueError(f"ONNX value {value.name!r} has element type "

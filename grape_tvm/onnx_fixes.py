@@ -17,6 +17,8 @@ from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer, ConstIntBound
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
+from grape_tvm.frontend import default_opset
+
 
 class OnnxConversionError(RuntimeError):
     """A converter failed: names the ONNX node and op."""
@@ -49,13 +51,6 @@ class GrapeOnnxImporter(tvm_onnx.ONNXGraphImporter):
         return self.bb.normalize(sym) if isinstance(sym, relax.Expr) else sym
 
 
-def _opset(model: onnx.ModelProto) -> int:
-    for entry in model.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            return entry.version
-    return 1
-
-
 def from_onnx(model: onnx.ModelProto, dims: Mapping[str, tuple[int, int]] | None = None,
               keep_params_in_input: bool = False) -> tvm.IRModule:
     """``tvm.relax.frontend.onnx.from_onnx`` with grape's converters (no shape or dtype
@@ -64,7 +59,7 @@ def from_onnx(model: onnx.ModelProto, dims: Mapping[str, tuple[int, int]] | None
     if model.ir_version < 3:
         raise ValueError(f"ONNX IR version {model.ir_version} is too old: 3 or later is needed")
     importer = GrapeOnnxImporter(dims, keep_params_in_input=keep_params_in_input)
-    return importer.from_onnx(model.graph, _opset(model))
+    return importer.from_onnx(model.graph, default_opset(model))
 
 
 def _int_scalar(value, params) -> tirx.PrimExpr | None:

@@ -437,6 +437,10 @@ class GraphExecutor:
         """
         if self.signature is None:
             raise ValueError("record_all needs the model's signature (load it from an artifact)")
+        unknown = sorted(set(dims or ()) - set(self.signature.dims))
+        if unknown:
+            raise InputError(f"record_all: {unknown} are not dimensions of the model; its "
+                             f"dimensions are {sorted(self.signature.dims)}")
         values = {name: list(dims[name]) if dims and name in dims else list(rng)
                   for name, rng in self.signature.dims.items()}
         combos = list(itertools.product(*values.values()))

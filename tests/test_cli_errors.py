@@ -160,3 +160,44 @@ def test_run_into_a_folder(artifact, tmp_path, capsys):
     line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
                    "--outputs", tmp_path / "out")
     assert f"--outputs {tmp_path / 'out'} is a folder, expected a file name" in line
+
+
+def _saved(tmp_path, model: onnx.ModelProto):
+    path = tmp_path / "model.onnx"
+    onnx.save(model, str(path))
+    return path
+
+
+def test_compile_an_empty_file(tmp_path, capsys):
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    line = refused(capsys, tmp_path, "compile", tmp_path / "empty.onnx", "-o", tmp_path / "m.grape")
+    assert f"{tmp_path / 'empty.onnx'} is empty, not an ONNX model" in line
+
+
+def test_compile_a_model_with_an_unranked_input(tmp_path, capsys):
+    model = tiny_onnx()
+    model.graph.input[0].type.tensor_type.ClearField("shape")
+    line = refused(capsys, tmp_path, "compile", _saved(tmp_path, model), "-o", tmp_path / "m.grape")
+    assert "ONNX input 'x' has no shape (its rank is unknown)" in line
+
+
+def test_compile_a_model_of_a_newer_opset(tmp_path, capsys):
+    newest = onnx.defs.onnx_opset_version()
+    model = tiny_onnx()
+    model.opset_import[0].version = newest + 1
+    path = _saved(tmp_path, model)
+    line = refused(capsys, tmp_path, "compile", path, "--dim", "n=1:8", "-o", tmp_path / "m.grape")
+    assert f"{path} uses ONNX opset {newest + 1} (domain ai.onnx); the installed onnx " \
+           f"{onnx.__version__} knows opsets up to {newest}" in line
+
+
+@pytest.mark.parametrize("dims, message", [
+    (["n=1:1e23"], "range of dimension 'n' must be LO:HI, two integers, got '1:1e23'"),
+    (["n=1:" + "1" + "0" * 23], "range of dimension 'n': a shape range's upper bound must be "
+                                "at most 2**63 - 1 (TVM's shape values are int64), got 1" + "0" * 23),
+    (["n=1:8", "n=1:16"], "--dim n is given twice (1:8 and 1:16)"),
+])
+def test_compile_dims_refused(onnx_model, tmp_path, capsys, dims, message):
+    line = refused(capsys, tmp_path, "compile", onnx_model, "-o", tmp_path / "m.grape",
+                   *[a for d in dims for a in ("--dim", d)])
+    assert message in line

@@ -128,7 +128,7 @@ def test_console_script_compiles(models, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     ([], "dimension 'n' of input 'x' (axis 0) has no declared range: pass --dim n=LO:HI"),
-    (["--dim", "n=1-8"], "range of dimension 'n' must be LO:HI, got '1-8'"),
+    (["--dim", "n=1-8"], "range of dimension 'n' must be LO:HI, two integers, got '1-8'"),
     (["--dim", "n=1:8", "--dim", "seq=1:8"], "declared dimension(s) ['seq'] are not dim_param names"),
     (["--dim", "n=9:8"], "needs 0 <= lo <= hi, got 9..8"),
     (["--dim", "n=1:8", "--target", "metal"], "unknown target 'metal'"),

@@ -126,3 +126,16 @@ def test_arrays_tvm_cannot_hold_are_refused_naming_the_input(blocks, x, message)
     with pytest.raises(grape_tvm.runtime.InputError) as err:
         load(blocks[0], "cpu").run({"x": x})
     assert message in str(err.value)
+
+
+@pytest.mark.parametrize("bounds", [(1.5, 8), (1, 8.0), (1, 1e23), ("1", 8), (True, 8)])
+def test_a_range_of_non_integers_is_refused(tmp_path, bounds):
+    with pytest.raises(ValueError, match=r"^range of dimension 'n' takes integers, got "):
+        grape_tvm.compile_onnx(_add_model(), {"n": bounds})
+
+
+def test_record_all_names_an_unknown_dim(blocks):
+    with pytest.raises(grape_tvm.runtime.InputError) as err:
+        load(blocks[0], "cpu").record_all({"m": [1, 2]}, progress=False)
+    assert "record_all: ['m'] are not dimensions of the model; its dimensions are ['n']" \
+        in str(err.value)

@@ -1,6 +1,7 @@
 """``grape-tvm``: compile, run and inspect models from the command line.
 
     grape-tvm compile MODEL.onnx -o MODEL.grape [--target llvm|cuda|JSON] [--dim NAME=LO:HI ...]
+                      [--max-memory GIB]
     grape-tvm run MODEL.grape --inputs IN.npz --outputs OUT.npz [--device cpu|cuda]
     grape-tvm inspect MODEL.grape [--json]
 """
@@ -48,7 +49,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
     module = compile_onnx(args.model, _parse_dims(args.dim), args.target,
-                          select_ops=args.select_ops)
+                          select_ops=args.select_ops, max_memory=int(args.max_memory * 2**30))
     path = module.export(args.output)
     regions = module.plan["regions"]
     conditionals = len(module.plan.get("conditionals", []))
@@ -267,6 +268,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: every if a conditional region)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=LO:HI",
                    help="range of a symbolic dimension (an ONNX dim_param); repeat per dimension")
+    p.add_argument("--max-memory", type=float, default=64, metavar="GIB",
+                   help="refuse ranges whose memory, planned at their upper bounds and allocated "
+                        "by every call, exceeds this many GiB (default 64)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("run", help="run an artifact on inputs from an .npz file")

@@ -201,3 +201,10 @@ def test_compile_dims_refused(onnx_model, tmp_path, capsys, dims, message):
     line = refused(capsys, tmp_path, "compile", onnx_model, "-o", tmp_path / "m.grape",
                    *[a for d in dims for a in ("--dim", d)])
     assert message in line
+
+
+def test_compile_a_range_whose_planned_memory_exceeds_the_limit(models, tmp_path, capsys):
+    line = refused(capsys, tmp_path, "compile", models["blocks"], "-o", tmp_path / "m.grape",
+                   "--dim", "n=1:1000000", "--max-memory", "0.01")
+    assert "memory planned at the declared upper bound n=1000000 is 512000000 bytes (488.3 MiB), " \
+           "above the limit of 10737418 bytes (10.2 MiB)" in line

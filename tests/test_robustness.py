@@ -14,6 +14,7 @@ from tvm.runtime.vm import VirtualMachine
 
 import grape_tvm
 from conftest import onnxruntime_outputs
+from grape_tvm.compiler import PlannedMemoryError
 from grape_tvm.loader import load, load_library
 
 
@@ -139,3 +140,19 @@ def test_record_all_names_an_unknown_dim(blocks):
         load(blocks[0], "cpu").record_all({"m": [1, 2]}, progress=False)
     assert "record_all: ['m'] are not dimensions of the model; its dimensions are ['n']" \
         in str(err.value)
+
+
+def test_a_range_whose_planned_memory_exceeds_the_limit_is_refused(models):
+    """Memory is planned at the upper bound: n = 10**9 would make every call at any n
+    allocate 512 GB (std::bad_alloc at each call before it was refused)."""
+    with pytest.raises(PlannedMemoryError) as err:
+        grape_tvm.compile_onnx(models["blocks"], {"n": (1, 10**9)})
+    assert "memory planned at the declared upper bound n=1000000000 is 512000000000 bytes " \
+           "(476.8 GiB), above the limit of 68719476736 bytes (64.0 GiB)" in str(err.value)
+
+
+def test_max_memory_sets_the_limit(models):
+    """blocks plans two (n, 64) float32 buffers: 51200 bytes at n = 100."""
+    grape_tvm.compile_onnx(models["blocks"], {"n": (1, 100)}, max_memory=51200)
+    with pytest.raises(PlannedMemoryError, match=r"is 51200 bytes .*limit of 51199 bytes"):
+        grape_tvm.compile_onnx(models["blocks"], {"n": (1, 100)}, max_memory=51199)

@@ -13,7 +13,7 @@ from tvm import relax
 
 import grape_tvm
 from grape_tvm.artifact import Artifact
-from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature
+from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature, with_identifier_dims
 from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.passes.planned_memory import planned_bytes
 from grape_tvm.pipeline import grape_pipeline, is_gpu
@@ -102,10 +102,10 @@ def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16,
 
 
 def _check_planned_memory(lowered: tvm.IRModule, ranges: Mapping[str, ShapeRange],
-                          max_memory: int) -> None:
+                          max_memory: int, dim_names: Mapping[str, str]) -> None:
     planned = planned_bytes(lowered)
     if planned > max_memory:
-        bounds = ", ".join(f"{name}={r.hi}" for name, r in ranges.items())
+        bounds = ", ".join(f"{dim_names.get(name, name)}={r.hi}" for name, r in ranges.items())
         where = f"at the declared upper bound {bounds}" if ranges else "for its static shapes"
         raise PlannedMemoryError(
             f"the memory planned {where} is {planned} bytes ({_in_units(planned)}), above the "
@@ -124,7 +124,8 @@ def _in_units(size: int) -> str:
 def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any = "llvm", *,
           signature: Signature | None = None, output_names: list[str] | None = None,
           prebuild_cubin: bool = True, select_ops: int = 16,
-          device_branches: bool = True, max_memory: int = DEFAULT_MAX_MEMORY) -> GrapeModule:
+          device_branches: bool = True, max_memory: int = DEFAULT_MAX_MEMORY,
+          dim_names: Mapping[str, str] | None = None) -> GrapeModule:
     """Compile a Relax module whose ``main`` takes tensors with symbolic dimensions.
 
     ``dims`` maps each symbolic dimension to its declared range ``(lo, hi)``; memory is
@@ -135,14 +136,18 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     launched, the one not taken disabled on the device); 0 makes every one conditional.
     ``device_branches=False`` leaves those to TVM's VM instead, which reads the condition on
     the host (a sync per call; the benchmarks' baseline). For a CUDA target the kernels are compiled to cubin here when nvcc is
-    present (else on first load, then cached).
+    present (else on first load, then cached). ``dim_names`` maps a dim of ``mod`` to the
+    name users know it by, where they differ (``frontend.with_identifier_dims``).
     """
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
     signature = signature or _relax_signature(mod["main"], ranges, output_names)
     lowered = _lower(mod, tgt, ranges, select_ops, device_branches)
-    _check_planned_memory(lowered, ranges, max_memory)
+    dim_names = dim_names or {}
+    _check_planned_memory(lowered, ranges, max_memory, dim_names)
     plan = graph_plan(lowered).to_json()
+    for region in plan["regions"]:
+        region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
     executable = tvm.compile(lowered, target=tgt, relax_pipeline=None)
     return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)
 
@@ -176,5 +181,6 @@ def compile_onnx(model: Any, dims: Mapping[str, Any] | None = None, target: Any 
     if find_loop(proto) is not None:
         return compile_onnx_loop(proto, dims, target, **kwargs)
     signature = onnx_signature(proto, dims or {})
-    mod = import_onnx(proto, signature.dims)
-    return build(mod, signature.dims, target, signature=signature, **kwargs)
+    proto, ranges, dim_names = with_identifier_dims(proto, signature.dims)
+    mod = import_onnx(proto, ranges)
+    return build(mod, ranges, target, signature=signature, dim_names=dim_names, **kwargs)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -158,19 +159,70 @@ def normalize_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     others use the typed forms. Works on a copy, subgraphs included.
     """
     model = onnx.ModelProto.FromString(model.SerializeToString())
-
-    def visit(graph: onnx.GraphProto) -> None:
+    for graph in _graphs(model.graph):
         for node in graph.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
                 _constant_as_tensor(node)
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    visit(attr.g)
-                for sub in attr.graphs:
-                    visit(sub)
-
-    visit(model.graph)
     return model
+
+
+def _graphs(graph: onnx.GraphProto):
+    """``graph`` and every graph nested in its nodes' attributes (If branches, Loop bodies)."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attr.g)
+            for sub in attr.graphs:
+                yield from _graphs(sub)
+
+
+def _dim_params(model: onnx.ModelProto):
+    """Every named axis of every value of the model, subgraphs included."""
+    for graph in _graphs(model.graph):
+        for value in (*graph.input, *graph.output, *graph.value_info):
+            for tensor in _tensor_types(value.type):
+                yield from (d for d in tensor.shape.dim if d.HasField("dim_param"))
+
+
+def _tensor_types(value_type: onnx.TypeProto):
+    kind = value_type.WhichOneof("value")
+    if kind == "tensor_type":
+        yield value_type.tensor_type
+    elif kind in ("optional_type", "sequence_type"):
+        yield from _tensor_types(getattr(value_type, kind).elem_type)
+
+
+def with_identifier_dims(model: onnx.ModelProto, dims: Mapping[str, ShapeRange]
+                         ) -> tuple[onnx.ModelProto, dict[str, ShapeRange], dict[str, str]]:
+    """``model`` with every dim_param that is not an identifier renamed to one (on a copy),
+    the declared ``dims`` under those names, and the model's name of each renamed one.
+
+    TVM's importer reads a dim_param as an expression ("batch-size" is batch - size, "batch
+    size" is batchsize): no range declared under the model's name would reach it. The
+    signature keeps the model's names; only the IR sees the identifiers.
+    """
+    taken = {d.dim_param for d in _dim_params(model)}
+    renamed: dict[str, str] = {}
+    for name in sorted(taken):
+        if not name.isidentifier():
+            renamed[name] = _fresh_identifier(name, taken)
+            taken.add(renamed[name])
+    if renamed:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        for dim in _dim_params(model):
+            dim.dim_param = renamed.get(dim.dim_param, dim.dim_param)
+    ranges = {renamed.get(name, name): r for name, r in dims.items()}
+    return model, ranges, {ir: name for name, ir in renamed.items()}
+
+
+def _fresh_identifier(name: str, taken: set[str]) -> str:
+    base = re.sub(r"\W", "_", name)
+    base = base if base[:1].isalpha() or base[:1] == "_" else f"dim_{base}"
+    candidate, k = base, 1
+    while candidate in taken:
+        candidate, k = f"{base}_{k}", k + 1
+    return candidate
 
 
 def initializers_as_inputs(model: onnx.ModelProto, names: Collection[str]) -> onnx.ModelProto:

@@ -318,17 +318,18 @@ def compile_onnx_loop(model: Any, dims: Mapping[str, Any] | None = None, target:
     """Compile an ONNX graph whose computing node is a ``Loop`` into a ``compile_loop``
     module; ``max_steps`` is the step limit when the Loop has no trip count ``M``."""
     from grape_tvm.frontend import (  # pylint: disable=import-outside-toplevel
-        import_onnx, load_onnx, normalize_constants, onnx_signature)
+        import_onnx, load_onnx, normalize_constants, onnx_signature, with_identifier_dims)
     from grape_tvm.loop import compile_loop  # pylint: disable=import-outside-toplevel
 
     proto = normalize_constants(load_onnx(model))
     signature = onnx_signature(proto, dims or {})
+    proto, ranges, dim_names = with_identifier_dims(proto, signature.dims)
     plan = split_loop(proto)
-    step = import_onnx(plan.step, signature.dims)
+    step = import_onnx(plan.step, ranges)
     _check_fixed_state(step, plan)
     carried = [ITER, COND, *[c["state"] for c in plan.carried]]
-    module = compile_loop(step, carried, max_steps=max_steps, stop=STOP, dims=signature.dims,
-                          target=target, **kwargs)
+    module = compile_loop(step, carried, max_steps=max_steps, stop=STOP, dims=ranges,
+                          target=target, dim_names=dim_names, **kwargs)
     module.loop["onnx"] = {**plan.to_json(), "signature": signature.to_json()}
     return module
 

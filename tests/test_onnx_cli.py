@@ -226,3 +226,28 @@ def test_constants_given_as_value_float_or_ints(tmp_path):
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     got = grape_tvm.load(tmp_path / "const.grape").run({"x": x})["y"]
     np.testing.assert_array_equal(got, onnxruntime_outputs(path, {"x": x})[0])
+
+
+@pytest.mark.parametrize("dim", ["batch size", "batch-size", "s0 + 1"])
+def test_dim_params_that_are_not_identifiers_keep_their_names(tmp_path, dim):
+    """Exporters write dim_params such as "batch size"; TVM's importer reads one as an
+    expression ("batch-size" is batch - size). Users see and type the model's own names."""
+    import onnx  # pylint: disable=import-outside-toplevel
+    from onnx import TensorProto, helper, numpy_helper  # pylint: disable=import-outside-toplevel
+
+    info = helper.make_tensor_value_info
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["h"]),
+                    helper.make_node("Relu", ["h"], ["r"]),
+                    helper.make_node("MatMul", ["r", "w"], ["y"])],
+                   [info("x", TensorProto.FLOAT, [dim, 4])], [info("y", TensorProto.FLOAT, [dim, 4])],
+                   [numpy_helper.from_array(np.eye(4, dtype=np.float32) - 0.5, "w")])
+    path, artifact = tmp_path / "m.onnx", tmp_path / "m.grape"
+    onnx.save(model, str(path))
+    assert _compile(path, artifact, f"{dim}=1:8") == 0
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    np.testing.assert_allclose(_run(artifact, {"x": x}, tmp_path)["y"],
+                               onnxruntime_outputs(path, {"x": x})[0], rtol=1e-5, atol=1e-5)
+    description = _inspect_json(artifact)
+    assert description["dims"] == {dim: {"lo": 1, "hi": 8}}
+    assert description["inputs"][0]["shape"] == [dim, 4]
+    assert [r["symbolic_vars"] for r in description["regions"]] == [[dim]]

@@ -109,13 +109,13 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _is_onnx_loop(path: Path) -> bool:
-    from grape_tvm.onnx_loop import is_onnx_loop  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.onnx_loop import is_onnx_loop  # pylint: disable=import-outside-toplevel
 
     return is_onnx_loop(Artifact.load(path).manifest)
 
 
 def _run_onnx_loop(args: argparse.Namespace, inputs: dict) -> int:
-    from grape_tvm.onnx_loop import load_onnx_loop  # pylint: disable=import-outside-toplevel
+    from grape_tvm.loop import load_onnx_loop  # pylint: disable=import-outside-toplevel
 
     with load_onnx_loop(args.model, args.device) as loop:
         outputs = loop.run(inputs)

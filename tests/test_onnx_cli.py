@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -251,3 +252,51 @@ def test_dim_params_that_are_not_identifiers_keep_their_names(tmp_path, dim):
     assert description["dims"] == {dim: {"lo": 1, "hi": 8}}
     assert description["inputs"][0]["shape"] == [dim, 4]
     assert [r["symbolic_vars"] for r in description["regions"]] == [[dim]]
+
+
+# The deploy host of pyproject.toml: the TVM runtime, numpy and cuda-bindings; neither onnx nor
+# TVM's compiler (tvm.relax). A finder refuses to import them, then the CLI runs.
+_WITHOUT_COMPILER = """
+import importlib.abc, sys
+
+class NoCompiler(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "onnx" or name.split(".")[:2] == ["tvm", "relax"]:
+            raise ModuleNotFoundError(f"No module named {name!r} on this host", name=name)
+        return None
+
+sys.meta_path.insert(0, NoCompiler())
+from grape_tvm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _deployed_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}  # TVM without its compiler library
+    return subprocess.run([sys.executable, "-c", _WITHOUT_COMPILER, *map(str, args)],
+                          capture_output=True, text=True, env=env, check=False)
+
+
+def test_run_and_inspect_need_neither_onnx_nor_tvm_compiler(models, tmp_path):
+    from test_onnx_loop import _affine_inputs, affine_loop  # pylint: disable=import-outside-toplevel
+
+    import onnx  # pylint: disable=import-outside-toplevel
+
+    blocks = tmp_path / "blocks.grape"
+    assert _compile(models["blocks"], blocks, "n=1:16") == 0
+    onnx.save(affine_loop(), str(tmp_path / "loop.onnx"))
+    assert _compile(tmp_path / "loop.onnx", tmp_path / "loop.grape", "n=1:16") == 0
+    cases = {blocks: ({"x": np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)},
+                      models["blocks"]),
+             tmp_path / "loop.grape": (_affine_inputs(5, 100), tmp_path / "loop.onnx")}
+    for artifact, (inputs, onnx_path) in cases.items():
+        np.savez(tmp_path / "in.npz", **inputs)
+        proc = _deployed_cli("run", artifact, "--inputs", tmp_path / "in.npz",
+                             "--outputs", tmp_path / "out.npz")
+        assert proc.returncode == 0, proc.stderr
+        with np.load(tmp_path / "out.npz") as npz:
+            for got, want in zip(npz.values(), onnxruntime_outputs(onnx_path, inputs)):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        proc = _deployed_cli("inspect", artifact, "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["inputs"]

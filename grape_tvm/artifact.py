@@ -35,6 +35,88 @@ class ArtifactError(ValueError):
     """The file is not a loadable grape artifact; the message says why."""
 
 
+def write_atomically(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
+    """Write ``path`` through ``write(file)`` on a temporary file beside it, renamed over it
+    once complete: a failed write leaves neither a half-written ``path`` nor the temporary."""
+    path = Path(path)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder, expected a file name")
+    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")  # unique: writers may race
+    try:
+        with open(tmp, "wb") as file:
+            write(file)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+@dataclass
+class Artifact:
+    manifest: dict
+    sections: dict[str, bytes] = field(default_factory=dict)
+
+    def to_bytes(self) -> bytes:
+        offset, index = 0, []
+        for name, blob in self.sections.items():
+            index.append({"name": name, "offset": offset, "size": len(blob),
+                          "sha256": hashlib.sha256(blob).hexdigest()})
+            offset += len(blob)
+        manifest = json.dumps({**self.manifest, "sections": index}, sort_keys=True).encode()
+        body = _HEADER.pack(MAGIC, FORMAT_VERSION, len(manifest)) + manifest + b"".join(
+            self.sections.values())
+        return body + hashlib.sha256(body).digest()
+
+    def save(self, path: str | Path) -> Path:
+        return write_atomically(path, lambda file: file.write(self.to_bytes()))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, name: str = "artifact") -> "Artifact":
+        if data[:len(MAGIC)] != MAGIC:
+            raise ArtifactError(f"{name} is not a grape-tvm artifact (no GRAPETVM header)")
+        if len(data) < _HEADER.size + _DIGEST:
+            raise ArtifactError(f"{name} is damaged: truncated to {len(data)} bytes, shorter "
+                                "than an artifact's header and checksum")
+        _, version, manifest_len = _HEADER.unpack_from(data)
+        if version != FORMAT_VERSION:
+            raise ArtifactError(
+                f"{name} has artifact format version {version}; this grape-tvm reads version "
+                f"{FORMAT_VERSION}: compile the model again with this version")
+        body, digest = data[:-_DIGEST], data[-_DIGEST:]
+        if hashlib.sha256(body).digest() != digest:
+            raise ArtifactError(f"{name} is damaged: its sha256 checksum does not match "
+                                f"(truncated or edited file, {len(data)} bytes)")
+        start = _HEADER.size
+        try:
+            manifest = json.loads(body[start:start + manifest_len])
+        except ValueError as err:
+            raise ArtifactError(f"{name} has an unreadable manifest: {err}") from None
+        payload = start + manifest_len
+        try:
+            _check_manifest(manifest, len(body) - payload)
+        except _Malformed as err:
+            raise ArtifactError(f"{name} has a malformed manifest: {err}") from None
+        sections = {}
+        for entry in manifest["sections"]:
+            lo = payload + entry["offset"]
+            sections[entry["name"]] = body[lo:lo + entry["size"]]
+        return cls(manifest, sections)
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Artifact":
+        path = Path(path)
+        if not path.is_file():
+            raise ArtifactError(f"{path}: no such artifact file")
+        return cls.from_bytes(path.read_bytes(), str(path))
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+
+# -- the manifest's fields ---------------------------------------------------------------
+
 class _Each:
     """A JSON object of any keys, each value fitting ``schema``."""
 
@@ -126,9 +208,9 @@ def _check_manifest(manifest, payload_size: int) -> None:
     _fit(manifest, _MANIFEST, "")
     for signature, where in _signatures(manifest):
         for dim, bounds in signature["dims"].items():
-            if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1]:
+            if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1] < 2**63:
                 raise _Malformed(f"field {_field(where, 'dims.' + dim)!r} is {_shown(bounds)}, "
-                                 "expected [lo, hi] with 0 <= lo <= hi")
+                                 "expected [lo, hi] with 0 <= lo <= hi < 2**63")
     for i, entry in enumerate(manifest["sections"]):
         if entry["offset"] < 0 or entry["size"] < 0 or \
                 entry["offset"] + entry["size"] > payload_size:
@@ -143,83 +225,3 @@ def _signatures(manifest: dict):
     onnx_loop = manifest.get("loop", {}).get("onnx")
     if onnx_loop is not None:
         yield onnx_loop["signature"], "loop.onnx.signature"
-
-
-def write_atomically(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
-    """Write ``path`` through ``write(file)`` on a temporary file beside it, renamed over it
-    once complete: a failed write leaves neither a half-written ``path`` nor the temporary."""
-    path = Path(path)
-    if path.is_dir():
-        raise IsADirectoryError(f"{path} is a folder, expected a file name")
-    tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")  # unique: writers may race
-    try:
-        with open(tmp, "wb") as file:
-            write(file)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-@dataclass
-class Artifact:
-    manifest: dict
-    sections: dict[str, bytes] = field(default_factory=dict)
-
-    def to_bytes(self) -> bytes:
-        offset, index = 0, []
-        for name, blob in self.sections.items():
-            index.append({"name": name, "offset": offset, "size": len(blob),
-                          "sha256": hashlib.sha256(blob).hexdigest()})
-            offset += len(blob)
-        manifest = json.dumps({**self.manifest, "sections": index}, sort_keys=True).encode()
-        body = _HEADER.pack(MAGIC, FORMAT_VERSION, len(manifest)) + manifest + b"".join(
-            self.sections.values())
-        return body + hashlib.sha256(body).digest()
-
-    def save(self, path: str | Path) -> Path:
-        return write_atomically(path, lambda file: file.write(self.to_bytes()))
-
-    @classmethod
-    def from_bytes(cls, data: bytes, name: str = "artifact") -> "Artifact":
-        if data[:len(MAGIC)] != MAGIC:
-            raise ArtifactError(f"{name} is not a grape-tvm artifact (no GRAPETVM header)")
-        if len(data) < _HEADER.size + _DIGEST:
-            raise ArtifactError(f"{name} is damaged: truncated to {len(data)} bytes, shorter "
-                                "than an artifact's header and checksum")
-        _, version, manifest_len = _HEADER.unpack_from(data)
-        if version != FORMAT_VERSION:
-            raise ArtifactError(
-                f"{name} has artifact format version {version}; this grape-tvm reads version "
-                f"{FORMAT_VERSION}: compile the model again with this version")
-        body, digest = data[:-_DIGEST], data[-_DIGEST:]
-        if hashlib.sha256(body).digest() != digest:
-            raise ArtifactError(f"{name} is damaged: its sha256 checksum does not match "
-                                f"(truncated or edited file, {len(data)} bytes)")
-        start = _HEADER.size
-        try:
-            manifest = json.loads(body[start:start + manifest_len])
-        except ValueError as err:
-            raise ArtifactError(f"{name} has an unreadable manifest: {err}") from None
-        payload = start + manifest_len
-        try:
-            _check_manifest(manifest, len(body) - payload)
-        except _Malformed as err:
-            raise ArtifactError(f"{name} has a malformed manifest: {err}") from None
-        sections = {}
-        for entry in manifest.get("sections", []):
-            lo = payload + entry["offset"]
-            sections[entry["name"]] = body[lo:lo + entry["size"]]
-        return cls(manifest, sections)
-
-    @classmethod
-    def load(cls, path: str | Path) -> "Artifact":
-        path = Path(path)
-        if not path.is_file():
-            raise ArtifactError(f"{path}: no such artifact file")
-        return cls.from_bytes(path.read_bytes(), str(path))
-
-    @property
-    def sha256(self) -> str:
-        return hashlib.sha256(self.to_bytes()).hexdigest()

@@ -46,10 +46,11 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from grape_tvm.compiler import compile_onnx  # pylint: disable=import-outside-toplevel
 
     _check_output(args.output, "-o")
+    dims = _parse_dims(args.dim)
     start = time.perf_counter()
     print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
-    module = compile_onnx(args.model, _parse_dims(args.dim), args.target,
-                          select_ops=args.select_ops, max_memory=int(args.max_memory * 2**30))
+    module = compile_onnx(args.model, dims, args.target, select_ops=args.select_ops,
+                          max_memory=int(args.max_memory * 2**30))
     path = module.export(args.output)
     regions = module.plan["regions"]
     conditionals = len(module.plan.get("conditionals", []))

@@ -13,6 +13,7 @@ import onnx.numpy_helper
 import tvm
 from tvm import relax
 
+from grape_tvm.onnx_fixes import default_opset, from_onnx
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 
 _ONNX_DTYPES = {
@@ -49,14 +50,6 @@ def load_onnx(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
         raise ValueError(f"{path} is not a readable ONNX model: {err}") from None
     _check_model(proto, str(path))
     return proto
-
-
-def default_opset(model: onnx.ModelProto) -> int:
-    """The model's opset of the default domain (ai.onnx)."""
-    for entry in model.opset_import:
-        if entry.domain in ("", "ai.onnx"):
-            return entry.version
-    return 1
 
 
 def _check_model(model: onnx.ModelProto, name: str) -> None:
@@ -258,8 +251,6 @@ def import_onnx(model: onnx.ModelProto,
     docs/tvm_onnx_frontend.md lists them, upstream-style. ``dims``, the declared ranges,
     let those converters prove slices and ranges in bounds.
     """
-    from grape_tvm.onnx_fixes import from_onnx  # pylint: disable=import-outside-toplevel
-
     model = normalize_constants(model)
     try:
         ranges = {k: (ShapeRange.of(v, k).lo, ShapeRange.of(v, k).hi) for k, v in (dims or {}).items()}

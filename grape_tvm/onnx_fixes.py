@@ -17,8 +17,6 @@ from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer, ConstIntBound
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
-from grape_tvm.frontend import default_opset
-
 
 class OnnxConversionError(RuntimeError):
     """A converter failed: names the ONNX node and op."""
@@ -49,6 +47,14 @@ class GrapeOnnxImporter(tvm_onnx.ONNXGraphImporter):
             raise OnnxConversionError(
                 f"{op_name} node {node!r}: {text[-1] if text else type(err).__name__}") from err
         return self.bb.normalize(sym) if isinstance(sym, relax.Expr) else sym
+
+
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's opset of the default domain (ai.onnx)."""
+    for entry in model.opset_import:
+        if entry.domain in ("", "ai.onnx"):
+            return entry.version
+    return 1
 
 
 def from_onnx(model: onnx.ModelProto, dims: Mapping[str, tuple[int, int]] | None = None,

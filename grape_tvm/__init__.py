@@ -32,14 +32,10 @@ def __getattr__(name):
         from grape_tvm.pipeline import grape_pipeline  # pylint: disable=import-outside-toplevel
 
         return grape_pipeline
-    if name in ("compile_loop", "load_loop"):
+    if name in ("compile_loop", "load_loop", "load_onnx_loop"):
         from grape_tvm import loop  # pylint: disable=import-outside-toplevel
 
         return getattr(loop, name)
-    if name == "load_onnx_loop":
-        from grape_tvm.onnx_loop import load_onnx_loop  # pylint: disable=import-outside-toplevel
-
-        return load_onnx_loop
     if name == "load":
         from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 

@@ -1,6 +1,7 @@
 """``grape-tvm``: compile, run and inspect models from the command line.
 
     grape-tvm compile MODEL.onnx -o MODEL.grape [--target llvm|cuda|JSON] [--dim NAME=LO:HI ...]
+                      [--max-memory GIB]
     grape-tvm run MODEL.grape --inputs IN.npz --outputs OUT.npz [--device cpu|cuda]
     grape-tvm inspect MODEL.grape [--json]
 """
@@ -11,28 +12,45 @@ import argparse
 import json
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import numpy as np
+
+from grape_tvm.artifact import Artifact, write_atomically
 
 
 def _parse_dims(items: list[str]) -> dict[str, str]:
     dims = {}
     for item in items:
         name, sep, rng = item.partition("=")
+        name, rng = name.strip(), rng.strip()
         if not sep or not name:
             raise ValueError(f"--dim takes NAME=LO:HI, got {item!r}")
-        dims[name.strip()] = rng.strip()
+        if name in dims:
+            raise ValueError(f"--dim {name} is given twice ({dims[name]} and {rng}): give each "
+                             "dimension one range")
+        dims[name] = rng
     return dims
+
+
+def _check_output(path: Path, option: str) -> None:
+    """Refuse, before any work, an output path that cannot be written."""
+    if path.is_dir():
+        raise ValueError(f"{option} {path} is a folder, expected a file name")
+    if not path.parent.is_dir():
+        raise ValueError(f"{option} {path}: folder {path.parent} does not exist")
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     from grape_tvm.compiler import compile_onnx  # pylint: disable=import-outside-toplevel
 
+    _check_output(args.output, "-o")
+    dims = _parse_dims(args.dim)
     start = time.perf_counter()
     print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
-    module = compile_onnx(args.model, _parse_dims(args.dim), args.target,
-                          select_ops=args.select_ops)
+    module = compile_onnx(args.model, dims, args.target, select_ops=args.select_ops,
+                          max_memory=int(args.max_memory * 2**30))
     path = module.export(args.output)
     regions = module.plan["regions"]
     conditionals = len(module.plan.get("conditionals", []))
@@ -42,11 +60,44 @@ def cmd_compile(args: argparse.Namespace) -> int:
     return 0
 
 
+def _read_inputs(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of an .npz file, by name. Only arrays of numbers are read: never pickled
+    objects (np.load's allow_pickle stays off)."""
+    if path.is_dir():
+        raise ValueError(f"--inputs {path} is a folder, expected an .npz file")
+    if not path.is_file():
+        raise FileNotFoundError(f"--inputs {path}: no such file")
+    if not zipfile.is_zipfile(path):
+        raise ValueError(f"--inputs {path} is not an .npz file (np.savez, one array per input "
+                         "name)")
+    with np.load(path, allow_pickle=False) as npz:
+        return {name: _read_array(npz, name, path) for name in npz.files}
+
+
+def _read_array(npz, name: str, path: Path) -> np.ndarray:
+    try:
+        array = npz[name]
+    except (ValueError, zipfile.BadZipFile) as err:  # object arrays need pickle: refused
+        raise ValueError(f"input {name!r} in {path} is not an array of numbers: {err}") from None
+    if not isinstance(array, np.ndarray):  # a zip member that is no .npy
+        raise ValueError(f"input {name!r} in {path} is not an array (.npy) but "
+                         f"{len(array)} bytes of something else")
+    return array
+
+
+def _write_outputs(path: Path, outputs: dict, note: str = "") -> None:
+    """All outputs in one .npz file at exactly ``path`` (np.savez would add ".npz" to another
+    name), in place of any earlier file only once complete."""
+    write_atomically(path, lambda file: np.savez(file, **outputs))
+    shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
+    print(f"wrote {path}: {shapes}{note}")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 
-    with np.load(args.inputs) as npz:
-        inputs = {k: npz[k] for k in npz.files}
+    _check_output(args.outputs, "--outputs")
+    inputs = _read_inputs(args.inputs)
     if _is_onnx_loop(args.model):
         return _run_onnx_loop(args, inputs)
     executor = load(args.model, device=args.device)
@@ -54,27 +105,22 @@ def cmd_run(args: argparse.Namespace) -> int:
         outputs = executor.run(inputs)
     finally:
         executor.close()
-    np.savez(args.outputs, **outputs)
-    shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
-    print(f"wrote {args.outputs}: {shapes}")
+    _write_outputs(args.outputs, outputs)
     return 0
 
 
 def _is_onnx_loop(path: Path) -> bool:
-    from grape_tvm.artifact import Artifact  # pylint: disable=import-outside-toplevel
-    from grape_tvm.onnx_loop import is_onnx_loop  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.onnx_loop import is_onnx_loop  # pylint: disable=import-outside-toplevel
 
     return is_onnx_loop(Artifact.load(path).manifest)
 
 
 def _run_onnx_loop(args: argparse.Namespace, inputs: dict) -> int:
-    from grape_tvm.onnx_loop import load_onnx_loop  # pylint: disable=import-outside-toplevel
+    from grape_tvm.loop import load_onnx_loop  # pylint: disable=import-outside-toplevel
 
     with load_onnx_loop(args.model, args.device) as loop:
         outputs = loop.run(inputs)
-    np.savez(args.outputs, **outputs)
-    shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
-    print(f"wrote {args.outputs}: {shapes} after {loop.steps} loop step(s) ({loop.mode})")
+    _write_outputs(args.outputs, outputs, f" after {loop.steps} loop step(s) ({loop.mode})")
     return 0
 
 
@@ -166,8 +212,6 @@ def _print_description(d: dict) -> None:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from grape_tvm.artifact import Artifact  # pylint: disable=import-outside-toplevel
-
     description = describe(Artifact.load(args.model).manifest)
     if args.record:
         description["graphs"] = _record(args)
@@ -225,6 +269,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: every if a conditional region)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=LO:HI",
                    help="range of a symbolic dimension (an ONNX dim_param); repeat per dimension")
+    p.add_argument("--max-memory", type=float, default=64, metavar="GIB",
+                   help="refuse ranges whose memory, planned at their upper bounds and allocated "
+                        "by every call, exceeds this many GiB (default 64)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("run", help="run an artifact on inputs from an .npz file")
@@ -249,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, TypeError, FileNotFoundError, RuntimeError, KeyError) as err:
+    except (ValueError, TypeError, OSError, RuntimeError) as err:
         print(f"grape-tvm {args.command}: error: {err}", file=sys.stderr)
         return 2
 

@@ -13,14 +13,22 @@ from tvm import relax
 
 import grape_tvm
 from grape_tvm.artifact import Artifact
-from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature
+from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature, with_identifier_dims
 from grape_tvm.passes import HostFallbackError, graph_plan
+from grape_tvm.passes.planned_memory import planned_bytes
 from grape_tvm.pipeline import grape_pipeline, is_gpu
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
 from grape_tvm.runtime.device_loop import LOOP_SOURCE
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 from grape_tvm.target import parse_target, target_json
+
+
+DEFAULT_MAX_MEMORY = 64 * 2**30  # bytes: more than a call should ever plan, less than a host has
+
+
+class PlannedMemoryError(ValueError):
+    """Memory planned at the declared upper bounds exceeds the limit: no call could run."""
 
 
 @dataclass
@@ -93,25 +101,53 @@ def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16,
         raise
 
 
+def _check_planned_memory(lowered: tvm.IRModule, ranges: Mapping[str, ShapeRange],
+                          max_memory: int, dim_names: Mapping[str, str]) -> None:
+    planned = planned_bytes(lowered)
+    if planned > max_memory:
+        bounds = ", ".join(f"{dim_names.get(name, name)}={r.hi}" for name, r in ranges.items())
+        where = f"at the declared upper bound {bounds}" if ranges else "for its static shapes"
+        raise PlannedMemoryError(
+            f"the memory planned {where} is {planned} bytes ({_in_units(planned)}), above the "
+            f"limit of {max_memory} bytes ({_in_units(max_memory)}): every call would allocate "
+            "it; declare a smaller range, or raise the limit (max_memory, --max-memory)")
+
+
+def _in_units(size: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024:
+            return f"{size:.1f} {unit}" if unit != "B" else f"{size} B"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
 def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any = "llvm", *,
           signature: Signature | None = None, output_names: list[str] | None = None,
           prebuild_cubin: bool = True, select_ops: int = 16,
-          device_branches: bool = True) -> GrapeModule:
+          device_branches: bool = True, max_memory: int = DEFAULT_MAX_MEMORY,
+          dim_names: Mapping[str, str] | None = None) -> GrapeModule:
     """Compile a Relax module whose ``main`` takes tensors with symbolic dimensions.
 
     ``dims`` maps each symbolic dimension to its declared range ``(lo, hi)``; memory is
-    planned at ``hi``. A data-dependent ``if`` whose branches have at most ``select_ops``
+    planned at ``hi``, and every call allocates it: a range whose planned memory exceeds
+    ``max_memory`` bytes (default 64 GiB) is refused (``PlannedMemoryError``, giving the
+    bytes). A data-dependent ``if`` whose branches have at most ``select_ops``
     operators becomes a select (both computed); a larger one a conditional region (both
     launched, the one not taken disabled on the device); 0 makes every one conditional.
     ``device_branches=False`` leaves those to TVM's VM instead, which reads the condition on
     the host (a sync per call; the benchmarks' baseline). For a CUDA target the kernels are compiled to cubin here when nvcc is
-    present (else on first load, then cached).
+    present (else on first load, then cached). ``dim_names`` maps a dim of ``mod`` to the
+    name users know it by, where they differ (``frontend.with_identifier_dims``).
     """
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
     signature = signature or _relax_signature(mod["main"], ranges, output_names)
     lowered = _lower(mod, tgt, ranges, select_ops, device_branches)
+    dim_names = dim_names or {}
+    _check_planned_memory(lowered, ranges, max_memory, dim_names)
     plan = graph_plan(lowered).to_json()
+    for region in plan["regions"]:
+        region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
     executable = tvm.compile(lowered, target=tgt, relax_pipeline=None)
     return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)
 
@@ -145,5 +181,6 @@ def compile_onnx(model: Any, dims: Mapping[str, Any] | None = None, target: Any 
     if find_loop(proto) is not None:
         return compile_onnx_loop(proto, dims, target, **kwargs)
     signature = onnx_signature(proto, dims or {})
-    mod = import_onnx(proto, signature.dims)
-    return build(mod, signature.dims, target, signature=signature, **kwargs)
+    proto, ranges, dim_names = with_identifier_dims(proto, signature.dims)
+    mod = import_onnx(proto, ranges)
+    return build(mod, ranges, target, signature=signature, dim_names=dim_names, **kwargs)

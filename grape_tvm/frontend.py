@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Collection, Mapping
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import onnx.numpy_helper
 import tvm
 from tvm import relax
 
+from grape_tvm.onnx_fixes import default_opset, from_onnx
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 
 _ONNX_DTYPES = {
@@ -32,15 +34,33 @@ class ImportError_(RuntimeError):
 
 
 def load_onnx(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
+    """An ONNX model from a file (or as given), refused naming it when it is not one that
+    grape can import: empty, without a graph, or of an opset newer than onnx here knows."""
     if isinstance(model, onnx.ModelProto):
+        _check_model(model, f"ONNX graph {model.graph.name!r}")
         return model
     path = Path(model)
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such ONNX file")
+    if path.stat().st_size == 0:
+        raise ValueError(f"{path} is empty, not an ONNX model")
     try:
-        return onnx.load(str(path))
+        proto = onnx.load(str(path))
     except Exception as err:  # pylint: disable=broad-except
         raise ValueError(f"{path} is not a readable ONNX model: {err}") from None
+    _check_model(proto, str(path))
+    return proto
+
+
+def _check_model(model: onnx.ModelProto, name: str) -> None:
+    if not model.HasField("graph"):
+        raise ValueError(f"{name} is not an ONNX model: it has no graph")
+    # As onnxruntime: operators of a newer opset may have changed in ways no converter knows.
+    opset, newest = default_opset(model), onnx.defs.onnx_opset_version()
+    if opset > newest:
+        raise ValueError(f"{name} uses ONNX opset {opset} (domain ai.onnx); the installed onnx "
+                         f"{onnx.__version__} knows opsets up to {newest}: export the model "
+                         f"with opset {newest} or older")
 
 
 def _tensor_type(value: onnx.ValueInfoProto, output: bool):
@@ -62,6 +82,10 @@ def _value_spec(value: onnx.ValueInfoProto, output: bool = False) -> TensorSpec:
     depends on the data, as Unique's) is "?": outputs are not checked against ranges. A
     sequence output is of kind "sequence": its tensors come back as a list."""
     ttype, sequence = _tensor_type(value, output)
+    if not output and not ttype.HasField("shape"):
+        raise ValueError(f"ONNX input {value.name!r} has no shape (its rank is unknown): "
+                         "grape-tvm needs every input's rank; give it a shape, with dim_param "
+                         "names for the sizes that vary")
     dtype = _ONNX_DTYPES.get(ttype.elem_type)
     if dtype is None:
         raise ValueError(f"ONNX value {value.name!r} has element type "
@@ -128,19 +152,70 @@ def normalize_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     others use the typed forms. Works on a copy, subgraphs included.
     """
     model = onnx.ModelProto.FromString(model.SerializeToString())
-
-    def visit(graph: onnx.GraphProto) -> None:
+    for graph in _graphs(model.graph):
         for node in graph.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
                 _constant_as_tensor(node)
-            for attr in node.attribute:
-                if attr.type == onnx.AttributeProto.GRAPH:
-                    visit(attr.g)
-                for sub in attr.graphs:
-                    visit(sub)
-
-    visit(model.graph)
     return model
+
+
+def _graphs(graph: onnx.GraphProto):
+    """``graph`` and every graph nested in its nodes' attributes (If branches, Loop bodies)."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _graphs(attr.g)
+            for sub in attr.graphs:
+                yield from _graphs(sub)
+
+
+def _dim_params(model: onnx.ModelProto):
+    """Every named axis of every value of the model, subgraphs included."""
+    for graph in _graphs(model.graph):
+        for value in (*graph.input, *graph.output, *graph.value_info):
+            for tensor in _tensor_types(value.type):
+                yield from (d for d in tensor.shape.dim if d.HasField("dim_param"))
+
+
+def _tensor_types(value_type: onnx.TypeProto):
+    kind = value_type.WhichOneof("value")
+    if kind == "tensor_type":
+        yield value_type.tensor_type
+    elif kind in ("optional_type", "sequence_type"):
+        yield from _tensor_types(getattr(value_type, kind).elem_type)
+
+
+def with_identifier_dims(model: onnx.ModelProto, dims: Mapping[str, ShapeRange]
+                         ) -> tuple[onnx.ModelProto, dict[str, ShapeRange], dict[str, str]]:
+    """``model`` with every dim_param that is not an identifier renamed to one (on a copy),
+    the declared ``dims`` under those names, and the model's name of each renamed one.
+
+    TVM's importer reads a dim_param as an expression ("batch-size" is batch - size, "batch
+    size" is batchsize): no range declared under the model's name would reach it. The
+    signature keeps the model's names; only the IR sees the identifiers.
+    """
+    taken = {d.dim_param for d in _dim_params(model)}
+    renamed: dict[str, str] = {}
+    for name in sorted(taken):
+        if not name.isidentifier():
+            renamed[name] = _fresh_identifier(name, taken)
+            taken.add(renamed[name])
+    if renamed:
+        model = onnx.ModelProto.FromString(model.SerializeToString())
+        for dim in _dim_params(model):
+            dim.dim_param = renamed.get(dim.dim_param, dim.dim_param)
+    ranges = {renamed.get(name, name): r for name, r in dims.items()}
+    return model, ranges, {ir: name for name, ir in renamed.items()}
+
+
+def _fresh_identifier(name: str, taken: set[str]) -> str:
+    base = re.sub(r"\W", "_", name)
+    base = base if base[:1].isalpha() or base[:1] == "_" else f"dim_{base}"
+    candidate, k = base, 1
+    while candidate in taken:
+        candidate, k = f"{base}_{k}", k + 1
+    return candidate
 
 
 def initializers_as_inputs(model: onnx.ModelProto, names: Collection[str]) -> onnx.ModelProto:
@@ -176,8 +251,6 @@ def import_onnx(model: onnx.ModelProto,
     docs/tvm_onnx_frontend.md lists them, upstream-style. ``dims``, the declared ranges,
     let those converters prove slices and ranges in bounds.
     """
-    from grape_tvm.onnx_fixes import from_onnx  # pylint: disable=import-outside-toplevel
-
     model = normalize_constants(model)
     try:
         ranges = {k: (ShapeRange.of(v, k).lo, ShapeRange.of(v, k).hi) for k, v in (dims or {}).items()}

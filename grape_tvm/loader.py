@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 from pathlib import Path
 from typing import Any
 
 import tvm
 
-from grape_tvm.artifact import Artifact, ArtifactError
+from grape_tvm.artifact import Artifact, ArtifactError, write_atomically
 from grape_tvm.runtime.cuda_compile import CubinStore, cache_dir
 from grape_tvm.runtime.executor import DEFAULT_MAX_SHAPES, GraphExecutor
 from grape_tvm.runtime.signature import Signature
@@ -24,7 +25,7 @@ def _device(device: Any) -> tvm.runtime.Device:
     return device
 
 
-def _load_cuda_runtime() -> None:
+def _load_cuda_runtime(artifact: str | Path) -> None:
     """Runtime-only TVM does not load its CUDA backend by itself (shared/gpu/README.md)."""
     if tvm.cuda(0).exist:
         return
@@ -33,18 +34,20 @@ def _load_cuda_runtime() -> None:
     if runtime is not None:
         path = os.path.join(os.path.dirname(runtime._name), "libtvm_runtime_cuda.so")
         if os.path.exists(path):
-            ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            try:
+                ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
+            except OSError as err:  # it links the driver's libcuda.so.1: no driver, no GPU
+                raise RuntimeError(f"{artifact} runs on a CUDA GPU, and no CUDA driver is "
+                                   f"available here ({err})") from None
 
 
 def _library_path(artifact: Artifact) -> Path:
-    # A .so must be a file to be loaded; one file per artifact content, reused across loads.
-    digest = artifact.manifest["sections"][0]["sha256"]
+    # A .so must be a file to be loaded; one file per library content, reused across loads.
+    digest = hashlib.sha256(artifact.sections["library"]).hexdigest()
     path = cache_dir() / "lib" / f"{digest}.so"
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".{os.getpid()}.tmp")
-        tmp.write_bytes(artifact.sections["library"])
-        tmp.replace(path)
+        write_atomically(path, lambda file: file.write(artifact.sections["library"]))
     return path
 
 
@@ -79,7 +82,7 @@ def _open(path: str | Path, device: Any):
                             f"{device!r}: compile it again with --target "
                             f"{'cuda' if wanted == 'cpu' else 'llvm'}")
     if kind == "cuda":
-        _load_cuda_runtime()
+        _load_cuda_runtime(path)
         if not tvm.cuda(dev.index).exist:
             raise RuntimeError(f"{path} needs a CUDA GPU, and none is visible here")
         store = CubinStore(manifest["target"].get("arch", "sm_90"))

@@ -22,6 +22,7 @@ from typing import Any
 from tvm_ffi.structural import structural_equal
 
 from grape_tvm.runtime.device_loop import STOP_DTYPES, DeviceLoop, HostLoop, LoopResult, LoopSpec
+from grape_tvm.runtime.onnx_loop import OnnxLoop, is_onnx_loop
 
 MODES = ("auto", "device", "host")
 
@@ -126,3 +127,14 @@ def load_loop(path: str | Path, device: Any = "cpu", *, mode: str = "auto",
         library, _, _ = load_library(path, device)
         return GrapeLoop(executor, DeviceLoop(executor, spec, library))
     return GrapeLoop(executor, HostLoop(executor, spec))
+
+
+def load_onnx_loop(path: str | Path, device: Any = "cpu", *, max_steps: int | None = None,
+                   **kwargs) -> OnnxLoop:
+    """Load an artifact compiled from an ONNX Loop (``compile_onnx``); ``kwargs`` go to
+    ``load_loop`` (``mode="host"`` runs it one executor call per step on a GPU too)."""
+    loop = load_loop(path, device, **kwargs)
+    if not is_onnx_loop(loop.executor.manifest):
+        loop.close()
+        raise ValueError(f"{path} was not compiled from an ONNX Loop")
+    return OnnxLoop(loop, max_steps)

@@ -49,7 +49,8 @@ class GrapeOnnxImporter(tvm_onnx.ONNXGraphImporter):
         return self.bb.normalize(sym) if isinstance(sym, relax.Expr) else sym
 
 
-def _opset(model: onnx.ModelProto) -> int:
+def default_opset(model: onnx.ModelProto) -> int:
+    """The model's opset of the default domain (ai.onnx)."""
     for entry in model.opset_import:
         if entry.domain in ("", "ai.onnx"):
             return entry.version
@@ -64,7 +65,7 @@ def from_onnx(model: onnx.ModelProto, dims: Mapping[str, tuple[int, int]] | None
     if model.ir_version < 3:
         raise ValueError(f"ONNX IR version {model.ir_version} is too old: 3 or later is needed")
     importer = GrapeOnnxImporter(dims, keep_params_in_input=keep_params_in_input)
-    return importer.from_onnx(model.graph, _opset(model))
+    return importer.from_onnx(model.graph, default_opset(model))
 
 
 def _int_scalar(value, params) -> tirx.PrimExpr | None:

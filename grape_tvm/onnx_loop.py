@@ -26,15 +26,15 @@ is read even when the ``Loop`` has no ``cond`` input.
 Not supported (a clear error names the node): scan outputs, carried values whose shape or
 dtype changes from step to step, a ``Loop`` (or ``Scan``) inside the body, and graphs with
 other computing nodes around the ``Loop``.
+
+This module is the compile side (it needs onnx); running the artifact is
+``grape_tvm.runtime.onnx_loop``'s, which a deployment host without onnx can import.
 """
 
 from __future__ import annotations
 
-import base64
-import io
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -42,9 +42,9 @@ import onnx
 import onnx.numpy_helper
 from onnx import helper
 
-ITER, COND, STOP = "grape_loop_iter", "grape_loop_cond", "grape_stop"
+from grape_tvm.runtime.onnx_loop import COND, ITER, STOP, from_npy_text, npy_text
+
 DEFAULT_MAX_STEPS = 4096  # the step limit of a Loop without a trip count M
-_CHUNK = 2**31 - 1  # the most steps one device launch counts (a u32 counter)
 _PASSIVE = ("Constant", "Identity")
 _NESTED = ("Loop", "Scan")
 
@@ -61,16 +61,6 @@ def find_loop(model: onnx.ModelProto) -> onnx.NodeProto | None:
 
 def _node_name(node: onnx.NodeProto) -> str:
     return node.name or (node.output[0] if node.output else node.op_type)
-
-
-def _npy(array: np.ndarray) -> str:
-    buf = io.BytesIO()
-    np.save(buf, np.asarray(array), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode()
-
-
-def _from_npy(text: str) -> np.ndarray:
-    return np.load(io.BytesIO(base64.b64decode(text)), allow_pickle=False)
 
 
 # -- analysis of the outer graph ---------------------------------------------------------
@@ -95,7 +85,7 @@ class _Outer:
         if name in self.inputs:
             return {"input": name}
         if name in self.constants:
-            return {"const": _npy(self.constants[name])}
+            return {"const": npy_text(self.constants[name])}
         if name in self.loop_outputs:
             return {"loop_output": self.loop_outputs[name]}
         return None
@@ -244,7 +234,7 @@ def split_loop(model: onnx.ModelProto) -> LoopModel:
              helper.make_node("Identity", [COND], [body.input[1].name])]
     carried = []
     for k, (init, value) in enumerate(zip(inits, loop.input[2:])):
-        typed = outer.inputs[init["input"]] if "input" in init else _from_npy(init["const"])
+        typed = outer.inputs[init["input"]] if "input" in init else from_npy_text(init["const"])
         inputs.append(_tensor_info(carried_name(k), typed))
         nodes.append(helper.make_node("Identity", [carried_name(k)], [body.input[2 + k].name]))
         carried.append({"state": carried_name(k), "body_output": body.output[1 + k].name,
@@ -257,7 +247,7 @@ def split_loop(model: onnx.ModelProto) -> LoopModel:
             raise OnnxLoopError(f"Loop node {name!r}: its body reads {free!r}, which is not a "
                                 "graph input, initializer or Constant of the outer graph")
         if "const" in src:
-            initializers.append(onnx.numpy_helper.from_array(_from_npy(src["const"]), free))
+            initializers.append(onnx.numpy_helper.from_array(from_npy_text(src["const"]), free))
         else:
             step_name = _invariant_name(len(invariants))
             invariants[step_name] = src["input"]
@@ -318,145 +308,17 @@ def compile_onnx_loop(model: Any, dims: Mapping[str, Any] | None = None, target:
     """Compile an ONNX graph whose computing node is a ``Loop`` into a ``compile_loop``
     module; ``max_steps`` is the step limit when the Loop has no trip count ``M``."""
     from grape_tvm.frontend import (  # pylint: disable=import-outside-toplevel
-        import_onnx, load_onnx, normalize_constants, onnx_signature)
+        import_onnx, load_onnx, normalize_constants, onnx_signature, with_identifier_dims)
     from grape_tvm.loop import compile_loop  # pylint: disable=import-outside-toplevel
 
     proto = normalize_constants(load_onnx(model))
     signature = onnx_signature(proto, dims or {})
+    proto, ranges, dim_names = with_identifier_dims(proto, signature.dims)
     plan = split_loop(proto)
-    step = import_onnx(plan.step, signature.dims)
+    step = import_onnx(plan.step, ranges)
     _check_fixed_state(step, plan)
     carried = [ITER, COND, *[c["state"] for c in plan.carried]]
-    module = compile_loop(step, carried, max_steps=max_steps, stop=STOP, dims=signature.dims,
-                          target=target, **kwargs)
+    module = compile_loop(step, carried, max_steps=max_steps, stop=STOP, dims=ranges,
+                          target=target, dim_names=dim_names, **kwargs)
     module.loop["onnx"] = {**plan.to_json(), "signature": signature.to_json()}
     return module
-
-
-# -- running -----------------------------------------------------------------------------
-
-def is_onnx_loop(manifest: Mapping[str, Any]) -> bool:
-    return "onnx" in (manifest.get("loop") or {})
-
-
-class OnnxLoop:
-    """A loaded ONNX Loop: ``run(inputs)`` takes the ONNX graph's inputs and returns its
-    outputs (numpy arrays, by name); ``steps`` is how many steps the last run took."""
-
-    def __init__(self, loop, max_steps: int | None = None):
-        from grape_tvm.runtime.signature import Signature  # pylint: disable=import-outside-toplevel
-
-        self.loop = loop  # a GrapeLoop
-        # Invariants live in buffers of ours, one per (input, shape, dtype), refilled in place
-        # at each run: a loop graph reads them where they were when it was captured, and
-        # binding other tensors (only when a shape changes) makes the DeviceLoop rebuild it.
-        self._buffers: dict[tuple, Any] = {}
-        self._bound: dict[str, Any] = {}
-        self.info = loop.executor.manifest["loop"]["onnx"]
-        self.signature = Signature.from_json(self.info["signature"])
-        self.max_steps = int(max_steps or loop.spec.max_steps)
-        self.steps = 0
-        self.launches = 0
-
-    @property
-    def mode(self) -> str:
-        return self.loop.mode
-
-    def _value(self, source: dict, inputs: Mapping[str, Any]) -> np.ndarray:
-        if "input" in source:
-            return np.asarray(inputs[source["input"]])
-        return _from_npy(source["const"])
-
-    def _check(self, inputs: Mapping[str, Any]) -> None:
-        """Names, dtypes, ranks and dims against the ONNX graph's signature (``bind`` names
-        missing and unknown inputs too)."""
-        arrays = {n: np.asarray(v) for n, v in inputs.items()}
-        self.signature.bind({n: a.shape for n, a in arrays.items()},
-                            {n: str(a.dtype) for n, a in arrays.items()})
-
-    def run(self, inputs: Mapping[str, Any], max_steps: int | None = None) -> dict[str, np.ndarray]:
-        """Run the Loop on the graph's inputs; ``max_steps`` overrides the step limit of a
-        Loop without trip count (the compiled ``max_steps``)."""
-        self._check(inputs)
-        info = self.info
-        trip = None if info["trip_count"] is None else \
-            int(self._value(info["trip_count"], inputs).reshape(-1)[0])
-        cond = True if info["cond"] is None else \
-            bool(self._value(info["cond"], inputs).reshape(-1)[0])
-        state: dict[str, Any] = {ITER: np.array(0, np.int64), COND: np.array(True)}
-        state.update({c["state"]: self._value(c["init"], inputs) for c in info["carried"]})
-        self.steps = self.launches = 0
-        if (trip is None or trip > 0) and cond:
-            state = self._loop(state, inputs, trip, max_steps)
-        return self._outputs(state, inputs)
-
-    def _loop(self, state: dict, inputs: Mapping[str, Any], trip: int | None,
-              max_steps: int | None) -> dict:
-        self._bind(inputs)
-        limit = int(max_steps or self.max_steps) if trip is None else trip
-        running = True
-        while running and self.steps < limit:
-            result = self.loop.run(state, max_steps=min(limit - self.steps, _CHUNK))
-            self.steps += result.steps
-            self.launches += 1
-            state = result.state
-            running = bool(state[COND].numpy())
-        if trip is None and running:
-            raise RuntimeError(
-                f"Loop node {self.info['node']!r} has no trip count M and its condition is "
-                f"still true after the step limit of {limit} steps: give a larger max_steps "
-                "(to run or compile_onnx)")
-        return state
-
-    def _bind(self, inputs: Mapping[str, Any]) -> None:
-        """The run's invariants copied into our buffers; those not bound yet bound."""
-        import tvm  # pylint: disable=import-outside-toplevel
-
-        rebind = {}
-        for step_name, outer in self.info["invariants"].items():
-            array = np.asarray(inputs[outer], order="C")  # keeps a 0-d input 0-d
-            entry = (step_name, array.shape, str(array.dtype))
-            buffer = self._buffers.get(entry)
-            if buffer is None:
-                buffer = self._buffers[entry] = tvm.runtime.tensor(array, self.loop.executor.device)
-            else:
-                buffer.copyfrom(array)
-            if self._bound.get(step_name) is not buffer:
-                rebind[step_name] = buffer
-        if rebind:
-            self.loop.bind_inputs(rebind)
-            self._bound.update(rebind)
-
-    def _outputs(self, state: dict, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        outputs = {}
-        for entry in self.info["outputs"]:
-            src = entry["source"]
-            if "loop_output" in src:
-                value = state[self.info["carried"][src["loop_output"]]["state"]]
-                value = value.numpy() if hasattr(value, "numpy") else np.array(value)
-            else:
-                value = np.array(self._value(src, inputs))
-            outputs[entry["name"]] = value
-        return outputs
-
-    def close(self) -> None:
-        self.loop.close()
-
-    def __enter__(self) -> "OnnxLoop":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
-
-
-def load_onnx_loop(path: str | Path, device: Any = "cpu", *, max_steps: int | None = None,
-                   **kwargs) -> OnnxLoop:
-    """Load an artifact compiled from an ONNX Loop (``compile_onnx``); ``kwargs`` go to
-    ``load_loop`` (``mode="host"`` runs it one executor call per step on a GPU too)."""
-    from grape_tvm.loop import load_loop  # pylint: disable=import-outside-toplevel
-
-    loop = load_loop(path, device, **kwargs)
-    if not is_onnx_loop(loop.executor.manifest):
-        loop.close()
-        raise ValueError(f"{path} was not compiled from an ONNX Loop")
-    return OnnxLoop(loop, max_steps)

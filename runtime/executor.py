@@ -340,6 +340,7 @@ class GraphExecutor:
             tensor = value
         elif copy and (isinstance(value, np.ndarray) or np.isscalar(value)):
             array = np.asarray(value, order="C")  # keeps a 0-d input 0-d
+            _check_host_array(name, array)
             self.stats.add("h2d_bytes", array.nbytes)
             return tvm.runtime.tensor(array, self.device)
         elif hasattr(value, "__dlpack__"):
@@ -502,6 +503,10 @@ class GraphExecutor:
         """
         if self.signature is None:
             raise ValueError("record_all needs the model's signature (load it from an artifact)")
+        unknown = sorted(set(dims or ()) - set(self.signature.dims))
+        if unknown:
+            raise InputError(f"record_all: {unknown} are not dimensions of the model; its "
+                             f"dimensions are {sorted(self.signature.dims)}")
         values = {name: list(dims[name]) if dims and name in dims else list(rng)
                   for name, rng in self.signature.dims.items()}
         combos = list(itertools.product(*values.values()))
@@ -546,6 +551,17 @@ class GraphExecutor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _check_host_array(name: str, array: np.ndarray) -> None:
+    """Refuse, naming the input, what a TVM tensor cannot hold (TVM would only say "unknown
+    dtype"): Python objects or strings, and a byte order other than the host's."""
+    if array.dtype.kind in "OSUV":
+        raise InputError(f"input {name!r} has dtype {array.dtype}: not an array of numbers")
+    if not array.dtype.isnative:
+        order = "big" if array.dtype.byteorder == ">" else "little"
+        raise InputError(f"input {name!r} is {order}-endian ({array.dtype.str}), expected the "
+                         f"host's byte order: pass .astype({array.dtype.newbyteorder('=').name!r})")
 
 
 def _values(result, signature: Signature | None = None) -> list:

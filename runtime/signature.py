@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 import numpy as np
+
+MAX_DIM = 2**63 - 1  # the largest shape value TVM (int64) holds
 
 
 @dataclass(frozen=True)
@@ -19,6 +22,9 @@ class ShapeRange:
             raise TypeError(f"a shape range takes integers, got {self.lo!r}..{self.hi!r}")
         if self.lo < 0 or self.hi < self.lo:
             raise ValueError(f"a shape range needs 0 <= lo <= hi, got {self.lo}..{self.hi}")
+        if self.hi > MAX_DIM:
+            raise ValueError(f"a shape range's upper bound must be at most 2**63 - 1 (TVM's "
+                             f"shape values are int64), got {self.hi}")
 
     def __contains__(self, value: int) -> bool:
         return self.lo <= value <= self.hi
@@ -34,20 +40,28 @@ class ShapeRange:
 
     @classmethod
     def of(cls, value: "ShapeRange | tuple[int, int] | str", name: str = "dim") -> "ShapeRange":
-        """Accept ``ShapeRange``, ``(lo, hi)`` or ``"lo:hi"``; anything else names ``name``."""
+        """Accept ``ShapeRange``, ``(lo, hi)`` or ``"lo:hi"`` of integers; anything else is a
+        ``ValueError`` naming ``name`` (never a silent truncation of 1.5 to 1)."""
         if isinstance(value, ShapeRange):
             return value
         if isinstance(value, str):
             parts = value.split(":")
             if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
-                raise ValueError(f"range of dimension {name!r} must be LO:HI, got {value!r}")
-            return cls(int(parts[0]), int(parts[1]))
-        if isinstance(value, (tuple, list)) and len(value) == 2:
-            try:
-                return cls(int(value[0]), int(value[1]))
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"range of dimension {name!r}: {err}") from None
-        raise ValueError(f"range of dimension {name!r} must be (lo, hi) or 'lo:hi', got {value!r}")
+                raise ValueError(f"range of dimension {name!r} must be LO:HI, two integers, "
+                                 f"got {value!r}")
+            bounds = [int(p) for p in parts]
+        elif isinstance(value, (tuple, list)) and len(value) == 2:
+            # bool is an int to Python, not to a reader of (True, 8)
+            if not all(isinstance(b, numbers.Integral) and not isinstance(b, bool) for b in value):
+                raise ValueError(f"range of dimension {name!r} takes integers, got {value!r}")
+            bounds = [int(b) for b in value]
+        else:
+            raise ValueError(f"range of dimension {name!r} must be (lo, hi) or 'lo:hi', got "
+                             f"{value!r}")
+        try:
+            return cls(*bounds)
+        except ValueError as err:
+            raise ValueError(f"range of dimension {name!r}: {err}") from None
 
 
 class InputError(ValueError):

@@ -38,8 +38,11 @@ def tiny_onnx() -> onnx.ModelProto:
 
 
 def sample() -> Artifact:
-    manifest = {"target": {"kind": "llvm"}, "signature": {"dims": {"n": [1, 8]}},
-                "plan": {"regions": [{"name": "grape_region_0", "kernels": ["k0", "k1"]}]},
+    x = {"name": "x", "dtype": "float32", "shape": ["n", 8]}
+    manifest = {"target": {"kind": "llvm"},
+                "signature": {"inputs": [x], "outputs": [{**x, "name": "y"}], "dims": {"n": [1, 8]}},
+                "plan": {"regions": [{"name": "grape_region_0", "kernels": ["k0", "k1"],
+                                      "symbolic_vars": ["n"]}], "host_steps": []},
                 "note": "unicode ok: \u00e9\u4e2d"}
     sections = {"library": bytes(range(256)) * 40, "cubin/abc123": b"\x7fELF" + b"\x00" * 300,
                 "empty": b""}
@@ -187,6 +190,68 @@ def test_missing_path_is_an_error_naming_it(tmp_path):
 def test_from_bytes_names_the_given_name():
     with pytest.raises(ArtifactError, match="^blob.bin is not a grape-tvm artifact"):
         Artifact.from_bytes(b"PK\x03\x04" + b"\x00" * 100, "blob.bin")
+
+
+
+# -- a checksum-valid artifact whose manifest was crafted ----------------------------------
+
+def craft(path, edit) -> None:
+    """Apply ``edit`` to ``path``'s manifest (its sections index included) and reseal the
+    file: the checksum is valid, only the manifest is wrong."""
+    data = path.read_bytes()
+    _, version, length = _HEADER.unpack_from(data)
+    manifest = json.loads(data[_HEADER.size:_HEADER.size + length])
+    edit(manifest)
+    text = json.dumps(manifest).encode()
+    body = _HEADER.pack(MAGIC, version, len(text)) + text + data[_HEADER.size + length:-32]
+    path.write_bytes(body + hashlib.sha256(body).digest())
+
+
+def _put(*keys_and_value):
+    *keys, value = keys_and_value
+
+    def edit(manifest):
+        for key in keys[:-1]:
+            manifest = manifest[key]
+        manifest[keys[-1]] = value
+    return edit
+
+
+def _drop(*keys):
+    def edit(manifest):
+        for key in keys[:-1]:
+            manifest = manifest[key]
+        del manifest[keys[-1]]
+    return edit
+
+
+CRAFTED = [
+    (_drop("signature"), "field 'signature' is missing"),
+    (_drop("signature", "outputs", 0, "dtype"), "field 'signature.outputs[0].dtype' is missing"),
+    (_put("target", "llvm"), "field 'target' is \"llvm\", expected an object"),
+    (_put("target", "kind", "metal"), "field 'target.kind' is \"metal\", expected one of"),
+    (_put("sections", []), "has no 'library' section"),
+    (_put("sections", 0, "offset", 10**9), "section 'library' (sections[0]) lies outside"),
+    (_put("signature", "dims", []), "field 'signature.dims' is [], expected an object"),
+    (_put("signature", "dims", "n", [9, 1]), "field 'signature.dims.n' is [9, 1], expected"),
+    (_put("signature", "inputs", 0, "shape", "n"),
+     "field 'signature.inputs[0].shape' is \"n\", expected a list"),
+    (_put("plan", "regions", None), "field 'plan.regions' is null, expected a list"),
+    (_put("plan", "branches", {"grape_cond_0": []}),
+     "field 'plan.branches.grape_cond_0' is [], expected an object"),
+    (_put("loop", []), "field 'loop' is [], expected an object"),
+]
+
+
+@pytest.mark.parametrize("edit, message", CRAFTED)
+def test_crafted_manifest_is_an_error_naming_the_field(llvm_artifact, tmp_path, edit, message):
+    path = tmp_path / "crafted.grape"
+    path.write_bytes(llvm_artifact.read_bytes())
+    craft(path, edit)
+    with pytest.raises(ArtifactError) as err:
+        Artifact.load(path)
+    assert str(err.value).startswith(f"{path} has a malformed manifest: "), err.value
+    assert message in str(err.value)
 
 
 # -- a real artifact, loaded on the wrong device -----------------------------------------

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -128,7 +129,7 @@ def test_console_script_compiles(models, tmp_path):
 
 @pytest.mark.parametrize("args, message", [
     ([], "dimension 'n' of input 'x' (axis 0) has no declared range: pass --dim n=LO:HI"),
-    (["--dim", "n=1-8"], "range of dimension 'n' must be LO:HI, got '1-8'"),
+    (["--dim", "n=1-8"], "range of dimension 'n' must be LO:HI, two integers, got '1-8'"),
     (["--dim", "n=1:8", "--dim", "seq=1:8"], "declared dimension(s) ['seq'] are not dim_param names"),
     (["--dim", "n=9:8"], "needs 0 <= lo <= hi, got 9..8"),
     (["--dim", "n=1:8", "--target", "metal"], "unknown target 'metal'"),
@@ -226,3 +227,76 @@ def test_constants_given_as_value_float_or_ints(tmp_path):
     x = np.arange(6, dtype=np.float32).reshape(2, 3)
     got = grape_tvm.load(tmp_path / "const.grape").run({"x": x})["y"]
     np.testing.assert_array_equal(got, onnxruntime_outputs(path, {"x": x})[0])
+
+
+@pytest.mark.parametrize("dim", ["batch size", "batch-size", "s0 + 1"])
+def test_dim_params_that_are_not_identifiers_keep_their_names(tmp_path, dim):
+    """Exporters write dim_params such as "batch size"; TVM's importer reads one as an
+    expression ("batch-size" is batch - size). Users see and type the model's own names."""
+    import onnx  # pylint: disable=import-outside-toplevel
+    from onnx import TensorProto, helper, numpy_helper  # pylint: disable=import-outside-toplevel
+
+    info = helper.make_tensor_value_info
+    model = _model([helper.make_node("MatMul", ["x", "w"], ["h"]),
+                    helper.make_node("Relu", ["h"], ["r"]),
+                    helper.make_node("MatMul", ["r", "w"], ["y"])],
+                   [info("x", TensorProto.FLOAT, [dim, 4])], [info("y", TensorProto.FLOAT, [dim, 4])],
+                   [numpy_helper.from_array(np.eye(4, dtype=np.float32) - 0.5, "w")])
+    path, artifact = tmp_path / "m.onnx", tmp_path / "m.grape"
+    onnx.save(model, str(path))
+    assert _compile(path, artifact, f"{dim}=1:8") == 0
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    np.testing.assert_allclose(_run(artifact, {"x": x}, tmp_path)["y"],
+                               onnxruntime_outputs(path, {"x": x})[0], rtol=1e-5, atol=1e-5)
+    description = _inspect_json(artifact)
+    assert description["dims"] == {dim: {"lo": 1, "hi": 8}}
+    assert description["inputs"][0]["shape"] == [dim, 4]
+    assert [r["symbolic_vars"] for r in description["regions"]] == [[dim]]
+
+
+# The deploy host of pyproject.toml: the TVM runtime, numpy and cuda-bindings; neither onnx nor
+# TVM's compiler (tvm.relax). A finder refuses to import them, then the CLI runs.
+_WITHOUT_COMPILER = """
+import importlib.abc, sys
+
+class NoCompiler(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "onnx" or name.split(".")[:2] == ["tvm", "relax"]:
+            raise ModuleNotFoundError(f"No module named {name!r} on this host", name=name)
+        return None
+
+sys.meta_path.insert(0, NoCompiler())
+from grape_tvm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def _deployed_cli(*args) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TVM_USE_RUNTIME_LIB": "1"}  # TVM without its compiler library
+    return subprocess.run([sys.executable, "-c", _WITHOUT_COMPILER, *map(str, args)],
+                          capture_output=True, text=True, env=env, check=False)
+
+
+def test_run_and_inspect_need_neither_onnx_nor_tvm_compiler(models, tmp_path):
+    from test_onnx_loop import _affine_inputs, affine_loop  # pylint: disable=import-outside-toplevel
+
+    import onnx  # pylint: disable=import-outside-toplevel
+
+    blocks = tmp_path / "blocks.grape"
+    assert _compile(models["blocks"], blocks, "n=1:16") == 0
+    onnx.save(affine_loop(), str(tmp_path / "loop.onnx"))
+    assert _compile(tmp_path / "loop.onnx", tmp_path / "loop.grape", "n=1:16") == 0
+    cases = {blocks: ({"x": np.random.default_rng(0).standard_normal((5, 64)).astype(np.float32)},
+                      models["blocks"]),
+             tmp_path / "loop.grape": (_affine_inputs(5, 100), tmp_path / "loop.onnx")}
+    for artifact, (inputs, onnx_path) in cases.items():
+        np.savez(tmp_path / "in.npz", **inputs)
+        proc = _deployed_cli("run", artifact, "--inputs", tmp_path / "in.npz",
+                             "--outputs", tmp_path / "out.npz")
+        assert proc.returncode == 0, proc.stderr
+        with np.load(tmp_path / "out.npz") as npz:
+            for got, want in zip(npz.values(), onnxruntime_outputs(onnx_path, inputs)):
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        proc = _deployed_cli("inspect", artifact, "--json")
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["inputs"]

@@ -314,3 +314,19 @@ def test_tvm_alone_rejects_loop():
 
     with pytest.raises(Exception, match="Loop"):
         from_onnx(affine_loop())
+
+
+def test_dim_param_that_is_not_an_identifier(tmp_path):
+    """A Loop whose state's axis is named "n items" (TVM's importer would read "nitems"):
+    declared and run under the model's own name."""
+    model = affine_loop()
+    for graph in (model.graph, model.graph.node[0].attribute[0].g):
+        for value in (*graph.input, *graph.output):
+            for dim in value.type.tensor_type.shape.dim:
+                if dim.dim_param == "n":
+                    dim.dim_param = "n items"
+    onnx_path, artifact = _compile(model, tmp_path, "affine_items", dims={"n items": (1, 64)})
+    inputs = _affine_inputs(7, 10_000)
+    with grape_tvm.load_onnx_loop(artifact, "cpu") as loop:
+        _check(onnx_path, loop, inputs, rtol=1e-5)
+        assert loop.signature.dims == {"n items": grape_tvm.runtime.ShapeRange(1, 64)}

@@ -14,6 +14,7 @@ from tvm.runtime.vm import VirtualMachine
 
 import grape_tvm
 from conftest import onnxruntime_outputs
+from grape_tvm.compiler import PlannedMemoryError
 from grape_tvm.loader import load, load_library
 
 
@@ -115,3 +116,43 @@ def test_zero_size_dims_where_the_range_allows_them(tmp_path):
     grape_tvm.compile_onnx(tmp_path / "add.onnx", {"n": (1, 8)}).export(tmp_path / "add1.grape")
     with pytest.raises(grape_tvm.runtime.InputError, match="is 0, outside its declared range 1..8"):
         load(tmp_path / "add1.grape", "cpu").run({"x": np.zeros((0, 3), np.float32)})
+
+
+@pytest.mark.parametrize("x, message", [
+    (np.ones((2, 64), ">f4"), "input 'x' is big-endian (>f4), expected the host's byte order"),
+    (np.full((2, 64), None, dtype=object), "input 'x' has dtype object: not an array of numbers"),
+    (np.full((2, 64), "a"), "input 'x' has dtype <U1: not an array of numbers"),
+])
+def test_arrays_tvm_cannot_hold_are_refused_naming_the_input(blocks, x, message):
+    with pytest.raises(grape_tvm.runtime.InputError) as err:
+        load(blocks[0], "cpu").run({"x": x})
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("bounds", [(1.5, 8), (1, 8.0), (1, 1e23), ("1", 8), (True, 8)])
+def test_a_range_of_non_integers_is_refused(tmp_path, bounds):
+    with pytest.raises(ValueError, match=r"^range of dimension 'n' takes integers, got "):
+        grape_tvm.compile_onnx(_add_model(), {"n": bounds})
+
+
+def test_record_all_names_an_unknown_dim(blocks):
+    with pytest.raises(grape_tvm.runtime.InputError) as err:
+        load(blocks[0], "cpu").record_all({"m": [1, 2]}, progress=False)
+    assert "record_all: ['m'] are not dimensions of the model; its dimensions are ['n']" \
+        in str(err.value)
+
+
+def test_a_range_whose_planned_memory_exceeds_the_limit_is_refused(models):
+    """Memory is planned at the upper bound: n = 10**9 would make every call at any n
+    allocate 512 GB (std::bad_alloc at each call before it was refused)."""
+    with pytest.raises(PlannedMemoryError) as err:
+        grape_tvm.compile_onnx(models["blocks"], {"n": (1, 10**9)})
+    assert "memory planned at the declared upper bound n=1000000000 is 512000000000 bytes " \
+           "(476.8 GiB), above the limit of 68719476736 bytes (64.0 GiB)" in str(err.value)
+
+
+def test_max_memory_sets_the_limit(models):
+    """blocks plans two (n, 64) float32 buffers: 51200 bytes at n = 100."""
+    grape_tvm.compile_onnx(models["blocks"], {"n": (1, 100)}, max_memory=51200)
+    with pytest.raises(PlannedMemoryError, match=r"is 51200 bytes .*limit of 51199 bytes"):
+        grape_tvm.compile_onnx(models["blocks"], {"n": (1, 100)}, max_memory=51199)

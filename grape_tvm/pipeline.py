@@ -10,7 +10,7 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
-                              DescribeConditionals, IfToSelect,
+                              DescribeConditionals, HoistBranchStorage, IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
                               gpu_legalize_passes)
@@ -26,6 +26,9 @@ def _finalize_passes(device_branches: bool = True) -> list[tvm.transform.Pass]:
     branches = [BranchesToConditionalRegions()] if device_branches else []
     return [
         t.StaticPlanBlockMemory(),
+        # TVM's planner can share a storage across an if without defining it in every
+        # branch that uses it (passes/branch_storage.py): defined before the if instead.
+        HoistBranchStorage(),
         *branches,
         LiftGraphRegions(),
         DescribeConditionals(),

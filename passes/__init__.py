@@ -13,6 +13,9 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   ``CopyPassThroughBranches`` makes a branch that passes a value through copy it first.
 - ``OutlineBranches`` / ``InlineBranches``: branches moved into functions of their own for
   ``FuseOps`` (which does not look inside an ``if``), and back after fusion.
+- ``HoistBranchStorage``: a storage TVM's memory planner shares across an ``if`` is defined
+  before it (a TVM 0.27 planner bug, else the VM reads an undefined storage);
+  ``after_memory_planning`` puts it after ``StaticPlanBlockMemory`` in a pass list.
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
@@ -25,6 +28,7 @@ from .bound_shapes import BoundShapeRanges, signature_dims
 from .branch_copy import CopyPassThroughBranches
 from .branch_fusion import InlineBranches, OutlineBranches
 from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
+from .branch_storage import HoistBranchStorage, after_memory_planning
 from .conv_slice import SliceIntoConvPadding
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
@@ -42,6 +46,7 @@ __all__ = [
     "CopyPassThroughBranches",
     "DescribeConditionals",
     "GraphPlan",
+    "HoistBranchStorage",
     "HostFallbackError",
     "IfToSelect",
     "InlineBranches",
@@ -52,6 +57,7 @@ __all__ = [
     "REGION_PREFIX",
     "SliceIntoConvPadding",
     "TolerantRule",
+    "after_memory_planning",
     "default_gpu_rules",
     "gpu_legalize_passes",
     "graph_plan",

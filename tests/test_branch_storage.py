@@ -268,3 +268,17 @@ def test_grape_build_whose_planner_shares_a_branch_storage(tmp_path, device_bran
     assert proc.returncode == 0, f"rc {proc.returncode}: {proc.stdout}{proc.stderr[-3000:]}"
     assert "both branches ok" in proc.stdout
 
+
+def test_bench_tvm_baseline_of_the_branch_model_is_well_formed():
+    """``bench/gpu/build_artifacts.py``'s ``branches.tvm_vm`` (TVM's CUDA pipeline with
+    grape's schedule rules): with the repair its else branch defines what it uses."""
+    sys.path.insert(0, str(ROOT / "bench" / "gpu"))
+    import build_artifacts  # pylint: disable=import-outside-toplevel
+
+    models = _branch_model_module()
+    bounded = build_artifacts._upper_bounded(models.branch_model(64), {"n": 1024})
+    broken = build_artifacts._tvm_pipeline_grape_schedules()(bounded)
+    with pytest.raises(ValueError, match="is not defined"):
+        relax.analysis.well_formed(broken, check_ty=False)
+    repaired = build_artifacts._tvm_pipeline_grape_schedules(repair_branch_storage=True)(bounded)
+    relax.analysis.well_formed(repaired, check_ty=False)

@@ -145,3 +145,17 @@ def test_if_to_select_needs_one_shape_for_both_branches():
     assert not _has_if(selected)
     assert selected["main"].attrs is None or "grape.if_notes" not in selected["main"].attrs
 
+
+# -- a rewrite that cannot be lowered: the build falls back and says so ------------------
+
+def test_build_falls_back_when_a_select_cannot_be_lowered(tmp_path, monkeypatch):
+    """With the shape rule switched off, the reshaped branch's select reaches CodeGenVM
+    (``R.where`` of unknown shape): the build warns, keeps every ``if`` (no selects) and
+    notes it in the plan; results still equal onnxruntime."""
+    from grape_tvm.passes import if_to_select  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(if_to_select, "_shape_mismatch", lambda *args: "")
+    dims = {"n": (1, 8), "m": (1, 16)}
+    with pytest.warns(UserWarning, match="select"):
+        module = _check_both_branches(reshape_or_identity(), dims, [(2, 8), (3, 16)], tmp_path)
+    assert any("select_ops=0" in note for note in module.plan["notes"])

@@ -10,7 +10,8 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
-                              DescribeConditionals, HoistBranchStorage, IfToSelect,
+                              DescribeConditionals, HoistBranchStorage, HoistReductionInit,
+                              IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
                               gpu_legalize_passes)
@@ -109,6 +110,9 @@ class GrapePipeline:
                 passes += gpu_legalize_passes() + [CheckDeviceKernels()]
             else:
                 passes += lowering.legalize_passes(target)
+                # An empty reduction's output gets its identity (passes/reduction_init.py;
+                # dlight schedules GPU reductions itself).
+                passes.append(HoistReductionInit())
             passes.append(InlineBranches())
             passes += lowering.dataflow_lower_passes(target) + _finalize_passes(self.device_branches)
             return tvm.transform.Sequential(passes)(mod)

@@ -19,6 +19,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
+- ``HoistReductionInit``: a reduction's init before its loops, so that an empty one
+  returns its identity (CPU).
 - ``SliceIntoConvPadding``: a slice dropping a conv's last outputs becomes less padding.
 
 Passes touch IR only: nothing here launches a kernel or owns a device resource.
@@ -34,6 +36,7 @@ from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernel
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
+from .reduction_init import HoistReductionInit
 from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, REGION_PREFIX,
                            GraphPlan, LiftGraphRegions, graph_plan)
 
@@ -47,6 +50,7 @@ __all__ = [
     "DescribeConditionals",
     "GraphPlan",
     "HoistBranchStorage",
+    "HoistReductionInit",
     "HostFallbackError",
     "IfToSelect",
     "InlineBranches",

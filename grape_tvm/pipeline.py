@@ -14,7 +14,7 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
-                              gpu_legalize_passes)
+                              gpu_legalize_passes, numerics_legalize_map)
 from grape_tvm.runtime.signature import ShapeRange
 
 
@@ -104,12 +104,15 @@ class GrapePipeline:
             # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
             passes += lowering.library_dispatch_passes(target)
+            # NaN and empty reductions as onnxruntime has them (passes/numerics.py).
+            numerics = numerics_legalize_map()
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).
-                passes += gpu_legalize_passes() + [CheckDeviceKernels()]
+                passes += gpu_legalize_passes(numerics) + [CheckDeviceKernels()]
             else:
-                passes += lowering.legalize_passes(target)
+                passes += [relax.transform.LegalizeOps(numerics) if p.info.name == "LegalizeOps"
+                           else p for p in lowering.legalize_passes(target)]
                 # An empty reduction's output gets its identity (passes/reduction_init.py;
                 # dlight schedules GPU reductions itself).
                 passes.append(HoistReductionInit())

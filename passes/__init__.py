@@ -19,7 +19,9 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
-- ``HoistReductionInit``: a reduction's init before its loops, so that an empty one
+- ``numerics_legalize_map``: legalizations that keep NaN through relu, clip, maximum,
+  minimum and sign, and give empty max/min/mean reductions onnxruntime's values;
+  ``HoistReductionInit``: a reduction's init before its loops, so that an empty one
   returns its identity (CPU).
 - ``SliceIntoConvPadding``: a slice dropping a conv's last outputs becomes less padding.
 
@@ -36,6 +38,7 @@ from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernel
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
+from .numerics import numerics_legalize_map
 from .reduction_init import HoistReductionInit
 from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, REGION_PREFIX,
                            GraphPlan, LiftGraphRegions, graph_plan)
@@ -65,6 +68,7 @@ __all__ = [
     "default_gpu_rules",
     "gpu_legalize_passes",
     "graph_plan",
+    "numerics_legalize_map",
     "signature_dims",
     "unbound_kernels",
 ]

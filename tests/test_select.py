@@ -11,14 +11,14 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-import tvm
 from onnx import TensorProto, helper, numpy_helper
-from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
 
 import grape_tvm
 from grape_tvm.passes import IfToSelect
+from test_branches import ResultIsOutput, ShapeDependsOnBranch
+from test_passes import _has_if
 
 INFO = helper.make_tensor_value_info
 NODE = helper.make_node
@@ -96,32 +96,6 @@ def test_reshaped_branch_compiles_and_equals_onnxruntime(tmp_path):
 
 # -- the rule, on tiny modules ------------------------------------------------------------
 
-def _has_if(mod) -> bool:
-    return any(isinstance(b.value, relax.If) for blk in mod["main"].body.blocks for b in blk.bindings)
-
-
-@I.ir_module
-class _SameShape:
-    @R.function
-    def main(x: R.Tensor(("n", 8), "float32"), cond: R.Tensor((), "bool")):
-        if cond:
-            r = R.nn.relu(x)
-        else:
-            r = R.negative(x)
-        return r
-
-
-@I.ir_module
-class _FirstRow:
-    @R.function
-    def main(x: R.Tensor(("n", 8), "float32"), cond: R.Tensor((), "bool")):
-        if cond:
-            r = R.nn.relu(x)
-        else:
-            r = R.strided_slice(x, axes=[0], begin=[0], end=[1])
-        return r
-
-
 @I.ir_module
 class _Broadcastable:
     """(n, 8) against (1, 8): ``R.where`` would broadcast them to (n, 8)."""
@@ -137,11 +111,11 @@ class _Broadcastable:
 
 
 def test_if_to_select_needs_one_shape_for_both_branches():
-    assert _has_if(IfToSelect()(_FirstRow))
+    assert _has_if(IfToSelect()(ShapeDependsOnBranch))  # (n, 16) or its first row
     assert _has_if(IfToSelect()(_Broadcastable))
     notes = dict(IfToSelect()(_Broadcastable)["main"].attrs["grape.if_notes"])
     assert "shapes differ" in notes["r"]
-    selected = IfToSelect()(_SameShape)
+    selected = IfToSelect()(ResultIsOutput)  # relu or negative of (n, 16)
     assert not _has_if(selected)
     assert selected["main"].attrs is None or "grape.if_notes" not in selected["main"].attrs
 

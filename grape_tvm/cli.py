@@ -125,7 +125,7 @@ def _run_onnx_loop(args: argparse.Namespace, inputs: dict) -> int:
 
 
 def describe(manifest: dict) -> dict:
-    """The ``inspect --json`` object: dims, inputs, outputs, regions, host steps."""
+    """The ``inspect --json`` object: dims, inputs, outputs, regions, host steps, notes."""
     sig, plan = manifest["signature"], manifest["plan"]
     return {
         "target": manifest["target"],
@@ -136,6 +136,7 @@ def describe(manifest: dict) -> dict:
         "conditionals": _conditional_description(manifest),
         "host_steps": plan["host_steps"],
         "host_bookkeeping": plan.get("host_bookkeeping", 0),
+        "notes": plan.get("notes", []),
         "executor": ("one CUDA graph per region and topology (per-shape argument tables "
                      "patched on the device), recorded on first sight"
                      if manifest["target"]["kind"] == "cuda"
@@ -204,6 +205,8 @@ def _print_description(d: dict) -> None:
     print(f"host steps: {len(d['host_steps'])} (plus {d['host_bookkeeping']} VM shape checks)")
     for h in d["host_steps"]:
         print(f"  {h['function']}.{h['var']} = {h['op']}: {h['reason']}")
+    for note in d["notes"]:
+        print(f"note: {note}")
     loop = d.get("loop")
     if loop:
         print(f"loop: state {loop['carried']}, stops on {loop['stop']!r} or after "

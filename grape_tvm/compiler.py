@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import tempfile
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -135,21 +136,82 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     operators becomes a select (both computed); a larger one a conditional region (both
     launched, the one not taken disabled on the device); 0 makes every one conditional.
     ``device_branches=False`` leaves those to TVM's VM instead, which reads the condition on
-    the host (a sync per call; the benchmarks' baseline). For a CUDA target the kernels are compiled to cubin here when nvcc is
-    present (else on first load, then cached). ``dim_names`` maps a dim of ``mod`` to the
-    name users know it by, where they differ (``frontend.with_identifier_dims``).
+    the host (a sync per call; the benchmarks' baseline). A build that fails with a select
+    or a conditional region is made again without them (``_compile_with_fallbacks``: a
+    warning, and a note in ``plan["notes"]``). For a CUDA target the kernels are compiled
+    to cubin here when nvcc is present (else on first load, then cached). ``dim_names``
+    maps a dim of ``mod`` to the name users know it by, where they differ
+    (``frontend.with_identifier_dims``).
     """
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
     signature = signature or _relax_signature(mod["main"], ranges, output_names)
-    lowered = _lower(mod, tgt, ranges, select_ops, device_branches)
     dim_names = dim_names or {}
-    _check_planned_memory(lowered, ranges, max_memory, dim_names)
-    plan = graph_plan(lowered).to_json()
+    executable, plan = _compile_with_fallbacks(
+        mod, tgt, ranges, select_ops, device_branches,
+        lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names))
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
-    executable = tvm.compile(lowered, target=tgt, relax_pipeline=None)
     return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)
+
+
+def _has_if(mod: tvm.IRModule) -> bool:
+    found = []
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(
+                func, lambda e: found.append(e) if isinstance(e, relax.If) else None)
+    return bool(found)
+
+
+def _branch_modes(select_ops: int, device_branches: bool) -> list[tuple[int, bool]]:
+    """The ways to build a module's ``if``s, the asked one first: grape's rewrites of them,
+    then fewer of them (no selects; then no conditional regions: TVM's VM runs each ``if``)."""
+    modes = [(select_ops, device_branches)]
+    if select_ops > 0:
+        modes.append((0, device_branches))
+    if device_branches:
+        modes.append((0, False))
+    return modes
+
+
+def _mode_name(select_ops: int, device_branches: bool) -> str:
+    if select_ops:
+        return f"select_ops={select_ops}"
+    return ("select_ops=0 (every if a conditional region)" if device_branches
+            else "select_ops=0, device_branches=False (TVM's VM runs every if)")
+
+
+def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
+                            device_branches: bool, check_lowered):
+    """Lower and compile ``mod``: TVM's executable and grape's plan. A failure of a module
+    with an ``if`` may be one of grape's rewrites of it (a select, a conditional region)
+    that lowering or codegen cannot take: the build then tries again without them, warns,
+    and notes it in the plan. Other errors, or one that every way raises, are the first
+    way's; ``check_lowered(lowered)`` refuses a lowered module for good (its error is not
+    the rewrites')."""
+    modes = _branch_modes(select_ops, device_branches) if _has_if(mod) else \
+        [(select_ops, device_branches)]
+    notes, first = [], None
+    for i, (ops, on_device) in enumerate(modes):
+        try:
+            lowered = _lower(mod, tgt, ranges, ops, on_device)
+            check_lowered(lowered)
+            plan = graph_plan(lowered).to_json()
+            plan["notes"] += notes
+            return tvm.compile(lowered, target=tgt, relax_pipeline=None), plan
+        except (HostFallbackError, PlannedMemoryError):
+            raise
+        except Exception as err:  # pylint: disable=broad-except
+            first = first or err
+            if i + 1 == len(modes):
+                raise first from None
+            text = (str(err).strip().splitlines() or [type(err).__name__])[0][:300]
+            note = (f"the build with {_mode_name(ops, on_device)} failed ({text}); built "
+                    f"again with {_mode_name(*modes[i + 1])}")
+            warnings.warn(f"grape-tvm: {note}", stacklevel=3)
+            notes.append(note)
+    raise AssertionError("no way to build was tried")
 
 
 def package(executable, signature: Signature, target: Any, plan: dict | None = None, *,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+import numpy as np
 import onnx
 import tvm
 from tvm import relax, tirx
@@ -188,7 +189,73 @@ def _scalar_dtype(value) -> str:
     return str(value.ty.dtype)
 
 
+class Clip(tvm_onnx.Clip):
+    """``Clip`` as Relax ``maximum``/``minimum``, which grape legalizes keeping a NaN.
+
+    TVM's converter emits TOPI's ``maximum``/``minimum`` kernels itself (``emit_te``):
+    TIR's ``max`` drops a NaN, so ``Clip(NaN, -1, 1)`` is -1 where onnxruntime returns NaN.
+    As Relax operators they go through ``passes/numerics.py``'s legalizations instead. A
+    bound not given is the spec's default, the float type's lowest or largest finite value
+    (onnxruntime clips inf to it; TVM leaves that side unclipped); a NaN bound means no
+    bound (TVM's own sanitizing).
+    """
+
+    @staticmethod
+    def _limits(dtype: str) -> tuple[relax.Expr | None, relax.Expr | None]:
+        if dtype not in ("float16", "float32", "float64"):
+            return None, None  # an integer's limits clip nothing (bfloat16: not clipped)
+        info = np.finfo(dtype)
+        return relax.const(float(info.min), dtype), relax.const(float(info.max), dtype)
+
+    @classmethod
+    def _clip(cls, bb, x: relax.Expr, lo: relax.Expr | None, hi: relax.Expr | None):
+        for op, bound in ((relax.op.maximum, lo), (relax.op.minimum, hi)):
+            if bound is not None:
+                x = bb.normalize(op(x, bound))
+        return x
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        dtype = str(inputs[0].ty.dtype)
+        lo, hi = cls._limits(dtype)
+        if "min" in attr:
+            lo = relax.const(float(attr["min"]), dtype)
+        if "max" in attr:
+            hi = relax.const(float(attr["max"]), dtype)
+        return cls._clip(bb, inputs[0], lo, hi)
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        lo, hi = cls._limits(str(inputs[0].ty.dtype))
+        if inputs[1] is not None:
+            lo = cls._sanitize_nan_clip_bound(bb, inputs[1], for_min=True)
+        if len(inputs) > 2 and inputs[2] is not None:
+            hi = cls._sanitize_nan_clip_bound(bb, inputs[2], for_min=False)
+        return cls._clip(bb, inputs[0], lo, hi)
+
+
+class Max(tvm_onnx.Max):
+    """Element-wise ``Max`` as pairwise Relax ``maximum`` (NaN kept, as onnxruntime keeps
+    it), not TVM's max reduction over a stack of the inputs, whose result depends on where
+    the NaN is."""
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        return cls._impl_dynamic(bb, inputs)
+
+
+class Min(tvm_onnx.Min):
+    """Element-wise ``Min`` as pairwise Relax ``minimum`` (see ``Max``)."""
+
+    @classmethod
+    def _impl_v1(cls, bb, inputs, attr, params):
+        return cls._impl_dynamic(bb, inputs)
+
+
 CONVERTERS: dict[str, type[tvm_onnx.OnnxOpConverter]] = {
+    "Clip": Clip,
+    "Max": Max,
+    "Min": Min,
     "Range": Range,
     "Slice": Slice,
 }

@@ -10,10 +10,11 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
-                              DescribeConditionals, IfToSelect,
+                              DescribeConditionals, HoistBranchStorage, HoistReductionInit,
+                              IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
-                              gpu_legalize_passes)
+                              gpu_legalize_passes, numerics_legalize_map)
 from grape_tvm.runtime.signature import ShapeRange
 
 
@@ -26,6 +27,9 @@ def _finalize_passes(device_branches: bool = True) -> list[tvm.transform.Pass]:
     branches = [BranchesToConditionalRegions()] if device_branches else []
     return [
         t.StaticPlanBlockMemory(),
+        # TVM's planner can share a storage across an if without defining it in every
+        # branch that uses it (passes/branch_storage.py): defined before the if instead.
+        HoistBranchStorage(),
         *branches,
         LiftGraphRegions(),
         DescribeConditionals(),
@@ -100,12 +104,18 @@ class GrapePipeline:
             # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
             passes += lowering.library_dispatch_passes(target)
+            # NaN and empty reductions as onnxruntime has them (passes/numerics.py).
+            numerics = numerics_legalize_map()
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).
-                passes += gpu_legalize_passes() + [CheckDeviceKernels()]
+                passes += gpu_legalize_passes(numerics) + [CheckDeviceKernels()]
             else:
-                passes += lowering.legalize_passes(target)
+                passes += [relax.transform.LegalizeOps(numerics) if p.info.name == "LegalizeOps"
+                           else p for p in lowering.legalize_passes(target)]
+                # An empty reduction's output gets its identity (passes/reduction_init.py;
+                # dlight schedules GPU reductions itself).
+                passes.append(HoistReductionInit())
             passes.append(InlineBranches())
             passes += lowering.dataflow_lower_passes(target) + _finalize_passes(self.device_branches)
             return tvm.transform.Sequential(passes)(mod)

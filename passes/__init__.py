@@ -13,9 +13,16 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   ``CopyPassThroughBranches`` makes a branch that passes a value through copy it first.
 - ``OutlineBranches`` / ``InlineBranches``: branches moved into functions of their own for
   ``FuseOps`` (which does not look inside an ``if``), and back after fusion.
+- ``HoistBranchStorage``: a storage TVM's memory planner shares across an ``if`` is defined
+  before it (a TVM 0.27 planner bug, else the VM reads an undefined storage);
+  ``after_memory_planning`` puts it after ``StaticPlanBlockMemory`` in a pass list.
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
+- ``numerics_legalize_map``: legalizations that keep NaN through relu, clip, maximum,
+  minimum and sign, and give empty max/min/mean reductions onnxruntime's values;
+  ``HoistReductionInit``: a reduction's init before its loops, so that an empty one
+  returns its identity (CPU).
 - ``SliceIntoConvPadding``: a slice dropping a conv's last outputs becomes less padding.
 
 Passes touch IR only: nothing here launches a kernel or owns a device resource.
@@ -25,11 +32,14 @@ from .bound_shapes import BoundShapeRanges, signature_dims
 from .branch_copy import CopyPassThroughBranches
 from .branch_fusion import InlineBranches, OutlineBranches
 from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
+from .branch_storage import HoistBranchStorage, after_memory_planning
 from .conv_slice import SliceIntoConvPadding
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
+from .numerics import numerics_legalize_map
+from .reduction_init import HoistReductionInit
 from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, REGION_PREFIX,
                            GraphPlan, LiftGraphRegions, graph_plan)
 
@@ -42,6 +52,8 @@ __all__ = [
     "CopyPassThroughBranches",
     "DescribeConditionals",
     "GraphPlan",
+    "HoistBranchStorage",
+    "HoistReductionInit",
     "HostFallbackError",
     "IfToSelect",
     "InlineBranches",
@@ -52,9 +64,11 @@ __all__ = [
     "REGION_PREFIX",
     "SliceIntoConvPadding",
     "TolerantRule",
+    "after_memory_planning",
     "default_gpu_rules",
     "gpu_legalize_passes",
     "graph_plan",
+    "numerics_legalize_map",
     "signature_dims",
     "unbound_kernels",
 ]

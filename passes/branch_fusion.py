@@ -46,12 +46,19 @@ class _Outliner(relax.PyExprMutator):
         if not _outlinable(seq):
             return self.visit_expr(seq)
         params = [v for v in relax.analysis.free_vars(seq)]
+        args = list(params)
+        # Dims the parameters' shapes use but do not define (only in an expression, as
+        # n * m // 16): passed as a shape, else inlining back cannot map them to the caller's.
+        dims = relax.analysis.free_symbolic_vars(relax.Function(params, seq, seq.body.ty))
+        if dims:
+            params.append(relax.Var("dims", relax.ShapeType(list(dims))))
+            args.append(relax.ShapeExpr(list(dims)))
         func = relax.Function(params, seq, seq.body.ty, is_pure=True)
         func = relax.utils.copy_with_new_vars(func).with_attr(BRANCH_FUNC_ATTR, side)
         gvar = self.builder_.add_func(func, f"{self.prefix}_{side}{self.count}")
         self.count += 1
         result = relax.Var(f"{side}_result", seq.body.ty)
-        call = relax.VarBinding(result, relax.Call(gvar, params))
+        call = relax.VarBinding(result, relax.Call(gvar, args))
         return relax.SeqExpr([relax.BindingBlock([call])], result)
 
 
@@ -82,7 +89,9 @@ class OutlineBranches:
             return t
 
     A nested ``if`` goes with its branch and is outlined in turn; branches with an impure
-    call stay. The outlined bodies get dataflow blocks (``ConvertToDataflow``, any size).
+    call stay. Dims the branch uses that no parameter's shape defines (a tensor of shape
+    ``(n * m // 16, 16)`` defines neither ``n`` nor ``m``) are passed as one more
+    parameter, a shape (``dims: R.Shape([n, m])``). The outlined bodies get dataflow blocks (``ConvertToDataflow``, any size).
     ``InlineBranches`` undoes the outlining after fusion.
     """
 

@@ -68,12 +68,14 @@ def default_gpu_rules() -> list[ScheduleRule]:
                                             dl.gpu.GeneralReduction())] + [dl.gpu.Fallback()]
 
 
-def gpu_legalize_passes() -> list[tvm.transform.Pass]:
-    """``tvm.relax.backend.cuda.pipeline.legalize_passes`` with tolerant schedule rules."""
+def gpu_legalize_passes(legalize_map: dict | None = None) -> list[tvm.transform.Pass]:
+    """``tvm.relax.backend.cuda.pipeline.legalize_passes`` with tolerant schedule rules;
+    ``legalize_map``: more legalizations of grape's (``numerics_legalize_map``)."""
     from .name_derived_dims import keep_renaming_reshape  # pylint: disable=import-outside-toplevel
 
     t = relax.transform
     # A reshape that only names a derived dim (NameDerivedDims) stays a view.
-    return [t.LegalizeOps({"relax.reshape": keep_renaming_reshape}), t.AnnotateTIROpPattern(),
+    legalize = {**(legalize_map or {}), "relax.reshape": keep_renaming_reshape}
+    return [t.LegalizeOps(legalize), t.AnnotateTIROpPattern(),
             t.FoldConstant(), t.FuseOps(),
             t.FuseTIR(), dl.ApplyDefaultSchedule(*default_gpu_rules())]

@@ -10,6 +10,8 @@ import tvm
 from tvm import IRModule, relax, tirx
 from tvm.ir.transform import PassContext, module_pass
 
+from .if_to_select import NOTES_ATTR as IF_NOTES_ATTR
+
 REGION_ATTR = "grape.region"
 REGION_PREFIX = "grape_region_"
 CONDITIONAL_ATTR = "grape.conditional"  # BranchesToConditionalRegions' functions
@@ -76,6 +78,7 @@ class GraphPlan:
     host_bookkeeping: int = 0
     conditionals: list[ConditionalInfo] = field(default_factory=list)
     branches: dict = field(default_factory=dict)  # conditional name -> DescribeConditionals' dict
+    notes: list[str] = field(default_factory=list)  # what a rewrite left as it was, and why
 
     def to_json(self) -> dict:
         return {
@@ -84,6 +87,7 @@ class GraphPlan:
             "host_bookkeeping": self.host_bookkeeping,
             "conditionals": [vars(c) for c in self.conditionals],
             "branches": self.branches,
+            "notes": self.notes,
         }
 
 
@@ -331,10 +335,14 @@ class LiftGraphRegions:
 
 def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
     """Describe a lifted module: its regions in call order (those of conditional regions
-    too), its conditional regions, and the host steps of ``entry`` with their reasons."""
+    too), its conditional regions, the host steps of ``entry`` with their reasons, and
+    notes (``if``s cheap enough for a select that ``IfToSelect`` refused, and why)."""
     plan = GraphPlan()
     func = mod[entry]
     stayed = dict(func.attrs.get("grape.host_branches", {})) if func.attrs is not None else {}
+    unselected = dict(func.attrs.get(IF_NOTES_ATTR, {})) if func.attrs is not None else {}
+    plan.notes = [f"{entry}.{var}: an if kept, not a select: {why}"
+                  for var, why in unselected.items()]
     for block in func.body.blocks:
         for binding in block.bindings:
             kind, op, reason = classify(binding, mod)

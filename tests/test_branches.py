@@ -15,6 +15,7 @@ import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
 from grape_tvm import build, compile_onnx, load
 from grape_tvm.passes import (CONDITIONAL_ATTR, BranchesToConditionalRegions, CopyPassThroughBranches,
@@ -210,6 +211,39 @@ def test_outline_branches_moves_each_branch_into_a_function():
     for side in (branch_if.true_branch, branch_if.false_branch):
         (call,) = bindings(side)
         assert call.value.op.name_hint in outlined
+
+
+@I.ir_module
+class DerivedDimBranch:
+    """The branches read a tensor of a derived dim, ``n * m // 16``: no parameter of an
+    outlined branch defines ``n`` or ``m``."""
+
+    @R.function
+    def main(x: R.Tensor(("n", "m"), "float32"), cond: R.Tensor((), "bool")):
+        n = T.int64()
+        m = T.int64()
+        h = R.reshape(x, R.shape([n * m // 16, 16]))
+        if cond:
+            r = R.nn.relu(h)
+        else:
+            r = R.negative(h)
+        return r
+
+
+def test_outlined_branch_takes_the_dims_its_parameters_do_not_define(tmp_path):
+    out = OutlineBranches()(relax.transform.ConvertToDataflow()(fresh(DerivedDimBranch)))
+    for gvar, func in out.functions.items():
+        if func.attrs is not None and BRANCH_FUNC_ATTR in func.attrs:
+            assert list(relax.analysis.free_symbolic_vars(func)) == [], gvar.name_hint
+    dims = {"n": (1, 8), "m": (1, 16)}
+    executor = load(build(fresh(DerivedDimBranch), dims, "llvm", select_ops=0)
+                    .export(tmp_path / "d.grape"), "cpu")
+    vm = _vm(DerivedDimBranch)
+    rng = np.random.default_rng(15)
+    for shape in ((2, 8), (4, 4), (3, 16)):
+        x = rng.standard_normal(shape).astype(np.float32)
+        for cond in (True, False):
+            _check(executor, vm, {"x": x, "cond": np.array(cond)}, ["x", "cond"])
 
 
 @pytest.mark.parametrize("c1,c2", [(True, True), (True, False), (False, True)])

@@ -22,7 +22,9 @@
 - ``branches.{grape,grape_host_if,tvm_vm}.cuda.grape``: ``models.branch_model`` (a
   data-dependent early exit, width 512, n = 1..1024) with its ``if`` as a conditional region,
   with its ``if`` left to the VM (regions still graphs), and TVM's build (its VM reads the
-  condition on the host); ``nested.cuda.grape``: tests/
+  condition on the host; TVM's pipeline with grape's schedule rules and, after TVM's memory
+  planning, ``HoistBranchStorage``: without it TVM's build of this model crashes on the else
+  branch); ``nested.cuda.grape``: tests/
   test_branches.py's nested branches (tests, ``bench/branches.py``).
 """
 
@@ -173,21 +175,31 @@ def _tvm_baselines(onnx_path: Path, dims: dict, out: Path, name: str,
     return notes
 
 
-def _tvm_pipeline_grape_schedules():
+def _tvm_pipeline_grape_schedules(repair_branch_storage: bool = False):
     """TVM's CUDA pipeline (its finalize passes: ``RewriteCUDAGraph`` where configured) with
-    grape's tolerant schedule rules and named derived dims: no graph regions, no grape runtime."""
+    grape's tolerant schedule rules and named derived dims: no graph regions, no grape runtime.
+
+    ``repair_branch_storage``: ``HoistBranchStorage`` right after TVM's
+    ``StaticPlanBlockMemory``. TVM 0.27's planner can reuse, in an ``if``'s else branch, a
+    storage it defines only in the then branch; the VM then crashes on the else branch
+    (``models.branch_model``: TVM's own build of it segfaults without this;
+    docs/tvm_onnx_frontend.md)."""
     from tvm import relax  # pylint: disable=import-outside-toplevel
     from tvm.relax.backend.cuda import pipeline as cuda  # pylint: disable=import-outside-toplevel
 
-    from grape_tvm.passes import NameDerivedDims, gpu_legalize_passes  # pylint: disable=import-outside-toplevel
+    from grape_tvm.passes import (NameDerivedDims, after_memory_planning,  # pylint: disable=import-outside-toplevel
+                                  gpu_legalize_passes)
 
     @tvm.transform.module_pass(opt_level=0, name="TVMWithGrapeSchedules")
     def _pipeline(mod, _ctx):
+        finalize = cuda.finalize_passes(CUDA)
+        if repair_branch_storage:
+            finalize = after_memory_planning(finalize)
         with CUDA:
             return tvm.transform.Sequential(
                 [NameDerivedDims(), relax.transform.ConvertToDataflow()]
                 + cuda.library_dispatch_passes(CUDA) + gpu_legalize_passes()
-                + cuda.dataflow_lower_passes(CUDA) + cuda.finalize_passes(CUDA))(mod)
+                + cuda.dataflow_lower_passes(CUDA) + finalize)(mod)
 
     return _pipeline
 
@@ -280,9 +292,13 @@ def build_branches(out: Path) -> None:
         model, BENCH_DIMS, CUDA, select_ops=0, device_branches=False, output_names=["y"]))
     host.export(out / "branches.grape_host_if.cuda.grape")
     # TVM's default CUDA schedules fail on the mean over (n, 512) (an internal check in
-    # rfactor): TVM's pipeline with grape's tolerant rules is the baseline.
+    # rfactor): TVM's pipeline with grape's tolerant rules is the baseline. Its memory
+    # planner leaves a storage of the else branch undefined (the VM segfaults when the else
+    # branch runs): the baseline gets grape's repair of that, HoistBranchStorage, and
+    # nothing else of grape's.
     vm = _timed("branches.tvm_vm", lambda: tvm.compile(
-        _upper_bounded(model, {"n": 1024}), CUDA, relax_pipeline=_tvm_pipeline_grape_schedules()))
+        _upper_bounded(model, {"n": 1024}), CUDA,
+        relax_pipeline=_tvm_pipeline_grape_schedules(repair_branch_storage=True)))
     package(vm, grape.signature, CUDA).export(out / "branches.tvm_vm.cuda.grape")
     nested = _timed("nested", lambda: grape_tvm.build(Nested, DIMS, CUDA, output_names=["y"]))
     nested.export(out / "nested.cuda.grape")

@@ -22,6 +22,7 @@ test: setup
 
 # Build everything a GPU host needs, here (no GPU, no TVM compiler needed there):
 # the grape-tvm wheel, the CUDA artifacts (cubins compiled with nvcc), the runtime-only TVM kit.
+# GRAPE_GPU_ONLY="tests demo" builds only what those steps of bench/gpu/run_all.sh load.
 gpu-artifacts: setup
 	rm -rf build/gpu && mkdir -p build/gpu .gpu-kit
 	cp $(KIT)/* .gpu-kit/

@@ -2,7 +2,8 @@
 
     python bench/gpu/build_artifacts.py build/gpu
 
-- ``blocks.cuda.grape``: the bundled example (tests, demo).
+- ``blocks.cuda.grape``: the bundled example (tests, demo); ``blocks_4096.cuda.grape`` the
+  same over n = 1..4096 (``bench/memory.py``).
 - ``attention.cuda.grape``: three inputs of one shape (tests: one tensor for all three).
 - ``gpt2_tiny.cuda.grape``, ``gpt2.grape.cuda.grape``: decode steps with a KV cache (tests,
   zero-copy benchmark).
@@ -30,6 +31,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -100,21 +102,28 @@ def build_bench(out: Path, width: int = 768, depth: int = 24) -> None:
     package(graph, signature, CUDA).export(out / "blocks24.tvm_cuda_graph.cuda.grape")
 
 
-def build_decode(out: Path) -> None:
-    """GPT-2 decode steps with an explicit KV cache: small for the tests, GPT-2 small's
-    shapes for the zero-copy benchmark."""
+def build_decode_tiny(out: Path) -> None:
+    """A GPT-2 decode step with an explicit KV cache, small (tests)."""
     small = _timed("gpt2_tiny", lambda: grape_tvm.build(
         gpt2_decode_step(64, 4, 2), {"past": (1, 64)}, CUDA, output_names=gpt2_output_names(2)))
     small.export(out / "gpt2_tiny.cuda.grape")
+
+
+def build_decode(out: Path) -> None:
+    """A decode step at GPT-2 small's shapes (the zero-copy benchmark)."""
     full = _timed("gpt2", lambda: grape_tvm.build(
         gpt2_decode_step(768, 12, 12), {"past": (1, 1024)}, CUDA, output_names=gpt2_output_names(12)))
     full.export(out / "gpt2.grape.cuda.grape")
 
 
-def build_loop(out: Path) -> None:
+def build_loop_tiny(out: Path) -> None:
+    build_loop(out, (("decoder_tiny", DECODER_TINY),))
+
+
+def build_loop(out: Path, configs=(("decoder", DECODER_BENCH), ("decoder_small", DECODER_SMALL))
+               ) -> None:
     """The decode loop: grape's ``compile_loop`` and TVM's default build of the same step."""
-    for name, config in (("decoder_tiny", DECODER_TINY), ("decoder", DECODER_BENCH),
-                         ("decoder_small", DECODER_SMALL)):
+    for name, config in configs:
         step = decoder_step(**config)
         carried = decoder_state_names(config["layers"])
         loop = _timed(f"{name}.loop", lambda: grape_tvm.compile_loop(
@@ -304,6 +313,15 @@ def build_branches(out: Path) -> None:
     nested.export(out / "nested.cuda.grape")
 
 
+def build_memory_example(out: Path, hi: int = 4096) -> None:
+    """The bundled example over n = 1..``hi``: ``bench/memory.py --device cuda``."""
+    model = out / "blocks.onnx"
+    onnx.save(make_blocks(), str(model))
+    module = _timed(f"blocks_{hi}.cuda.grape", lambda: grape_tvm.compile_onnx(
+        model, dims={"n": (1, hi)}, target="cuda"))
+    module.export(out / f"blocks_{hi}.cuda.grape")
+
+
 def build_attention(out: Path) -> None:
     """Three inputs of one shape, for calls that pass one tensor for all three (tests)."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -314,21 +332,38 @@ def build_attention(out: Path) -> None:
     module.export(out / "attention.cuda.grape")
 
 
-def main(out: Path) -> None:
+# What each step of bench/gpu/run_all.sh loads, by the functions that build it.
+STEPS = {
+    "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
+              build_onnx_loop, build_branches),
+    "demo": (build_example,),
+    "inspect": (build_example,),
+    "argument_tables": (build_bench,),
+    "zero_copy": (build_decode,),
+    "decode_loop": (build_loop,),
+    "branches": (build_branches,),
+    "memory": (build_memory_example,),
+    "hf_models": (build_hf_models, build_wav2vec2),
+    "hf_models_fp16": (lambda out: build_hf_models(out, dtype="float16"),),
+}
+
+
+def main(out: Path, steps: list[str]) -> None:
+    """Build what the named steps of run_all.sh need (every step's when none is named)."""
+    unknown = sorted(set(steps) - set(STEPS))
+    if unknown:
+        raise SystemExit(f"unknown step(s) {unknown}: the steps are {sorted(STEPS)}")
     out.mkdir(parents=True, exist_ok=True)
-    build_example(out)
-    build_attention(out)
-    build_bench(out)
-    build_decode(out)
-    build_hf_models(out)
-    build_hf_models(out, dtype="float16")
-    build_wav2vec2(out)
-    build_loop(out)
-    build_onnx_loop(out)
-    build_branches(out)
+    builders = []
+    for step in steps or STEPS:
+        builders += [b for b in STEPS[step] if b not in builders]
+    for build in builders:
+        build(out)
     for path in sorted(out.glob("*.grape")):
         print(f"{path}: {path.stat().st_size} bytes")
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1] if len(sys.argv) > 1 else "build/gpu"))
+    # build_artifacts.py [OUT] ; GRAPE_GPU_ONLY="tests demo" builds only what those steps load
+    main(Path(sys.argv[1] if len(sys.argv) > 1 else "build/gpu"),
+         os.environ.get("GRAPE_GPU_ONLY", "").split())

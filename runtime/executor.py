@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import itertools
 import threading
 import weakref
@@ -25,8 +26,10 @@ ALIGNMENT = 64
 # first: a few KiB of host memory each (bench/memory.py).
 DEFAULT_MAX_SHAPES = 2048
 # TVM's VM keeps every buffer it frees in a pool keyed by exact size, for ever: each new
-# shape leaves its outputs there. The executor empties the pool after this many VM calls
-# at dims it had not seen (planned calls do not use the VM's memory at all).
+# shape leaves its outputs there. The executor empties the pool once VM calls at dims it
+# had not seen have returned this many bytes, or this many times (planned calls do not use
+# the VM's memory at all).
+VM_POOL_CLEAR_BYTES = 16 << 20
 VM_POOL_CLEAR_CALLS = 64
 
 REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
@@ -112,7 +115,8 @@ class GraphExecutor:
         self._plan_calls = plan_calls and signature is not None
         # Dims seen, least recently used first: their plan, or None (no plan possible).
         self._plans: OrderedDict[tuple, CallPlan | None] = OrderedDict()
-        self._vm_calls_at_new_dims = 0
+        # VM calls at new dims since the VM's memory pool was emptied, and their outputs' bytes.
+        self._vm_pool_calls = self._vm_pool_bytes = 0
         self._watch: CallPlanRecorder | None = None
         self._pool = BufferPool(device)
         self._buffer_of: dict[tuple, int] = {}
@@ -276,12 +280,16 @@ class GraphExecutor:
             result = self._vm[self.entry](*args)
         finally:
             recorder, self._watch, self._recording = self._watch, None, True
+        values = _values(result, self.signature)
         if new_dims:
-            self._vm_calls_at_new_dims += 1
-            if self._vm_calls_at_new_dims >= VM_POOL_CLEAR_CALLS:
+            self._vm_pool_calls += 1
+            self._vm_pool_bytes += sum(nbytes(v) for v in values
+                                       if isinstance(v, tvm.runtime.Tensor))
+            if self._vm_pool_calls >= VM_POOL_CLEAR_CALLS or \
+                    self._vm_pool_bytes >= VM_POOL_CLEAR_BYTES:
                 _clear_vm_memory_pools()
-                self._vm_calls_at_new_dims = 0
-        return _values(result, self.signature), recorder
+                self._vm_pool_calls = self._vm_pool_bytes = 0
+        return values, recorder
 
     def _remember(self, key: tuple, plan: CallPlan | None) -> None:
         """Keep the plan of ``key``'s dims, giving up the least recently used beyond
@@ -622,10 +630,25 @@ def _share_memory(tensors: Sequence[Any]) -> bool:
 
 def _clear_vm_memory_pools() -> None:
     """Free the buffers TVM's VMs keep pooled and unused (every VM of the process shares
-    the pool of a device: the others allocate again what they need)."""
+    the pool of a device: the others allocate again what they need), and give the host
+    memory freed back to the system: glibc keeps freed heap pages otherwise, and buffers of
+    many sizes leave it fragmented (bench/memory.py)."""
     clear = tvm.get_global_func("vm.builtin.memory_manager.clear", allow_missing=True)
     if clear is not None:
         clear()
+    if _MALLOC_TRIM is not None:
+        _MALLOC_TRIM(0)
+
+
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or None where the C library has none."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
 
 
 def _bytes(outputs) -> int:

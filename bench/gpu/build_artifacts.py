@@ -343,6 +343,7 @@ STEPS = {
     "decode_loop": (build_loop,),
     "branches": (build_branches,),
     "memory": (build_memory_example,),
+    "probe_cublaslt": (),
     "hf_models": (build_hf_models, build_wav2vec2),
     "hf_models_fp16": (lambda out: build_hf_models(out, dtype="float16"),),
 }

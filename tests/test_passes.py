@@ -432,6 +432,28 @@ def test_unbound_kernels_on_handwritten_primfuncs():
     assert CheckDeviceKernels()(mod).same_as(mod)
 
 
+def legalized_kernel(shape, make, epilogue=None) -> tvm.tirx.PrimFunc:
+    """The one PrimFunc of ``make(x)`` (then ``epilogue``) on a float32 ``x`` of ``shape``
+    ("n" a symbolic dim), legalized as grape does it and fused, before any schedule."""
+    from grape_tvm.passes import numerics_legalize_map  # pylint: disable=import-outside-toplevel
+
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n if d == "n" else d for d in shape], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = make(x)
+            out = bb.emit_output(epilogue(y) if epilogue else y)
+        bb.emit_func_output(out)
+    t = relax.transform
+    with CUDA:
+        mod = tvm.transform.Sequential([t.LegalizeOps(numerics_legalize_map()),
+                                        t.AnnotateTIROpPattern(), t.FuseOps(),
+                                        t.FuseTIR()])(bb.get())
+    (func,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    return func
+
+
 # -- IfToSelect ------------------------------------------------------------------------------
 
 @I.ir_module

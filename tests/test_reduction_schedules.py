@@ -9,6 +9,7 @@ import re
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import tvm
 from tvm import relax, s_tir, tirx
@@ -22,6 +23,7 @@ from grape_tvm.passes.gpu_schedules import CudaCoreMatmul
 from grape_tvm.pipeline import grape_pipeline
 from test_passes import CUDA, legalized_kernel
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 op = relax.op
 
 
@@ -143,7 +145,6 @@ def test_empty_reduction_writes_its_identity(name):
 
 
 def _branch_model():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from models import branch_model  # pylint: disable=import-outside-toplevel
 
     return branch_model(512)
@@ -167,3 +168,29 @@ def test_branch_model_mean_is_one_kernel_of_a_thousand_threads():
     if not nvcc_available():
         pytest.skip("no nvcc here: the kernels were not compiled to cubin")
     assert module.cubins  # every kernel of the module, compiled by nvcc
+
+
+def test_reductions_artifact_for_the_gpu_tests(tmp_path):
+    """``bench/gpu/build_artifacts.py``'s ``reductions.cuda.grape`` builds (nvcc included),
+    its means, max and min are ``FullReduction``'s, and ``models.reductions_numpy``, the
+    GPU tests' reference, agrees with the model built for the CPU, n = 0 included."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "gpu"))
+    import build_artifacts  # pylint: disable=import-outside-toplevel
+    from models import (  # pylint: disable=import-outside-toplevel
+        REDUCTION_OUTPUTS, reductions_model, reductions_numpy)
+
+    build_artifacts.build_reductions(tmp_path)
+    assert (tmp_path / "reductions.cuda.grape").stat().st_size > 0
+    lowered = grape_pipeline(CUDA, build_artifacts.REDUCTION_DIMS)(reductions_model(512))
+    for name in ("mean", "fused_mean_greater", "max", "min"):
+        assert _thread_extents(lowered[name]) == {"blockIdx.x": {1}, "threadIdx.x": {1024}}
+
+    module = grape_tvm.build(reductions_model(512), build_artifacts.REDUCTION_DIMS, "llvm",
+                             output_names=list(REDUCTION_OUTPUTS))
+    executor = grape_tvm.load(module.export(tmp_path / "reductions.grape"), "cpu")
+    rng = np.random.default_rng(0)
+    for n in (0, 5, 1024, 0):
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        got = executor.run({"x": x, "threshold": np.array(0.0, np.float32)})
+        for name, want in reductions_numpy(x, 0.0).items():
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-2, err_msg=name)

@@ -26,6 +26,8 @@
   planning, ``HoistBranchStorage``: without it TVM's build of this model crashes on the else
   branch); ``nested.cuda.grape``: tests/
   test_branches.py's nested branches (tests, ``bench/branches.py``).
+- ``reductions.cuda.grape``: ``models.reductions_model``, means, sums, a max and a min over
+  n = 0..1024 rows (tests: grape's ``FullReduction`` and dlight's ``Reduction``, empty too).
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     DECODER_BENCH,
     DECODER_SMALL,
     DECODER_TINY,
+    REDUCTION_OUTPUTS,
     blocks_relax,
     branch_model,
     decoder_state_names,
     decoder_step,
     gpt2_decode_step,
     gpt2_output_names,
+    reductions_model,
 )
 
 import grape_tvm  # noqa: E402  pylint: disable=wrong-import-position
@@ -60,6 +64,7 @@ from grape_tvm.runtime.signature import ShapeRange  # noqa: E402  pylint: disabl
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 BENCH_DIMS = {"n": (1, 1024)}
+REDUCTION_DIMS = {"n": (0, 1024)}
 
 
 def _upper_bounded(mod: tvm.IRModule, his: dict[str, int]) -> tvm.IRModule:
@@ -314,10 +319,18 @@ def build_attention(out: Path) -> None:
     module.export(out / "attention.cuda.grape")
 
 
+def build_reductions(out: Path) -> None:
+    """Reductions over a symbolic n that may be 0 (tests)."""
+    module = _timed("reductions", lambda: grape_tvm.build(
+        reductions_model(512), REDUCTION_DIMS, CUDA, output_names=list(REDUCTION_OUTPUTS)))
+    module.export(out / "reductions.cuda.grape")
+
+
 def main(out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     build_example(out)
     build_attention(out)
+    build_reductions(out)
     build_bench(out)
     build_decode(out)
     build_hf_models(out)

@@ -297,7 +297,8 @@ def build_branches(out: Path) -> None:
         model, BENCH_DIMS, CUDA, select_ops=0, device_branches=False, output_names=["y"]))
     host.export(out / "branches.grape_host_if.cuda.grape")
     # TVM's default CUDA schedules fail on the mean over (n, 512) (an internal check in
-    # rfactor): TVM's pipeline with grape's tolerant rules is the baseline. Its memory
+    # rfactor): TVM's pipeline with grape's rules (tolerant ones, and FullReduction, which
+    # schedules that mean on the device) is the baseline. Its memory
     # planner leaves a storage of the else branch undefined (the VM segfaults when the else
     # branch runs): the baseline gets grape's repair of that, HoistBranchStorage, and
     # nothing else of grape's.

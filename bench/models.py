@@ -398,3 +398,43 @@ def branch_numpy(x: np.ndarray, weights: dict[str, np.ndarray], threshold: float
     else:
         r = np.maximum(h @ weights["w_else"], 0)
     return r + x64
+
+
+REDUCTION_OUTPUTS = ("mean", "above", "sum_rows", "sum_all", "max", "min")
+
+
+def reductions_model(width: int = 512):
+    """Reductions of x: (n, width), fp32, over the symbolic n; n may be 0. Outputs
+    (``REDUCTION_OUTPUTS``): ``mean(x)`` and ``mean(x) > threshold`` (``branch_model``'s
+    condition), ``sum(x, axis=0, keepdims)`` (1, width) and ``sum(x, keepdims)`` (1, 1),
+    ``max(x)`` and ``min(x, keepdims)`` (1, 1).
+
+    On CUDA the means, the max and the min are grape's ``FullReduction`` (one thread block),
+    the sums dlight's ``Reduction``.
+    """
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    op = relax.op
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, width), "float32"))
+    threshold = relax.Var("threshold", relax.TensorType((), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, threshold]):
+        with bb.dataflow():
+            outs = [op.mean(x), op.greater(op.mean(x), threshold),
+                    op.sum(x, axis=[0], keepdims=True), op.sum(x, keepdims=True),
+                    op.max(x), op.min(x, axis=[0, 1], keepdims=True)]
+            out = bb.emit_output(relax.Tuple([bb.emit(o) for o in outs]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def reductions_numpy(x: np.ndarray, threshold: float) -> dict[str, np.ndarray]:
+    """``reductions_model`` in numpy (float64 sums); over n = 0 the identities grape gives:
+    0 for the sums and the mean, -inf for the max, +inf for the min."""
+    x64 = x.astype(np.float64)
+    mean = x64.sum() / max(x.size, 1)
+    return {"mean": np.array(mean), "above": np.array(mean > threshold),
+            "sum_rows": x64.sum(0, keepdims=True), "sum_all": x64.sum(keepdims=True),
+            "max": np.array(x.max(initial=-np.inf)),
+            "min": x.min(axis=(0, 1), keepdims=True, initial=np.inf)}

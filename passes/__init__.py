@@ -17,7 +17,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   before it (a TVM 0.27 planner bug, else the VM reads an undefined storage);
   ``after_memory_planning`` puts it after ``StaticPlanBlockMemory`` in a pass list.
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
-  (a rule failing on a kernel passes it to the next).
+  (a rule failing on a kernel passes it to the next) and ``FullReduction``, grape's rule
+  for reductions to one element (one thread block, an all-reduce over its threads).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
 - ``numerics_legalize_map``: legalizations that keep NaN through relu, clip, maximum,
   minimum and sign, and give empty max/min/mean reductions onnxruntime's values;
@@ -40,6 +41,7 @@ from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
 from .numerics import numerics_legalize_map
 from .reduction_init import HoistReductionInit
+from .reduction_schedules import FullReduction
 from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, REGION_PREFIX,
                            GraphPlan, LiftGraphRegions, graph_plan)
 
@@ -51,6 +53,7 @@ __all__ = [
     "CheckDeviceKernels",
     "CopyPassThroughBranches",
     "DescribeConditionals",
+    "FullReduction",
     "GraphPlan",
     "HoistBranchStorage",
     "HoistReductionInit",

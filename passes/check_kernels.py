@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from tvm import IRModule, tirx
-from tvm_ffi.structural import structural_walk
+from tvm.sym import Analyzer
+from tvm_ffi.structural import WalkResult, structural_walk
 from tvm.ir.transform import PassContext, module_pass
 
 
 class HostFallbackError(RuntimeError):
-    """A GPU build left kernels without a thread binding: they would run on the CPU.
+    """A GPU build left kernels, or loops launching them, without a thread binding: they
+    would run on the CPU.
 
     Raised inside a pass, it reaches Python through TVM's FFI as a plain error with the
     same text; ``grape_tvm.build`` gives it back its type.
@@ -17,7 +19,7 @@ class HostFallbackError(RuntimeError):
     MARK = "the GPU build left these kernels without a thread binding"
 
 
-def _launches_threads(func: tirx.PrimFunc) -> bool:
+def _launches_threads(stmt: tirx.Stmt) -> bool:
     found = []
 
     def on_for(loop):
@@ -28,14 +30,12 @@ def _launches_threads(func: tirx.PrimFunc) -> bool:
         if stmt.attr_key == "thread_extent":
             found.append(stmt)
 
-    structural_walk(func.body, ((tirx.For, on_for), (tirx.AttrStmt, on_attr)))
+    structural_walk(stmt, ((tirx.For, on_for), (tirx.AttrStmt, on_attr)))
     return bool(found)
 
 
 def _stores_outside_threads(func: tirx.PrimFunc) -> int:
     """Buffer stores not under any thread binding: what codegen leaves to the host."""
-    from tvm_ffi.structural import WalkResult  # pylint: disable=import-outside-toplevel
-
     stores = []
 
     def on_for(loop):
@@ -51,6 +51,31 @@ def _stores_outside_threads(func: tirx.PrimFunc) -> int:
     structural_walk(func.body, ((tirx.For, on_for), (tirx.AttrStmt, on_attr),
                                 (tirx.BufferStore, on_store)), order="pre")
     return len(stores)
+
+
+def _launches_from_host_loops(func: tirx.PrimFunc) -> bool:
+    """A loop outside every thread binding, of more than one iteration, around one: codegen
+    makes the binding a kernel and the loop a host loop launching it once per iteration.
+
+    Loops inside a binding are device code; a unit loop outside one (dlight adds them)
+    launches once.
+    """
+    analyzer = Analyzer()
+    found = []
+
+    def on_for(loop):
+        if loop.thread_binding is not None:
+            return WalkResult.SKIP  # a kernel starts here: what is inside runs on the device
+        if not analyzer.can_prove(loop.extent <= 1) and _launches_threads(loop.body):
+            found.append(loop)
+            return WalkResult.SKIP
+        return WalkResult.ADVANCE
+
+    def on_attr(stmt):
+        return WalkResult.SKIP if stmt.attr_key == "thread_extent" else WalkResult.ADVANCE
+
+    structural_walk(func.body, ((tirx.For, on_for), (tirx.AttrStmt, on_attr)), order="pre")
+    return bool(found)
 
 
 def _is_host_function(func: tirx.PrimFunc) -> bool:
@@ -72,8 +97,11 @@ def unbound_kernels(mod: IRModule) -> list[str]:
     for gvar, func in mod.functions.items():
         if not isinstance(func, tirx.PrimFunc) or _is_host_function(func):
             continue
-        # No thread at all, or a part (a padding copy, say) left outside the threads.
-        if _touches_memory(func) and (not _launches_threads(func) or _stores_outside_threads(func)):
+        # No thread at all, a part (a padding copy, say) left outside the threads, or a
+        # kernel launched from a host loop, once per iteration.
+        if _touches_memory(func) and (not _launches_threads(func.body)
+                                      or _stores_outside_threads(func)
+                                      or _launches_from_host_loops(func)):
             names.append(gvar.name_hint)
     return sorted(names)
 
@@ -94,7 +122,13 @@ class CheckDeviceKernels:
                 y[i] = ...
 
     A kernel bound to threads only in part (a block a schedule rule left as serial loops
-    beside the bound ones) is refused too: those loops would run on the host as well.
+    beside the bound ones) is refused too: those loops would run on the host as well. So is
+    a binding under a loop that has none: the loop runs on the host and launches the kernel
+    once per iteration (TVM 0.27's ``GeneralReduction`` on a mean to a scalar)::
+
+        for k0, k1 in T.grid(n, 512):                       # host loops: n * 512 launches
+            for u in T.thread_binding(1, thread="blockIdx.x"):
+                red[()] = red[()] + x[k0, k1]
 
     After: a module in which every kernel binds ``blockIdx``/``threadIdx`` is returned as is.
     """
@@ -103,7 +137,8 @@ class CheckDeviceKernels:
         bad = unbound_kernels(mod)
         if bad:
             raise HostFallbackError(
-                f"{HostFallbackError.MARK}, so TVM would run them on the host: "
+                f"{HostFallbackError.MARK} (wholly, in part, or in the loops around a launch), "
+                "so TVM would run those loops on the host: "
                 f"{', '.join(bad)}. No artifact was produced."
             )
         return mod

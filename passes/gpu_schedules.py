@@ -8,6 +8,8 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule.schedule import ScheduleError
 
+from .reduction_schedules import FullReduction
+
 
 class TolerantRule(ScheduleRule):
     """A dlight rule whose ``ScheduleError`` means "not mine": the next rule is tried.
@@ -63,9 +65,13 @@ class CudaCoreMatmul(ScheduleRule):
 
 def default_gpu_rules() -> list[ScheduleRule]:
     """TVM's CUDA rules in TVM's order, each ``TolerantRule``; ``Fallback`` last binds
-    whatever the others left. ``Matmul`` is ``CudaCoreMatmul``: see there."""
+    whatever the others left. ``Matmul`` is ``CudaCoreMatmul``: see there. grape's
+    ``FullReduction`` (passes/reduction_schedules.py) comes before ``GeneralReduction``,
+    which leaves the loops of a reduction to one element on the host; after ``Reduction``,
+    whose schedules of sums to one element it keeps."""
     return [TolerantRule(rule) for rule in (CudaCoreMatmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                            dl.gpu.GeneralReduction())] + [dl.gpu.Fallback()]
+                                            FullReduction(), dl.gpu.GeneralReduction())] + \
+        [dl.gpu.Fallback()]
 
 
 def gpu_legalize_passes(legalize_map: dict | None = None) -> list[tvm.transform.Pass]:

@@ -527,3 +527,58 @@ def test_nested_conditional_regions_equal_the_vm():
             np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
         assert executor.stats.last["path"] == "planned"
     executor.close()
+
+
+# -- reductions over a symbolic dim (grape's FullReduction, dlight's Reduction) -----------
+
+@pytest.fixture(scope="module")
+def reductions():
+    """(grape executor, ``models.reductions_numpy``) for ``reductions.cuda.grape``."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import reductions_numpy  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact("reductions.cuda.grape"), "cuda")
+    yield executor, reductions_numpy
+    executor.close()
+
+
+def _check_reductions(executor, reference, x: np.ndarray, threshold: float) -> None:
+    got = executor.run({"x": x, "threshold": np.array(threshold, np.float32)})
+    want = reference(x, threshold)
+    # float32 sums of up to 512 Ki values against float64: a tolerance scaled by the sum of
+    # the magnitudes (one value missed or counted twice is far outside it).
+    scale = {"mean": np.abs(x).sum() / max(x.size, 1), "sum_rows": np.abs(x).sum(0, keepdims=True),
+             "sum_all": np.abs(x).sum(keepdims=True)}
+    for name, value in want.items():
+        assert got[name].shape == value.shape, name
+        if name in scale:
+            assert np.all(np.abs(got[name] - value) <= 1e-6 * scale[name] + 1e-7), name
+        else:  # max, min and the comparison are exact
+            np.testing.assert_array_equal(got[name], value, err_msg=name)
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 300, 1023, 1024])
+def test_reductions_over_n_rows_equal_numpy(reductions, n):
+    """Means, sums, max and min of (n, 512), n up to the range's end; the comparison with
+    the mean a quarter above and below it (``branch_model``'s condition, both ways)."""
+    executor, reference = reductions
+    x = np.random.default_rng(n).standard_normal((n, 512)).astype(np.float32)
+    mean = float(x.astype(np.float64).mean())
+    for threshold in (mean - 0.25, mean + 0.25):
+        _check_reductions(executor, reference, x, threshold)
+
+
+def test_empty_reductions_give_the_identity(reductions):
+    """n = 0 between calls with rows: 0 for the sums and the mean, -inf for the max, +inf
+    for the min (each kernel's accumulators start at the identity), not a value left in
+    the outputs' buffers."""
+    executor, reference = reductions
+    rng = np.random.default_rng(11)
+    for n in (1024, 0, 5, 0):
+        x = rng.standard_normal((n, 512)).astype(np.float32)
+        for threshold in (-1.0, 1.0):
+            _check_reductions(executor, reference, x, threshold)

@@ -432,6 +432,84 @@ def test_unbound_kernels_on_handwritten_primfuncs():
     assert CheckDeviceKernels()(mod).same_as(mod)
 
 
+@I.ir_module
+class _HostLoops:
+    """Kernels launched from host loops, and loops that are fine around or inside a kernel."""
+
+    @T.prim_func
+    def launch_per_element(a: T.Buffer((8, 16), "float32"), s: T.Buffer((), "float32")):
+        for i, j in T.grid(8, 16):  # host loops: 128 launches of one thread
+            for u in T.thread_binding(1, thread="blockIdx.x"):
+                s[()] = s[()] + a[i, j]
+
+    @T.prim_func
+    def launch_per_row(a: T.Buffer((8, 16), "float32"), b: T.Buffer((8, 16), "float32")):
+        for i in range(8):
+            tx = T.launch_thread("threadIdx.x", 16)
+            b[i, tx] = a[i, tx]
+
+    @T.prim_func
+    def unit_loop_around(a: T.Buffer((16,), "float32"), b: T.Buffer((16,), "float32")):
+        for i in range(1):  # one launch
+            for t in T.thread_binding(16, thread="threadIdx.x"):
+                b[t] = a[t]
+
+    @T.prim_func
+    def serial_inside(a: T.Buffer((16, 8), "float32"), b: T.Buffer((16,), "float32")):
+        for t in T.thread_binding(16, thread="threadIdx.x"):
+            for k in range(8):  # device code
+                b[t] = b[t] + a[t, k]
+
+
+def test_kernel_check_refuses_a_kernel_launched_from_a_host_loop():
+    """Every store under a thread binding, but loops without one around it: codegen makes
+    those loops host code launching the kernel per iteration."""
+    assert unbound_kernels(_HostLoops) == ["launch_per_element", "launch_per_row"]
+    with pytest.raises(RuntimeError, match="launch_per_element, launch_per_row"):
+        CheckDeviceKernels()(_HostLoops)
+
+
+def legalized_kernel(shape, make, epilogue=None) -> tvm.tirx.PrimFunc:
+    """The one PrimFunc of ``make(x)`` (then ``epilogue``) on a float32 ``x`` of ``shape``
+    ("n" a symbolic dim), legalized as grape does it and fused, before any schedule."""
+    from grape_tvm.passes import numerics_legalize_map  # pylint: disable=import-outside-toplevel
+
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType([n if d == "n" else d for d in shape], "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = make(x)
+            out = bb.emit_output(epilogue(y) if epilogue else y)
+        bb.emit_func_output(out)
+    t = relax.transform
+    with CUDA:
+        mod = tvm.transform.Sequential([t.LegalizeOps(numerics_legalize_map()),
+                                        t.AnnotateTIROpPattern(), t.FuseOps(),
+                                        t.FuseTIR()])(bb.get())
+    (func,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
+    return func
+
+
+def _scheduled(rule, func) -> tvm.IRModule:
+    sch = rule.apply(func, CUDA, False)
+    return tvm.IRModule({"k": sch.mod["main"].with_attr("global_symbol", "k")})
+
+
+def test_kernel_check_on_dlight_reductions():
+    """dlight's schedule of ``mean`` over (n, 512) to a scalar (``GeneralReduction``: the
+    reduction loops outside its unit thread bindings) is refused; its row reductions, with
+    loops inside the bindings, are not."""
+    from tvm.s_tir import dlight as dl  # pylint: disable=import-outside-toplevel
+
+    mean = legalized_kernel(("n", 512), relax.op.mean)
+    assert unbound_kernels(_scheduled(dl.gpu.GeneralReduction(), mean)) == ["k"]
+    row_sum = legalized_kernel((4, "n"), lambda x: relax.op.sum(x, axis=[1]))
+    softmax = legalized_kernel((4, "n"), relax.op.nn.softmax)
+    assert unbound_kernels(_scheduled(dl.gpu.Reduction(), row_sum)) == []
+    assert unbound_kernels(_scheduled(dl.gpu.GeneralReduction(), softmax)) == []
+
+
 # -- IfToSelect ------------------------------------------------------------------------------
 
 @I.ir_module

@@ -27,6 +27,8 @@
   planning, ``HoistBranchStorage``: without it TVM's build of this model crashes on the else
   branch); ``nested.cuda.grape``: tests/
   test_branches.py's nested branches (tests, ``bench/branches.py``).
+- ``reductions.cuda.grape``: ``models.reductions_model``, means, sums, a max and a min over
+  n = 0..1024 rows (tests: grape's ``FullReduction`` and dlight's ``Reduction``, empty too).
 """
 
 from __future__ import annotations
@@ -48,12 +50,14 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     DECODER_BENCH,
     DECODER_SMALL,
     DECODER_TINY,
+    REDUCTION_OUTPUTS,
     blocks_relax,
     branch_model,
     decoder_state_names,
     decoder_step,
     gpt2_decode_step,
     gpt2_output_names,
+    reductions_model,
 )
 
 import grape_tvm  # noqa: E402  pylint: disable=wrong-import-position
@@ -62,6 +66,7 @@ from grape_tvm.runtime.signature import ShapeRange  # noqa: E402  pylint: disabl
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 BENCH_DIMS = {"n": (1, 1024)}
+REDUCTION_DIMS = {"n": (0, 1024)}
 
 
 def _upper_bounded(mod: tvm.IRModule, his: dict[str, int]) -> tvm.IRModule:
@@ -301,7 +306,8 @@ def build_branches(out: Path) -> None:
         model, BENCH_DIMS, CUDA, select_ops=0, device_branches=False, output_names=["y"]))
     host.export(out / "branches.grape_host_if.cuda.grape")
     # TVM's default CUDA schedules fail on the mean over (n, 512) (an internal check in
-    # rfactor): TVM's pipeline with grape's tolerant rules is the baseline. Its memory
+    # rfactor): TVM's pipeline with grape's rules (tolerant ones, and FullReduction, which
+    # schedules that mean on the device) is the baseline. Its memory
     # planner leaves a storage of the else branch undefined (the VM segfaults when the else
     # branch runs): the baseline gets grape's repair of that, HoistBranchStorage, and
     # nothing else of grape's.
@@ -332,10 +338,17 @@ def build_attention(out: Path) -> None:
     module.export(out / "attention.cuda.grape")
 
 
+def build_reductions(out: Path) -> None:
+    """Reductions over a symbolic n that may be 0 (tests)."""
+    module = _timed("reductions", lambda: grape_tvm.build(
+        reductions_model(512), REDUCTION_DIMS, CUDA, output_names=list(REDUCTION_OUTPUTS)))
+    module.export(out / "reductions.cuda.grape")
+
+
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.
 STEPS = {
     "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
-              build_onnx_loop, build_branches),
+              build_onnx_loop, build_branches, build_reductions),
     "demo": (build_example,),
     "inspect": (build_example,),
     "argument_tables": (build_bench,),

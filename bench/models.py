@@ -438,3 +438,46 @@ def reductions_numpy(x: np.ndarray, threshold: float) -> dict[str, np.ndarray]:
             "sum_rows": x64.sum(0, keepdims=True), "sum_all": x64.sum(keepdims=True),
             "max": np.array(x.max(initial=-np.inf)),
             "min": x.min(axis=(0, 1), keepdims=True, initial=np.inf)}
+
+
+LIBRARY_SHAPE = {"k": 768, "n": 3072}  # GPT-2's MLP: (K, N) of its up projection
+
+
+def library_layer(dtype: str = "float32"):
+    """A GPT-2 MLP with its matmuls as cuBLASLt calls on CUDA (``OffloadMatmul``):
+    ``h = gelu_tanh(x @ w_up + b_up)`` (bias and GELU in cuBLASLt's epilogue), ``y = h @
+    w_down_t^T + x`` (a weight stored [N, K]; the residual add a TVM kernel). x: (n, 768)."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    k, n_up = LIBRARY_SHAPE["k"], LIBRARY_SHAPE["n"]
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, k), dtype))
+    w_up = relax.Var("w_up", relax.TensorType((k, n_up), dtype))
+    b_up = relax.Var("b_up", relax.TensorType((n_up,), dtype))
+    w_down_t = relax.Var("w_down_t", relax.TensorType((k, n_up), dtype))
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w_up, b_up, w_down_t]):
+        with bb.dataflow():
+            h = bb.emit(op.nn.gelu_tanh(op.add(op.matmul(x, w_up), b_up)))
+            y = bb.emit_output(op.add(op.matmul(h, op.permute_dims(w_down_t)), x))
+            h = bb.emit_output(h)
+        bb.emit_func_output(relax.Tuple([y, h]))
+    return bb.get()
+
+
+def library_weights(dtype: str = "float32", seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    k, n_up = LIBRARY_SHAPE["k"], LIBRARY_SHAPE["n"]
+    return {"w_up": (rng.standard_normal((k, n_up)) / np.sqrt(k)).astype(dtype),
+            "b_up": (0.1 * rng.standard_normal(n_up)).astype(dtype),
+            "w_down_t": (rng.standard_normal((k, n_up)) / np.sqrt(n_up)).astype(dtype)}
+
+
+def library_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``library_layer`` in float64: (y, h)."""
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    x64 = x.astype(np.float64)
+    pre = x64 @ w["w_up"] + w["b_up"]
+    h = 0.5 * pre * (1 + np.tanh(np.sqrt(2 / np.pi) * (pre + 0.044715 * pre ** 3)))
+    return h @ w["w_down_t"].T + x64, h

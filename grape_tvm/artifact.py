@@ -145,6 +145,7 @@ _MANIFEST = {
         "conditionals?": [{"name": str, "condition": str, "mode": str, "then_calls": [str],
                            "else_calls": [str], "kernels": int}],
         "branches?": _Each({"condition": int, "dims": [str], "branches": [[_BRANCH_CALL]]}),
+        "libraries?": [frozenset({"cublaslt"})],
     },
     "loop?": {"carried": [str], "stop": str, "max_steps": int, "onnx?": _ONNX_LOOP},
     "sections": [{"name": str, "offset": int, "size": int, "sha256": str}],

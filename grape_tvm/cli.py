@@ -50,7 +50,7 @@ def cmd_compile(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
     module = compile_onnx(args.model, dims, args.target, select_ops=args.select_ops,
-                          max_memory=int(args.max_memory * 2**30))
+                          max_memory=int(args.max_memory * 2**30), matmul=args.matmul)
     path = module.export(args.output)
     regions = module.plan["regions"]
     conditionals = len(module.plan.get("conditionals", []))
@@ -133,6 +133,7 @@ def describe(manifest: dict) -> dict:
         "inputs": sig["inputs"],
         "outputs": sig["outputs"],
         "regions": plan["regions"],
+        "matmul": _matmul_description(plan),
         "conditionals": _conditional_description(manifest),
         "host_steps": plan["host_steps"],
         "host_bookkeeping": plan.get("host_bookkeeping", 0),
@@ -147,6 +148,18 @@ def describe(manifest: dict) -> dict:
                      "tvm": manifest.get("tvm_version")},
         "sections": manifest.get("sections", []),
     }
+
+
+def _matmul_description(plan: dict) -> str:
+    """What runs the model's matmuls (``build(matmul=...)``)."""
+    chosen = plan.get("matmul", "tvm")
+    if chosen == "cublaslt":
+        calls = sorted({k for r in plan["regions"] for k in r["kernels"]
+                        if k.startswith("grape.cublaslt.")})
+        return ("cuBLASLt, called inside the graphs (an algorithm per power-of-two bucket of "
+                f"the rows; inspect --record lists them): {', '.join(calls) or 'none matched'}; "
+                "other matmuls TVM's schedules")
+    return "TVM's schedules" + (" with grape's rules" if chosen == "grape" else "")
 
 
 def _conditional_description(manifest: dict) -> list[dict]:
@@ -191,6 +204,7 @@ def _print_description(d: dict) -> None:
         print(f"{key}:")
         for spec in d[key]:
             print(f"  {spec['name']}: {spec['dtype']}{_shape(spec)}")
+    print(f"matmuls: {d['matmul']}")
     print(f"regions (run as graphs): {len(d['regions'])}")
     for r in d["regions"]:
         print(f"  {r['name']}: {len(r['kernels'])} kernel(s), keyed by "
@@ -272,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: every if a conditional region)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=LO:HI",
                    help="range of a symbolic dimension (an ONNX dim_param); repeat per dimension")
+    p.add_argument("--matmul", choices=("cublaslt", "grape", "tvm"), default=None,
+                   help="what runs matmuls with a weight: cublaslt (the default on cuda: "
+                        "cuBLASLt calls captured into the graphs), grape or tvm (TVM's "
+                        "schedules; the default on llvm)")
     p.add_argument("--max-memory", type=float, default=64, metavar="GIB",
                    help="refuse ranges whose memory, planned at their upper bounds and allocated "
                         "by every call, exceeds this many GiB (default 64)")

@@ -17,7 +17,7 @@ from grape_tvm.artifact import Artifact
 from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature, with_identifier_dims
 from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.passes.planned_memory import planned_bytes
-from grape_tvm.pipeline import grape_pipeline, is_gpu
+from grape_tvm.pipeline import grape_pipeline, is_gpu, matmul_implementation
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
 from grape_tvm.runtime.device_loop import LOOP_SOURCE
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE
@@ -89,10 +89,10 @@ def _cuda_sources(executable) -> list[str]:
     return sources
 
 
-def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16,
+def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16, matmul: str | None = None,
            device_branches: bool = True) -> tvm.IRModule:
     try:
-        return grape_pipeline(tgt, ranges, select_ops, device_branches)(mod)
+        return grape_pipeline(tgt, ranges, select_ops, device_branches, matmul)(mod)
     except Exception as err:  # pylint: disable=broad-except
         # A Python pass's exception crosses TVM's FFI as a plain error carrying the text:
         # give the kernel check its own type back, so callers can catch it.
@@ -126,7 +126,7 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
           signature: Signature | None = None, output_names: list[str] | None = None,
           prebuild_cubin: bool = True, select_ops: int = 16,
           device_branches: bool = True, max_memory: int = DEFAULT_MAX_MEMORY,
-          dim_names: Mapping[str, str] | None = None) -> GrapeModule:
+          dim_names: Mapping[str, str] | None = None, matmul: str | None = None) -> GrapeModule:
     """Compile a Relax module whose ``main`` takes tensors with symbolic dimensions.
 
     ``dims`` maps each symbolic dimension to its declared range ``(lo, hi)``; memory is
@@ -141,14 +141,17 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     warning, and a note in ``plan["notes"]``). For a CUDA target the kernels are compiled
     to cubin here when nvcc is present (else on first load, then cached). ``dim_names``
     maps a dim of ``mod`` to the name users know it by, where they differ
-    (``frontend.with_identifier_dims``).
+    (``frontend.with_identifier_dims``). ``matmul`` chooses what runs matmuls: "cublaslt"
+    (the default on CUDA: calls of cuBLASLt captured into the graphs; the deployment host
+    needs ``libcublasLt``), "grape" or "tvm" (TVM's schedules; the default elsewhere).
     """
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
     signature = signature or _relax_signature(mod["main"], ranges, output_names)
     dim_names = dim_names or {}
+    matmul = matmul_implementation(tgt, matmul)
     executable, plan = _compile_with_fallbacks(
-        mod, tgt, ranges, select_ops, device_branches,
+        mod, tgt, ranges, select_ops, device_branches, matmul,
         lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names))
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
@@ -183,7 +186,7 @@ def _mode_name(select_ops: int, device_branches: bool) -> str:
 
 
 def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
-                            device_branches: bool, check_lowered):
+                            device_branches: bool, matmul: str, check_lowered):
     """Lower and compile ``mod``: TVM's executable and grape's plan. A failure of a module
     with an ``if`` may be one of grape's rewrites of it (a select, a conditional region)
     that lowering or codegen cannot take: the build then tries again without them, warns,
@@ -195,10 +198,11 @@ def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
     notes, first = [], None
     for i, (ops, on_device) in enumerate(modes):
         try:
-            lowered = _lower(mod, tgt, ranges, ops, on_device)
+            lowered = _lower(mod, tgt, ranges, ops, matmul, on_device)
             check_lowered(lowered)
             plan = graph_plan(lowered).to_json()
             plan["notes"] += notes
+            plan["matmul"] = matmul
             return tvm.compile(lowered, target=tgt, relax_pipeline=None), plan
         except (HostFallbackError, PlannedMemoryError):
             raise

@@ -110,7 +110,7 @@ def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
         from grape_tvm.runtime.cuda_backend import CudaGraphBackend  # pylint: disable=import-outside-toplevel
 
         backend = CudaGraphBackend(dev, graph_mode, max_graphs, manifest["target"].get("arch"),
-                                   cubins, max_shapes)
+                                   cubins, max_shapes, manifest["plan"].get("libraries", ()))
     # Without host steps a call is only region launches: run such calls without the VM.
     plan_calls = not manifest["plan"]["host_steps"] and bool(manifest["plan"]["regions"])
     executor = GraphExecutor(library, dev, signature, backend, plan_calls=plan_calls,

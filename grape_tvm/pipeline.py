@@ -15,7 +15,10 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
                               gpu_legalize_passes, numerics_legalize_map)
+from grape_tvm.passes.library_matmul import OffloadMatmul
 from grape_tvm.runtime.signature import ShapeRange
+
+MATMUL_IMPLEMENTATIONS = ("cublaslt", "grape", "tvm")
 
 
 def _finalize_passes(device_branches: bool = True) -> list[tvm.transform.Pass]:
@@ -74,11 +77,13 @@ class GrapePipeline:
 
     def __init__(self, target: tvm.target.Target | None = None,
                  dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
-                 select_ops: int = 16, device_branches: bool = True):
+                 select_ops: int = 16, device_branches: bool = True,
+                 matmul: str | None = None):
         self.target = target
         self.dims = dict(dims or {})
         self.select_ops = select_ops
         self.device_branches = device_branches
+        self.matmul = matmul
 
     def transform_module(self, mod: tvm.IRModule, ctx: PassContext) -> tvm.IRModule:
         target = self.target or tvm.target.Target.current(allow_none=False)
@@ -103,6 +108,8 @@ class GrapePipeline:
                 passes.append(CopyPassThroughBranches())
             # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
+            if matmul_implementation(target, self.matmul) == "cublaslt":
+                passes.append(OffloadMatmul())
             passes += lowering.library_dispatch_passes(target)
             # NaN and empty reductions as onnxruntime has them (passes/numerics.py).
             numerics = numerics_legalize_map()
@@ -121,16 +128,31 @@ class GrapePipeline:
             return tvm.transform.Sequential(passes)(mod)
 
 
+def matmul_implementation(target: tvm.target.Target, asked: str | None) -> str:
+    """What runs a model's matmuls: ``asked``, or by default cuBLASLt on CUDA (a vendor
+    library where one exists) and TVM's schedules elsewhere."""
+    if asked is None:
+        return "cublaslt" if target.kind.name == "cuda" else "tvm"
+    if asked not in MATMUL_IMPLEMENTATIONS:
+        raise ValueError(f"matmul must be one of {MATMUL_IMPLEMENTATIONS}, got {asked!r}")
+    if asked == "cublaslt" and target.kind.name != "cuda":
+        raise ValueError(f"matmul='cublaslt' needs a CUDA target, not {target.kind.name}")
+    return asked
+
+
 def grape_pipeline(target: tvm.target.Target | None = None,
                    dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
-                   select_ops: int = 16, device_branches: bool = True) -> tvm.transform.Pass:
+                   select_ops: int = 16, device_branches: bool = True,
+                   matmul: str | None = None) -> tvm.transform.Pass:
     """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes.
 
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
-    0 keeps every ``if``. ``device_branches``: the ``if``s left become conditional regions
+    0 keeps every ``if``. ``matmul``: "cublaslt" (matmuls with a weight become cuBLASLt
+    calls captured in the graphs; CUDA's default), "grape" or "tvm" (TVM's schedules, with
+    grape's rules or TVM's alone). ``device_branches``: the ``if``s left become conditional regions
     (no host read of the condition); False leaves them to the VM, which reads it.
     """
-    return GrapePipeline(target, dims, select_ops, device_branches)
+    return GrapePipeline(target, dims, select_ops, device_branches, matmul)
 
 
 if "grape" not in relax.pipeline.PIPELINE_MAP:

@@ -10,6 +10,8 @@ import tvm
 from tvm import IRModule, relax, tirx
 from tvm.ir.transform import PassContext, module_pass
 
+from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX as LIBRARY_FUNCTION_PREFIX
+
 from .if_to_select import NOTES_ATTR as IF_NOTES_ATTR
 
 REGION_ATTR = "grape.region"
@@ -80,6 +82,12 @@ class GraphPlan:
     branches: dict = field(default_factory=dict)  # conditional name -> DescribeConditionals' dict
     notes: list[str] = field(default_factory=list)  # what a rewrite left as it was, and why
 
+    @property
+    def libraries(self) -> list[str]:
+        """Libraries the runtime must provide for the regions' kernels (``cublaslt``)."""
+        called = [k for r in self.regions for k in r.kernels] + [h.op for h in self.host_steps]
+        return ["cublaslt"] if any(k.startswith(LIBRARY_FUNCTION_PREFIX) for k in called) else []
+
     def to_json(self) -> dict:
         return {
             "regions": [vars(r) for r in self.regions],
@@ -88,6 +96,7 @@ class GraphPlan:
             "conditionals": [vars(c) for c in self.conditionals],
             "branches": self.branches,
             "notes": self.notes,
+            "libraries": self.libraries,
         }
 
 
@@ -136,6 +145,10 @@ def classify(binding: relax.Binding, mod: IRModule) -> tuple[str, str, str]:
                 return "conditional", op.name_hint, ""
             return "host", op.name_hint, "calls a Relax function"
         name = _op_name(value)
+        if name.startswith(LIBRARY_FUNCTION_PREFIX):
+            # A library kernel launched through grape's runtime (cuBLASLt): captured like
+            # a PrimFunc's launch.
+            return "kernel", name, ""
         if name in _ALLOC_OPS:
             return "alloc", name, ""
         if name in _VIEW_OPS:

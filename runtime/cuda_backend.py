@@ -22,6 +22,7 @@ The backend owns its streams, its context reference, the patch kernel and every 
 
 from __future__ import annotations
 
+import contextlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -29,6 +30,7 @@ from typing import Any, Sequence
 import tvm
 
 from .argument_table import TopologyGroups
+from .cublaslt import CublasLt, register_functions
 from .cuda_compile import CubinStore
 from .cuda_driver import check, driver
 from .cuda_graph import (Capture, CapturedGraph, find_pointer_slots, node_records,
@@ -60,7 +62,8 @@ class CudaGraphBackend:
 
     def __init__(self, device: tvm.runtime.Device, mode: str = "topology",
                  max_graphs: int = 4096, arch: str | None = None,
-                 cubins: CubinStore | None = None, max_shapes: int | None = None):
+                 cubins: CubinStore | None = None, max_shapes: int | None = None,
+                 libraries: Sequence[str] = ()):
         import tvm_ffi  # pylint: disable=import-outside-toplevel
 
         if mode not in MODES:
@@ -74,6 +77,7 @@ class CudaGraphBackend:
         # What close() frees, set before the first driver call so that a failed start
         # closes cleanly too.
         self._context = self.stream = self.capture_stream = None
+        self.cublaslt: CublasLt | None = None
         self._patch: PatchKernel | None = None
         self._regions: dict[str, _RegionGraphs] = {}
         self._per_shape: OrderedDict[tuple, CapturedGraph] = OrderedDict()
@@ -100,6 +104,10 @@ class CudaGraphBackend:
         self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
         self.capture_stream = check(
             driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
+        if "cublaslt" in libraries:
+            # The library's handle and workspace are this backend's: its captures use them.
+            register_functions()
+            self.cublaslt = CublasLt(device.index)
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # CUfunction -> parameter layout
         self.graphs_captured = 0
         self.graphs_instantiated = 0
@@ -113,11 +121,18 @@ class CudaGraphBackend:
     # -- the executor's interface --------------------------------------------------------
     def stream_context(self):
         """TVM launches everything of a call on the backend's stream."""
-        return self._use_stream(self.device, int(self.stream))
+        return self._on_stream(self.stream)
 
     def capture_context(self):
         """TVM launches on the capture stream (a caller capturing into a graph of its own)."""
-        return self._use_stream(self.device, int(self.capture_stream))
+        return self._on_stream(self.capture_stream)
+
+    @contextlib.contextmanager
+    def _on_stream(self, stream):
+        # Library calls (cuBLASLt) the VM makes meanwhile run with this backend's state.
+        with self._use_stream(self.device, int(stream)), \
+                (self.cublaslt.active() if self.cublaslt is not None else contextlib.nullcontext()):
+            yield
 
     @property
     def context(self):
@@ -273,6 +288,7 @@ class CudaGraphBackend:
                 "per_shape_graphs": len(self._per_shape), "evicted": self.evicted,
                 "graph_device_bytes": self.graph_device_bytes,
                 "synchronizing_guards": self.synchronizing_guards,
+                "cublaslt_algorithms": dict(self.cublaslt.chosen) if self.cublaslt else {},
                 "topology_groups": regions}
 
     def __del__(self):
@@ -294,6 +310,9 @@ class CudaGraphBackend:
         if self._patch is not None:
             self._patch.close()
             self._patch = None
+        if self.cublaslt is not None:
+            self.cublaslt.close()
+            self.cublaslt = None
         for stream in (self.stream, self.capture_stream):
             if stream is not None:
                 driver.cuStreamDestroy(stream)

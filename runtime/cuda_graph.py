@@ -23,6 +23,13 @@ from .argument_table import NodeRecord
 from .cuda_driver import check, driver
 from .signature import nbytes
 
+# A parameter wider than this is taken apart into 8-byte words: library kernels (cuBLAS)
+# take one struct of hundreds of bytes with the operands' addresses and sizes inside it,
+# and the patch kernel writes at most 16 bytes at a time (bench/results/probe_cublaslt.json).
+MAX_FIELD_BYTES = 16
+WORD = 8
+_BUFFER_POINTER, _BUFFER_SIZE = 1, 2  # CU_LAUNCH_PARAM_BUFFER_POINTER / _SIZE
+
 
 @dataclass
 class KernelNode:
@@ -30,8 +37,8 @@ class KernelNode:
 
     node: Any
     params: Any  # CUDA_KERNEL_NODE_PARAMS as captured
-    layout: list[tuple[int, int]]  # (offset, size) of each parameter
-    values: list[bytes]  # raw bytes of each parameter
+    layout: list[tuple[int, int]]  # (offset, size) of each field (``fields_of``)
+    values: list[bytes]  # raw bytes of each field
 
 
 @dataclass(frozen=True)
@@ -44,18 +51,64 @@ class PointerSlot:
     delta: int
 
 
-def _param_layout(func) -> list[tuple[int, int]]:
-    layout = []
+# A parameter wider than this is taken apart into 8-byte words: library kernels (cuBLAS)
+# take one struct of hundreds of bytes whose operands' addresses and sizes sit inside it,
+# and the patch kernel updates at most 16 bytes at a time (bench/results/probe_cublaslt.json).
+MAX_FIELD_BYTES = 16
+WORD = 8
+
+
+def _parameters(func) -> list[tuple[int, int]]:
+    """(offset, size) of each parameter of a kernel (``cuFuncGetParamInfo``)."""
+    parameters = []
     while True:
-        err, offset, size = driver.cuFuncGetParamInfo(func, len(layout))
+        err, offset, size = driver.cuFuncGetParamInfo(func, len(parameters))
         if err != driver.CUresult.CUDA_SUCCESS:
-            return layout
-        layout.append((int(offset), int(size)))
+            return parameters
+        parameters.append((int(offset), int(size)))
+
+
+def fields_of(parameters: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The fields a patch may write, (offset, size) in the parameter buffer: each parameter,
+    one wider than ``MAX_FIELD_BYTES`` as 8-byte words."""
+    fields = []
+    for offset, size in parameters:
+        if size <= MAX_FIELD_BYTES:
+            fields.append((offset, size))
+        else:
+            fields += [(at, min(WORD, offset + size - at)) for at in range(offset, offset + size, WORD)]
+    return fields
+
+
+def parameter_buffer(params, parameters: Sequence[tuple[int, int]]) -> bytes:
+    """A kernel node's parameter buffer as the kernel receives it: the one buffer of
+    ``extra`` (``CU_LAUNCH_PARAM_BUFFER_POINTER``: how cuBLAS launches its sm90 kernels,
+    ``kernelParams`` NULL), or the values ``kernelParams`` points at, one per parameter."""
+    extra = int(params.extra or 0)
+    if extra:
+        pointer = size = None
+        entries = (ctypes.c_void_p * 5).from_address(extra)
+        for key, value in zip(entries[::2], entries[1::2]):
+            if not key:  # CU_LAUNCH_PARAM_END
+                break
+            if key == _BUFFER_POINTER:
+                pointer = value
+            elif key == _BUFFER_SIZE:
+                size = ctypes.c_size_t.from_address(value).value
+        if not pointer or size is None:
+            raise ValueError("a kernel node's extra holds no parameter buffer")
+        return ctypes.string_at(pointer, size)
+    base = int(params.kernelParams or 0)
+    buffer = bytearray(max((offset + size for offset, size in parameters), default=0))
+    for i, (offset, size) in enumerate(parameters):
+        address = ctypes.c_void_p.from_address(base + 8 * i).value
+        buffer[offset:offset + size] = ctypes.string_at(address, size)
+    return bytes(buffer)
 
 
 def read_kernel_nodes(graph, layouts: dict | None = None) -> list[KernelNode]:
     """Kernel nodes of a captured graph with their parameters; ``layouts`` caches each
-    function's parameter layout across captures."""
+    function's parameters across captures."""
     layouts = {} if layouts is None else layouts
     _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
     nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
@@ -66,15 +119,13 @@ def read_kernel_nodes(graph, layouts: dict | None = None) -> list[KernelNode]:
             continue
         params = check(driver.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
         key = int(params.func)
-        layout = layouts.get(key)
-        if layout is None:
-            layout = layouts[key] = _param_layout(params.func)
-        base = int(params.kernelParams)
-        values = []
-        for i, (_, size) in enumerate(layout):
-            addr = ctypes.c_void_p.from_address(base + 8 * i).value
-            values.append(ctypes.string_at(addr, size))
-        kernels.append(KernelNode(node, params, layout, values))
+        parameters = layouts.get(key)
+        if parameters is None:
+            parameters = layouts[key] = _parameters(params.func)
+        buffer = parameter_buffer(params, parameters)
+        fields = fields_of(parameters)
+        kernels.append(KernelNode(node, params, fields,
+                                  [buffer[offset:offset + size] for offset, size in fields]))
     return kernels
 
 
@@ -163,8 +214,14 @@ class CapturedGraph(OwnedGraph):
             self.nodes[n].values = values
 
     def _set_node_params(self, node: KernelNode, values: list[bytes]) -> None:
-        buffers = [ctypes.create_string_buffer(v, len(v)) for v in values]
-        pointers = (ctypes.c_void_p * len(buffers))(*[ctypes.addressof(b) for b in buffers])
+        # The whole parameter buffer through ``extra``: right for kernels launched either way.
+        end = max(offset + size for offset, size in node.layout)
+        buffer = ctypes.create_string_buffer(end)
+        for (offset, size), value in zip(node.layout, values):
+            ctypes.memmove(ctypes.addressof(buffer) + offset, value, size)
+        size = ctypes.c_size_t(end)
+        extra = (ctypes.c_void_p * 5)(_BUFFER_POINTER, ctypes.addressof(buffer), _BUFFER_SIZE,
+                                      ctypes.addressof(size), 0)
         old = node.params
         params = driver.CUDA_KERNEL_NODE_PARAMS()
         params.func = old.func
@@ -172,7 +229,8 @@ class CapturedGraph(OwnedGraph):
         params.blockDimX, params.blockDimY, params.blockDimZ = (
             old.blockDimX, old.blockDimY, old.blockDimZ)
         params.sharedMemBytes = old.sharedMemBytes
-        params.kernelParams = ctypes.addressof(pointers)
+        params.kernelParams = 0
+        params.extra = ctypes.addressof(extra)
         check(driver.cuGraphExecKernelNodeSetParams(self.exec, node.node, params),
               "cuGraphExecKernelNodeSetParams")
 

@@ -582,3 +582,67 @@ def test_empty_reductions_give_the_identity(reductions):
         x = rng.standard_normal((n, 512)).astype(np.float32)
         for threshold in (-1.0, 1.0):
             _check_reductions(executor, reference, x, threshold)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cublaslt_matmuls_in_graphs_equal_numpy(dtype):
+    """A GPT-2 MLP whose matmuls are cuBLASLt calls captured into the region's graph (bias
+    and tanh-GELU in cuBLASLt's epilogue, a weight stored [N, K]): every n first seen, then
+    replayed at new input addresses, equals numpy; the kernels are re-pointed and re-shaped
+    by the patch kernel (fp16's cuBLAS kernels take their parameters through ``extra``)."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import library_numpy, library_weights  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact(f"library_{dtype}.cuda.grape"), "cuda")
+    weights = library_weights(dtype)
+    executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device) for k, v in weights.items()})
+    tolerance = 1e-4 if dtype == "float32" else 2e-2
+    rng = np.random.default_rng(10)
+    sizes = [1, 2, 3, 7, 8, 9, 64, 300, 1024]
+    worst = 0.0
+    try:
+        for n in list(rng.permutation(sizes)) + list(rng.permutation(sizes)):
+            x = rng.standard_normal((int(n), 768)).astype(dtype)
+            got = executor.run({"x": x})
+            want_y, want_h = library_numpy(x, weights)
+            for value, want in ((got["y"], want_y), (got["h"], want_h)):
+                error = float(np.abs(value.astype(np.float64) - want).max() / np.abs(want).max())
+                worst = max(worst, error)
+                assert error <= tolerance, (dtype, n, error)
+        backend = executor.backend.describe()
+        print(f"{dtype}: worst relative error {worst:.2e}; {executor.stats}; algorithms "
+              f"{backend['cublaslt_algorithms']}")
+        assert executor.stats.planned_calls == len(sizes)  # the second round, all planned
+    finally:
+        executor.close()
+
+
+def test_cublaslt_topologies_over_the_whole_range():
+    """Algorithms chosen per bucket of n (powers of two): recording every n = 1..1024 makes
+    at most 12 topologies (graphs) per region."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import library_weights  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact("library_float32.cuda.grape"), "cuda")
+    try:
+        executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device)
+                              for k, v in library_weights("float32").items()})
+        seconds = executor.record_all(progress=False)
+        groups = executor.backend.describe()["topology_groups"]
+        counts = {region: len(g) for region, g in groups.items()}
+        print(f"recorded n = 1..1024 in {seconds:.1f} s: topologies per region {counts}")
+        assert counts and max(counts.values()) <= 12
+    finally:
+        executor.close()

@@ -227,7 +227,7 @@ def test_numerics_legalizations_schedule_for_cuda():
             return y
 
     cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
-    lowered = grape_pipeline(cuda, {"n": (0, 64)})(Layer)
+    lowered = grape_pipeline(cuda, {"n": (0, 64)}, matmul="tvm")(Layer)
     assert unbound_kernels(lowered) == []
     kernels = [k for r in grape_tvm.passes.graph_plan(lowered).regions for k in r.kernels]
     assert "fused_matmul_relu_tir_clip_maximum" in kernels

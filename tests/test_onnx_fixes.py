@@ -116,7 +116,7 @@ with bb.function("main", [x, w]):
     with bb.dataflow():
         y = bb.emit_output(relax.op.matmul(x, w))
     bb.emit_func_output(y)
-module = grape_tvm.build(bb.get(), {"n": (1, 1024)}, "cuda", prebuild_cubin=False)
+module = grape_tvm.build(bb.get(), {"n": (1, 1024)}, "cuda", prebuild_cubin=False, matmul="tvm")
 kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
 print("built", kernels)
 """

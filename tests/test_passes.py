@@ -379,7 +379,7 @@ def test_grape_build_raises_host_fallback_error_naming_the_kernel():
 
 
 def test_grape_pipeline_on_cuda_binds_every_kernel():
-    lowered = grape_pipeline(CUDA, DIMS)(fresh(_MLP))  # CheckDeviceKernels runs inside
+    lowered = grape_pipeline(CUDA, DIMS, matmul="tvm")(fresh(_MLP))  # CheckDeviceKernels runs inside
     assert unbound_kernels(lowered) == []
     kernels = [gv.name_hint for gv, f in lowered.functions.items()
                if isinstance(f, tvm.tirx.PrimFunc)

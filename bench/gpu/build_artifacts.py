@@ -2,6 +2,8 @@
 
     python bench/gpu/build_artifacts.py build/gpu
 
+- ``library_{float32,float16}.cuda.grape``: a GPT-2 MLP whose matmuls are cuBLASLt calls
+  (tests).
 - ``blocks.cuda.grape``: the bundled example (tests, demo); ``blocks_4096.cuda.grape`` the
   same over n = 1..4096 (``bench/memory.py``).
 - ``attention.cuda.grape``: three inputs of one shape (tests: one tensor for all three).
@@ -57,6 +59,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     decoder_step,
     gpt2_decode_step,
     gpt2_output_names,
+    library_layer,
     reductions_model,
 )
 
@@ -338,6 +341,14 @@ def build_attention(out: Path) -> None:
     module.export(out / "attention.cuda.grape")
 
 
+def build_library(out: Path) -> None:
+    """``models.library_layer`` in fp32 and fp16: matmuls as cuBLASLt calls (tests)."""
+    for dtype in ("float32", "float16"):
+        module = _timed(f"library_{dtype}", lambda d=dtype: grape_tvm.build(
+            library_layer(d), {"n": (1, 1024)}, CUDA, output_names=["y", "h"]))
+        module.export(out / f"library_{dtype}.cuda.grape")
+
+
 def build_reductions(out: Path) -> None:
     """Reductions over a symbolic n that may be 0 (tests)."""
     module = _timed("reductions", lambda: grape_tvm.build(
@@ -348,7 +359,7 @@ def build_reductions(out: Path) -> None:
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.
 STEPS = {
     "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
-              build_onnx_loop, build_branches, build_reductions),
+              build_onnx_loop, build_branches, build_reductions, build_library),
     "demo": (build_example,),
     "inspect": (build_example,),
     "argument_tables": (build_bench,),

@@ -1,0 +1,286 @@
+"""cuBLASLt matmuls for the functions ``passes.OffloadMatmul`` calls, captured into grape's graphs.
+
+The compiler rewrites a matmul into ``R.call_dps_packed("grape.cublaslt.matmul...", ...)``
+(``MATMUL_FUNCTIONS``: the name says the epilogue and whether the weight is transposed).
+TVM's VM calls that function while a region is captured; it runs ``cublasLtMatmul`` on the
+stream TVM is capturing (``tvm_ffi.get_raw_stream``), with the library state of the
+backend that is capturing (``CublasLt.active``): its handle, its workspace (so that nothing
+allocates inside a capture) and its algorithm choices. Outside grape's calls (TVM's own VM
+on the library) a thread keeps its own state per device. The kernels cuBLASLt launches are
+then nodes of the region's graph like any other, re-pointed and re-shaped by the patch
+kernel (bench/results/probe_cublaslt.json showed both work for cuBLAS's kernels).
+
+An algorithm is chosen once per bucket of M (the rows of the product: powers of two, so
+M = 1..1024 gives 11 buckets), by cuBLASLt's heuristic at the bucket's upper end, and kept:
+cuBLASLt's own first choice changes with M far more often (bench/results/probe_cublaslt.json),
+and each change would be another graph topology.
+
+Row-major ``out[M, N] = x[M, K] @ w[K, N]`` is the column-major ``out^T = w^T x^T``: A is
+``w`` (N x K, or K x N transposed when the model holds ``w`` as [N, K]), B is ``x``.
+
+Needs ``libcublasLt`` (the ``nvidia-cublas`` package, extra ``cuda``); found by soname, so a
+library PyTorch or the system already loaded serves too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .cuda_driver import check, driver
+
+WORKSPACE_BYTES = 32 << 20  # what TVM's cuBLAS BYOC and PyTorch give cuBLASLt
+FUNCTION_PREFIX = "grape.cublaslt."
+_LIBRARIES = ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so")
+
+# cuBLASLt's enums (cublasLt.h, library_types.h).
+_CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14}
+_COMPUTE_32F = 68  # fp32 accumulation, full precision (no TF32): PyTorch's default
+_OP_N, _OP_T = 0, 1
+_DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
+_PREF_MAX_WORKSPACE_BYTES = 1
+_ALGO_CONFIG_ID = 0
+EPILOGUES = {"": 1, "bias": 4, "gelu": 32, "bias_gelu": 36}
+
+
+class CublasLtError(RuntimeError):
+    """cuBLASLt is missing here, or one of its calls failed."""
+
+
+@dataclass(frozen=True)
+class MatmulFunction:
+    """What one packed function does: its epilogue, and whether ``w`` comes as [N, K]."""
+
+    epilogue: str  # a key of EPILOGUES
+    transposed_weight: bool
+
+    @property
+    def name(self) -> str:
+        suffix = "_".join(p for p in ("matmul", self.epilogue, "nt" if self.transposed_weight
+                                      else "") if p)
+        return FUNCTION_PREFIX + suffix
+
+    @property
+    def has_bias(self) -> bool:
+        return "bias" in self.epilogue
+
+
+MATMUL_FUNCTIONS = {f.name: f for f in (MatmulFunction(e, t) for e in EPILOGUES for t in (False, True))}
+
+
+class _Heuristic(ctypes.Structure):
+    _fields_ = [("algo", ctypes.c_uint64 * 8), ("workspaceSize", ctypes.c_size_t),
+                ("state", ctypes.c_int), ("wavesCount", ctypes.c_float),
+                ("reserved", ctypes.c_int * 4)]
+
+
+def _library() -> ctypes.CDLL:
+    for name in _LIBRARIES:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    raise CublasLtError("this artifact's matmuls run on cuBLASLt, and no libcublasLt is found "
+                        f"here (tried {', '.join(_LIBRARIES)}): install nvidia-cublas "
+                        "(pip install 'grape-tvm[cuda]'), or compile with --matmul tvm")
+
+
+def _ok(status: int, call: str) -> None:
+    if status != 0:
+        raise CublasLtError(f"{call} failed: cublasStatus_t {status}")
+
+
+def bucket(m: int) -> int:
+    """The upper end of M's bucket: the next power of two."""
+    return 1 << max(m - 1, 0).bit_length()
+
+
+@dataclass
+class _Plan:
+    """Descriptors and the algorithm of one (function, dtype, M bucket, K, N)."""
+
+    desc: ctypes.c_void_p
+    algo: _Heuristic
+
+
+class CublasLt:
+    """A cuBLASLt handle, a workspace and the algorithm chosen per bucket; one per backend,
+    which frees it (``close``). ``active`` makes it the one the packed functions use."""
+
+    def __init__(self, device_index: int = 0):
+        self.lib = _library()
+        self.lib.cublasLtMatmul.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_size_t, ctypes.c_void_p]
+        self.device_index = device_index
+        self.handle = ctypes.c_void_p()
+        _ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
+        self.workspace = check(driver.cuMemAlloc(WORKSPACE_BYTES), "cuMemAlloc(cuBLASLt workspace)")
+        self._plans: dict[tuple, _Plan] = {}
+        self._layouts: dict[tuple, ctypes.c_void_p] = {}
+        self.chosen: dict[str, dict] = {}  # for inspect: the algorithm of each bucket
+
+    # -- the packed functions' work --------------------------------------------------------
+    def matmul(self, function: MatmulFunction, x, w, out, bias, stream: int) -> None:
+        """``out = epilogue(x @ w (+ bias))`` on ``stream``; x: [..., K], w: [K, N] or
+        [N, K] (``transposed_weight``), out: [..., N], all of one dtype."""
+        dtype = str(out.dtype)
+        k, n = int(x.shape[-1]), int(out.shape[-1])
+        m = int(np.prod(x.shape[:-1], dtype=np.int64))
+        if m == 0:
+            return
+        plan = self._plan(function, dtype, m, k, n, bias)
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        a = self._layout(dtype, n, k, k if function.transposed_weight else n,
+                         transposed=function.transposed_weight)
+        b, c = self._layout(dtype, k, m, k), self._layout(dtype, n, m, n)
+        if bias is not None:
+            pointer = ctypes.c_void_p(bias.data_ptr())
+            _ok(self.lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_BIAS_POINTER,
+                                                        ctypes.byref(pointer), ctypes.c_size_t(8)),
+                "cublasLtMatmulDescSetAttribute(bias)")
+        _ok(self.lib.cublasLtMatmul(
+            self.handle, plan.desc, ctypes.addressof(alpha), w.data_ptr(), a, x.data_ptr(), b,
+            ctypes.addressof(beta), out.data_ptr(), c, out.data_ptr(), c,
+            ctypes.addressof(plan.algo.algo), int(self.workspace), WORKSPACE_BYTES, stream),
+            f"cublasLtMatmul({function.name}, {dtype}, M={m}, K={k}, N={n})")
+
+    def _layout(self, dtype: str, rows: int, cols: int, ld: int, transposed: bool = False):
+        """A column-major matrix layout; ``transposed``: stored as its transpose (cols x rows)."""
+        stored = (cols, rows) if transposed else (rows, cols)
+        key = (dtype, *stored, ld)
+        layout = self._layouts.get(key)
+        if layout is None:
+            layout = self._layouts[key] = ctypes.c_void_p()
+            _ok(self.lib.cublasLtMatrixLayoutCreate(
+                ctypes.byref(layout), _CUDA_R[dtype], ctypes.c_uint64(stored[0]),
+                ctypes.c_uint64(stored[1]), ctypes.c_int64(ld)), "cublasLtMatrixLayoutCreate")
+        return layout
+
+    def _plan(self, function: MatmulFunction, dtype: str, m: int, k: int, n: int, bias) -> _Plan:
+        key = (function.name, dtype, bucket(m), k, n)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = self._plans[key] = self._choose(function, dtype, bucket(m), k, n, bias)
+        return plan
+
+    def _choose(self, function: MatmulFunction, dtype: str, m: int, k: int, n: int, bias) -> _Plan:
+        """Descriptors, and cuBLASLt's first choice at the bucket's upper end ``m``."""
+        desc = ctypes.c_void_p()
+        _ok(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R["float32"]),
+            "cublasLtMatmulDescCreate")
+        for attr, value in ((_DESC_TRANSA, _OP_T if function.transposed_weight else _OP_N),
+                            (_DESC_TRANSB, _OP_N), (_DESC_EPILOGUE, EPILOGUES[function.epilogue])):
+            box = ctypes.c_int32(value)
+            _ok(self.lib.cublasLtMatmulDescSetAttribute(desc, attr, ctypes.byref(box),
+                                                        ctypes.c_size_t(4)),
+                "cublasLtMatmulDescSetAttribute")
+        if bias is not None:  # the heuristic reads the bias address's alignment
+            pointer = ctypes.c_void_p(bias.data_ptr())
+            _ok(self.lib.cublasLtMatmulDescSetAttribute(desc, _DESC_BIAS_POINTER,
+                                                        ctypes.byref(pointer), ctypes.c_size_t(8)),
+                "cublasLtMatmulDescSetAttribute(bias)")
+        pref = ctypes.c_void_p()
+        _ok(self.lib.cublasLtMatmulPreferenceCreate(ctypes.byref(pref)), "cublasLtMatmulPreferenceCreate")
+        try:
+            size = ctypes.c_uint64(WORKSPACE_BYTES)
+            _ok(self.lib.cublasLtMatmulPreferenceSetAttribute(
+                pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.c_size_t(8)),
+                "cublasLtMatmulPreferenceSetAttribute")
+            a = self._layout(dtype, n, k, k if function.transposed_weight else n,
+                             transposed=function.transposed_weight)
+            b, c = self._layout(dtype, k, m, k), self._layout(dtype, n, m, n)
+            found, count = _Heuristic(), ctypes.c_int()
+            _ok(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, 1,
+                                                         ctypes.byref(found), ctypes.byref(count)),
+                "cublasLtMatmulAlgoGetHeuristic")
+        finally:
+            self.lib.cublasLtMatmulPreferenceDestroy(pref)
+        if count.value < 1:
+            raise CublasLtError(f"cuBLASLt has no algorithm for {function.name} {dtype} "
+                                f"M<={m}, K={k}, N={n}")
+        self.chosen[f"{function.name}/{dtype}/M<={m}/K={k}/N={n}"] = {
+            "algo_id": self._algo_id(found), "workspace_bytes": int(found.workspaceSize)}
+        return _Plan(desc, found)
+
+    def _algo_id(self, found: _Heuristic) -> int:
+        value, written = ctypes.c_int32(), ctypes.c_size_t()
+        _ok(self.lib.cublasLtMatmulAlgoConfigGetAttribute(
+            ctypes.byref(found.algo), _ALGO_CONFIG_ID, ctypes.byref(value), ctypes.c_size_t(4),
+            ctypes.byref(written)), "cublasLtMatmulAlgoConfigGetAttribute")
+        return value.value
+
+    # -- ownership --------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def active(self):
+        """Calls of the packed functions on this thread use this instance meanwhile."""
+        before = getattr(_ACTIVE, "instance", None)
+        _ACTIVE.instance = self
+        try:
+            yield self
+        finally:
+            _ACTIVE.instance = before
+
+    def close(self) -> None:
+        """Free the descriptors, the layouts, the workspace and the handle; idempotent."""
+        if self.handle is None:
+            return
+        for plan in self._plans.values():
+            self.lib.cublasLtMatmulDescDestroy(plan.desc)
+        for layout in self._layouts.values():
+            self.lib.cublasLtMatrixLayoutDestroy(layout)
+        self._plans.clear()
+        self._layouts.clear()
+        driver.cuMemFree(self.workspace)
+        self.lib.cublasLtDestroy(self.handle)
+        self.handle = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # pylint: disable=broad-except
+            pass  # interpreter shutdown
+
+
+# The CublasLt a packed function call on this thread uses: the active one (a grape
+# backend's, during its calls and captures), else this thread's own for the device, made on
+# first use, as TVM's cuBLAS runtime keeps a handle per thread (TVM's VM on the library).
+_ACTIVE = threading.local()
+
+
+def _instance(device_index: int) -> CublasLt:
+    active = getattr(_ACTIVE, "instance", None)
+    if active is not None:
+        return active
+    own = _ACTIVE.__dict__.setdefault("own", {})
+    if device_index not in own:
+        own[device_index] = CublasLt(device_index)
+    return own[device_index]
+
+
+def _packed(function: MatmulFunction):
+    """The body of packed function ``function.name``: TVM's VM passes the inputs, then the
+    output (destination passing)."""
+    import tvm_ffi  # pylint: disable=import-outside-toplevel
+
+    def call(*args: Any) -> None:
+        *_, out = args
+        instance = _instance(out.device.index)
+        x, w, *rest = args
+        bias, out = (rest[0], rest[1]) if function.has_bias else (None, rest[0])
+        stream = tvm_ffi.get_raw_stream(out.device)
+        instance.matmul(function, x, w, out, bias, int(stream or 0))
+
+    return call
+
+
+def register_functions() -> None:
+    """Register every ``MATMUL_FUNCTIONS`` entry with TVM (idempotent)."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    for name, function in MATMUL_FUNCTIONS.items():
+        if tvm.get_global_func(name, allow_missing=True) is None:
+            tvm.register_global_func(name, _packed(function))

@@ -1,0 +1,132 @@
+"""Matmuls as cuBLASLt calls (``OffloadMatmul``), on the IR, and what the runtime reads back
+of a captured library kernel. The calls themselves run on the GPU (tests/test_gpu.py)."""
+
+from __future__ import annotations
+
+import ctypes
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import grape_tvm
+from grape_tvm.passes.library_matmul import OffloadMatmul
+from grape_tvm.runtime.cuda_graph import fields_of, parameter_buffer
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+
+
+@I.ir_module
+class Layer:
+    @R.function
+    def main(x: R.Tensor(("n", 64), "float32"), w: R.Tensor((64, 32), "float32"),
+             b: R.Tensor((32,), "float32"), wt: R.Tensor((16, 32), "float32"),
+             r: R.Tensor(("n", 16), "float32")):
+        with R.dataflow():
+            h = R.nn.gelu_tanh(R.add(R.matmul(x, w), b))     # bias and GELU epilogue
+            h = R.nn.relu(h)                                 # NaN kept: TVM's kernel
+            y = R.add(R.matmul(h, R.permute_dims(wt)), r)    # transposed weight; a residual
+            s = R.matmul(y, R.permute_dims(y))               # two activations: TVM's
+            R.output(y, s)
+        return (y, s)
+
+
+def _calls(mod) -> list[str]:
+    found = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call):
+            op = expr.op
+            if getattr(op, "name", "") == "relax.call_dps_packed":
+                found.append(expr.args[0].global_symbol)
+            elif hasattr(op, "name"):
+                found.append(op.name)
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return found
+
+
+def test_offload_rewrites_weight_matmuls_with_their_epilogues():
+    calls = _calls(OffloadMatmul()(Layer))
+    assert "grape.cublaslt.matmul_bias_gelu" in calls
+    assert "grape.cublaslt.matmul_nt" in calls
+    assert calls.count("relax.matmul") == 1  # y @ y^T: no weight, stays TVM's
+    assert "relax.add" in calls  # the residual: not a bias of shape (N,)
+    assert "relax.nn.gelu_tanh" not in calls  # fused into the first call
+    assert "relax.nn.relu" in calls  # cuBLASLt's ReLU drops NaN: not fused
+
+
+def test_offload_leaves_other_dtypes_and_shapes_alone():
+    @I.ir_module
+    class Other:
+        @R.function
+        def main(x: R.Tensor(("n", 8), "float64"), w: R.Tensor((8, 8), "float64"),
+                 x3: R.Tensor(("b", "n", 8), "float32"), w3: R.Tensor(("b", 8, 8), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, w)      # float64: no cuBLASLt function for it here
+                z = R.matmul(x3, w3)    # a batched weight: not a 2-D weight
+                R.output(y, z)
+            return (y, z)
+
+    assert _calls(OffloadMatmul()(Other)).count("relax.matmul") == 2
+
+
+def test_library_calls_join_a_graph_region_and_the_plan_names_the_library():
+    module = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
+                             prebuild_cubin=False)
+    kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
+    assert "grape.cublaslt.matmul_bias_gelu" in kernels and "grape.cublaslt.matmul_nt" in kernels
+    assert module.plan["libraries"] == ["cublaslt"] and module.plan["matmul"] == "cublaslt"
+    assert not module.plan["host_steps"]
+    tvm_only = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
+                               prebuild_cubin=False, matmul="tvm")
+    assert tvm_only.plan["libraries"] == [] and tvm_only.plan["matmul"] == "tvm"
+
+
+def test_matmul_choice_is_checked():
+    with pytest.raises(ValueError, match="needs a CUDA target"):
+        grape_tvm.build(Layer, {"n": (1, 64)}, "llvm", matmul="cublaslt")
+    with pytest.raises(ValueError, match="matmul must be one of"):
+        grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, matmul="cudnn", prebuild_cubin=False)
+    assert grape_tvm.build(Layer, {"n": (1, 64)}, "llvm").plan["matmul"] == "tvm"
+
+
+def test_a_decode_step_uses_cublaslt_and_its_kernels_compile():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from models import gpt2_decode_step, gpt2_output_names  # pylint: disable=import-outside-toplevel
+
+    module = grape_tvm.build(gpt2_decode_step(64, 4, 2), {"past": (1, 64)}, CUDA,
+                             output_names=gpt2_output_names(2))
+    kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
+    assert sum(k.startswith("grape.cublaslt.") for k in kernels) >= 8  # 4 per layer at least
+    assert module.cubins  # the TVM kernels left, compiled by nvcc here
+
+
+def test_a_wide_parameter_is_patched_word_by_word():
+    """cuBLAS's kernels take one struct of hundreds of bytes: the fields a patch writes are
+    its 8-byte words (operands' addresses and sizes sit inside it); narrow parameters stay
+    whole."""
+    assert fields_of([(0, 8), (8, 4), (16, 40)]) == [
+        (0, 8), (8, 4), (16, 8), (24, 8), (32, 8), (40, 8), (48, 8)]
+    assert fields_of([(0, 16), (16, 20)]) == [(0, 16), (16, 8), (24, 8), (32, 4)]
+
+
+def test_parameter_buffer_from_extra_and_from_kernel_params():
+    """The two ways a captured node holds its parameters (the sm90 cuBLAS kernels use
+    ``extra``), read into one buffer laid out by ``cuFuncGetParamInfo``."""
+    data = bytes(range(48))
+    raw = ctypes.create_string_buffer(data, len(data))
+    size = ctypes.c_size_t(len(data))
+    extra = (ctypes.c_void_p * 5)(1, ctypes.addressof(raw), 2, ctypes.addressof(size), 0)
+    params = SimpleNamespace(extra=ctypes.addressof(extra), kernelParams=0)
+    assert parameter_buffer(params, [(0, 48)]) == data
+    first, second = ctypes.c_uint64(0x1122334455667788), ctypes.create_string_buffer(b"abcd", 4)
+    pointers = (ctypes.c_void_p * 2)(ctypes.addressof(first), ctypes.addressof(second))
+    params = SimpleNamespace(extra=0, kernelParams=ctypes.addressof(pointers))
+    assert parameter_buffer(params, [(0, 8), (8, 4)]) == \
+        (0x1122334455667788).to_bytes(8, "little") + b"abcd"

@@ -29,7 +29,7 @@ DEFAULT_MAX_SHAPES = 2048
 # shape leaves its outputs there. The executor empties the pool once VM calls at dims it
 # had not seen have returned this many bytes, or this many times (planned calls do not use
 # the VM's memory at all).
-VM_POOL_CLEAR_BYTES = 16 << 20
+VM_POOL_CLEAR_BYTES = 4 << 20
 VM_POOL_CLEAR_CALLS = 64
 
 REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions

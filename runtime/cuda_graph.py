@@ -162,7 +162,7 @@ class OwnedGraph:
 
     def upload(self, stream) -> None:
         # The first launch after instantiation, or after a host-side change, showed stale
-        # parameters on some nodes on our H200 unless the graph was uploaded (DESIGN.md).
+        # parameters on some nodes on our H200 unless the graph was uploaded (docs/design.md).
         check(driver.cuGraphUpload(self.exec, stream), "cuGraphUpload")
 
     def close(self) -> None:

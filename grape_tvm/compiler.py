@@ -90,9 +90,9 @@ def _cuda_sources(executable) -> list[str]:
 
 
 def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16,
-           device_branches: bool = True) -> tvm.IRModule:
+           device_branches: bool = True, decode_gemv: bool = True) -> tvm.IRModule:
     try:
-        return grape_pipeline(tgt, ranges, select_ops, device_branches)(mod)
+        return grape_pipeline(tgt, ranges, select_ops, device_branches, decode_gemv)(mod)
     except Exception as err:  # pylint: disable=broad-except
         # A Python pass's exception crosses TVM's FFI as a plain error carrying the text:
         # give the kernel check its own type back, so callers can catch it.
@@ -126,7 +126,7 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
           signature: Signature | None = None, output_names: list[str] | None = None,
           prebuild_cubin: bool = True, select_ops: int = 16,
           device_branches: bool = True, max_memory: int = DEFAULT_MAX_MEMORY,
-          dim_names: Mapping[str, str] | None = None) -> GrapeModule:
+          dim_names: Mapping[str, str] | None = None, decode_gemv: bool = True) -> GrapeModule:
     """Compile a Relax module whose ``main`` takes tensors with symbolic dimensions.
 
     ``dims`` maps each symbolic dimension to its declared range ``(lo, hi)``; memory is
@@ -141,7 +141,8 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     warning, and a note in ``plan["notes"]``). For a CUDA target the kernels are compiled
     to cubin here when nvcc is present (else on first load, then cached). ``dim_names``
     maps a dim of ``mod`` to the name users know it by, where they differ
-    (``frontend.with_identifier_dims``).
+    (``frontend.with_identifier_dims``). ``decode_gemv=False`` leaves matmuls with few rows
+    to TVM's dlight schedules instead of grape's GEMV kernels (``passes/gemv_schedule.py``).
     """
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
@@ -149,7 +150,8 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     dim_names = dim_names or {}
     executable, plan = _compile_with_fallbacks(
         mod, tgt, ranges, select_ops, device_branches,
-        lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names))
+        lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names),
+        decode_gemv)
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
     return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)
@@ -183,7 +185,7 @@ def _mode_name(select_ops: int, device_branches: bool) -> str:
 
 
 def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
-                            device_branches: bool, check_lowered):
+                            device_branches: bool, check_lowered, decode_gemv: bool = True):
     """Lower and compile ``mod``: TVM's executable and grape's plan. A failure of a module
     with an ``if`` may be one of grape's rewrites of it (a select, a conditional region)
     that lowering or codegen cannot take: the build then tries again without them, warns,
@@ -195,7 +197,7 @@ def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
     notes, first = [], None
     for i, (ops, on_device) in enumerate(modes):
         try:
-            lowered = _lower(mod, tgt, ranges, ops, on_device)
+            lowered = _lower(mod, tgt, ranges, ops, on_device, decode_gemv)
             check_lowered(lowered)
             plan = graph_plan(lowered).to_json()
             plan["notes"] += notes

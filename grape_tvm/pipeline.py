@@ -74,11 +74,12 @@ class GrapePipeline:
 
     def __init__(self, target: tvm.target.Target | None = None,
                  dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
-                 select_ops: int = 16, device_branches: bool = True):
+                 select_ops: int = 16, device_branches: bool = True, decode_gemv: bool = True):
         self.target = target
         self.dims = dict(dims or {})
         self.select_ops = select_ops
         self.device_branches = device_branches
+        self.decode_gemv = decode_gemv
 
     def transform_module(self, mod: tvm.IRModule, ctx: PassContext) -> tvm.IRModule:
         target = self.target or tvm.target.Target.current(allow_none=False)
@@ -109,7 +110,7 @@ class GrapePipeline:
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).
-                passes += gpu_legalize_passes(numerics) + [CheckDeviceKernels()]
+                passes += gpu_legalize_passes(numerics, self.decode_gemv) + [CheckDeviceKernels()]
             else:
                 passes += [relax.transform.LegalizeOps(numerics) if p.info.name == "LegalizeOps"
                            else p for p in lowering.legalize_passes(target)]
@@ -123,14 +124,17 @@ class GrapePipeline:
 
 def grape_pipeline(target: tvm.target.Target | None = None,
                    dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
-                   select_ops: int = 16, device_branches: bool = True) -> tvm.transform.Pass:
+                   select_ops: int = 16, device_branches: bool = True,
+                   decode_gemv: bool = True) -> tvm.transform.Pass:
     """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes.
 
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
     0 keeps every ``if``. ``device_branches``: the ``if``s left become conditional regions
     (no host read of the condition); False leaves them to the VM, which reads it.
+    ``decode_gemv``: GPU matmuls with few rows get grape's GEMV kernels
+    (``passes/gemv_schedule.py``); False leaves them to TVM's dlight rules.
     """
-    return GrapePipeline(target, dims, select_ops, device_branches)
+    return GrapePipeline(target, dims, select_ops, device_branches, decode_gemv)
 
 
 if "grape" not in relax.pipeline.PIPELINE_MAP:

@@ -18,6 +18,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   ``after_memory_planning`` puts it after ``StaticPlanBlockMemory`` in a pass list.
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next).
+- ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
+  their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
 - ``numerics_legalize_map``: legalizations that keep NaN through relu, clip, maximum,
   minimum and sign, and give empty max/min/mean reductions onnxruntime's values;
@@ -35,6 +37,7 @@ from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .branch_storage import HoistBranchStorage, after_memory_planning
 from .conv_slice import SliceIntoConvPadding
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
+from .gemv_schedule import DecodeGemv
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
@@ -50,6 +53,7 @@ __all__ = [
     "CONDITIONAL_PREFIX",
     "CheckDeviceKernels",
     "CopyPassThroughBranches",
+    "DecodeGemv",
     "DescribeConditionals",
     "GraphPlan",
     "HoistBranchStorage",

@@ -142,7 +142,8 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     to cubin here when nvcc is present (else on first load, then cached). ``dim_names``
     maps a dim of ``mod`` to the name users know it by, where they differ
     (``frontend.with_identifier_dims``). ``decode_gemv=False`` leaves matmuls with few rows
-    to TVM's dlight schedules instead of grape's GEMV kernels (``passes/gemv_schedule.py``).
+    to TVM's dlight schedules instead of grape's GEMV kernels (``passes/gemv_schedule.py``),
+    and a transposed weight to a transpose kernel (``passes/weight_transpose.py``).
     """
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}

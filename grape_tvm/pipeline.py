@@ -10,7 +10,8 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
-                              DescribeConditionals, HoistBranchStorage, HoistReductionInit,
+                              DescribeConditionals, FuseWeightTranspose, HoistBranchStorage,
+                              HoistReductionInit,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
@@ -105,6 +106,9 @@ class GrapePipeline:
             # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
             passes += lowering.library_dispatch_passes(target)
+            if is_gpu(target) and self.decode_gemv:
+                # An nn.Linear weight's transpose read in place by the matmul kernel (GEMV "nk").
+                passes.append(FuseWeightTranspose())
             # NaN and empty reductions as onnxruntime has them (passes/numerics.py).
             numerics = numerics_legalize_map()
             if is_gpu(target):
@@ -132,7 +136,8 @@ def grape_pipeline(target: tvm.target.Target | None = None,
     0 keeps every ``if``. ``device_branches``: the ``if``s left become conditional regions
     (no host read of the condition); False leaves them to the VM, which reads it.
     ``decode_gemv``: GPU matmuls with few rows get grape's GEMV kernels
-    (``passes/gemv_schedule.py``); False leaves them to TVM's dlight rules.
+    (``passes/gemv_schedule.py``) and read a transposed 2-D weight in place
+    (``FuseWeightTranspose``); False leaves both to TVM (dlight's rules, a transpose kernel).
     """
     return GrapePipeline(target, dims, select_ops, device_branches, decode_gemv)
 

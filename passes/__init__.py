@@ -20,6 +20,7 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   (a rule failing on a kernel passes it to the next).
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
+  ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
 - ``numerics_legalize_map``: legalizations that keep NaN through relu, clip, maximum,
   minimum and sign, and give empty max/min/mean reductions onnxruntime's values;
@@ -38,6 +39,7 @@ from .branch_storage import HoistBranchStorage, after_memory_planning
 from .conv_slice import SliceIntoConvPadding
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gemv_schedule import DecodeGemv
+from .weight_transpose import FuseWeightTranspose
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
@@ -55,6 +57,7 @@ __all__ = [
     "CopyPassThroughBranches",
     "DecodeGemv",
     "DescribeConditionals",
+    "FuseWeightTranspose",
     "GraphPlan",
     "HoistBranchStorage",
     "HoistReductionInit",

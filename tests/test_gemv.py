@@ -4,8 +4,10 @@ present). The kernels run in tests/test_gpu.py."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ from tvm import relax, s_tir, tirx
 
 import grape_tvm
 from grape_tvm.compiler import _cuda_sources
-from grape_tvm.passes import CheckDeviceKernels, DecodeGemv, unbound_kernels
+from grape_tvm.passes import CheckDeviceKernels, DecodeGemv, FuseWeightTranspose, unbound_kernels
 from grape_tvm.passes.gemv_schedule import (BUCKETS, accumulate_in_fp32, gemv_config,
                                             lowers_to_static_kernels, match_gemv, schedule_gemv)
 from grape_tvm.runtime.cuda_compile import nvcc_available
@@ -46,8 +48,8 @@ def _matmul(k: int = 64, n: int = 48, rows=("m",), dtype: str = "float32", layou
             out = bb.emit_output(bb.emit(y))
         bb.emit_func_output(out)
     mod = bb.get()
-    # [N, K] weights reach the rule as one kernel when the transpose is fused into the matmul
-    return relax.transform.FuseTransposeMatmul()(mod) if layout == "nk" else mod
+    # [N, K] weights reach the rule as one kernel: grape's GPU pipeline fuses the transpose
+    return FuseWeightTranspose()(mod) if layout == "nk" else mod
 
 
 def _fused(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
@@ -56,6 +58,12 @@ def _fused(mod: tvm.IRModule) -> dict[str, tirx.PrimFunc]:
         mod = tvm.transform.Sequential([t.LegalizeOps(), t.AnnotateTIROpPattern(),
                                         t.FuseOps(), t.FuseTIR()])(mod)
     return {gv.name_hint: f for gv, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)}
+
+
+@contextlib.contextmanager
+def tempfile_artifact(module):
+    with tempfile.TemporaryDirectory() as tmp:
+        yield module.export(Path(tmp) / "module.grape")
 
 
 def _the_kernel(mod: tvm.IRModule) -> tirx.PrimFunc:
@@ -280,3 +288,68 @@ def test_gpt2_decode_step_matmuls_are_gemv_kernels():
     assert not any(name.endswith("_kernel_1") for name in gemv)  # static M: no dispatch
     if nvcc_available():
         assert module.cubins
+
+
+# -- FuseWeightTranspose: [N, K] weights read in place ------------------------------------
+
+def _transposes() -> tvm.IRModule:
+    """``x @ w.T`` (w: 2-D, a Linear weight) and ``q @ k^T`` (4-D, attention's)."""
+    bb = relax.BlockBuilder()
+    m = tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType((m, 1, 64), "float32"))
+    w = relax.Var("w", relax.TensorType((48, 64), "float32"))
+    q = relax.Var("q", relax.TensorType((2, 4, 5, 16), "float32"))
+    k = relax.Var("k", relax.TensorType((2, 4, 8, 16), "float32"))
+    with bb.function("main", [x, w, q, k]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
+            a = bb.emit(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])))
+            out = bb.emit_output(relax.Tuple([y, a]))
+        bb.emit_func_output(out)
+    return relax.transform.Normalize()(bb.get())
+
+
+def test_a_transposed_matrix_weight_is_read_in_place():
+    fused = FuseWeightTranspose()(_transposes())
+    text = fused.script()
+    assert "R.call_tir(cls.NT_matmul, (x, w)" in text
+    assert "x[v_i0, v_i1, v_k] * w[v_i2, v_k]" in fused["NT_matmul"].script()
+    assert text.count("R.permute_dims(") == 1  # attention's k^T stays
+    assert "R.permute_dims(k, axes=[0, 1, 3, 2])" in text
+
+
+def test_a_fused_transpose_computes_x_times_w_transposed():
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    module = grape_tvm.build(FuseWeightTranspose()(_transposes()), {"m": (1, 8)}, "llvm",
+                             output_names=["y", "a"])
+    rng = np.random.default_rng(0)
+    inputs = {"x": rng.standard_normal((3, 1, 64)), "w": rng.standard_normal((48, 64)),
+              "q": rng.standard_normal((2, 4, 5, 16)), "k": rng.standard_normal((2, 4, 8, 16))}
+    inputs = {name: value.astype(np.float32) for name, value in inputs.items()}
+    with tempfile_artifact(module) as path, grape_tvm.load(path, "cpu") as ex:
+        got = ex.run(inputs)
+    np.testing.assert_allclose(got["y"], inputs["x"] @ inputs["w"].T, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got["a"], inputs["q"] @ inputs["k"].transpose(0, 1, 3, 2),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_grape_gpu_pipeline_gives_a_linear_weight_the_nk_gemv():
+    """``x @ permute_dims(w)``, no fusion beforehand: grape's CUDA pipeline leaves no
+    transpose kernel and the matmul dispatches between [N, K] GEMV kernels and dlight."""
+    bb = relax.BlockBuilder()
+    m = tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType((m, 64), "float32"))
+    w = relax.Var("w", relax.TensorType((48, 64), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
+        bb.emit_func_output(y)
+    lowered = grape_tvm.grape_pipeline(CUDA, {"m": (1, 1024)})(bb.get())
+    prims = {gv.name_hint: f for gv, f in lowered.functions_items() if isinstance(f, tirx.PrimFunc)}
+    assert not any("transpose" in name for name in prims), sorted(prims)
+    text = prims["NT_matmul"].script()
+    assert [int(b) for b in re.findall(r"T\.tvm_thread_invariant\(m <= T\.int64\((\d+)\)\)", text)] \
+        == list(BUCKETS)
+    assert grape_tvm.grape_pipeline(CUDA, {"m": (1, 1024)}, decode_gemv=False)(bb.get()) \
+        .get_global_var("transpose") is not None

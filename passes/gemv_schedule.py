@@ -40,6 +40,7 @@ from tvm.s_tir.dlight.base import ScheduleRule, try_inline_contiguous_spatial
 from tvm_ffi.structural import structural_map, structural_walk
 
 BUCKETS = (1, 2, 4, 8)
+GEMV_MARK = "grape_gemv_rows"  # block annotation: the partial sums of a GEMV kernel of this many rows
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,7 @@ def _operands(block, kinds: list[str]) -> _Operands | None:
     ivs = list(block.iter_vars)
     k_pos = kinds.index("R")
     out_pos = _iter_var_index(store.indices, ivs)
-    if out_pos is None or len(out_pos) < 2 or k_pos in out_pos:
+    if out_pos is None or not out_pos or k_pos in out_pos:
         return None
     n_pos = out_pos[-1]
     for weight, vector in (loads, loads[::-1]):
@@ -279,8 +280,10 @@ def gemv_config(shape: GemvShape, rows: int) -> GemvConfig:
         # the widest rows of w per block (most bytes per row) that still give enough blocks
         threads_n = next((t for t in lanes if -(-shape.n // (t * vec)) >= TARGET_BLOCKS), lanes[-1])
         per_thread_n = vec
-        threads_k = _largest_dividing(shape.k, (256 // threads_n, 128 // threads_n, 64 // threads_n,
-                                                32 // threads_n, 8, 4, 2, 1))
+        # fewer blocks than about one per SM (N = 768): more threads each, more loads in flight
+        threads = 512 if -(-shape.n // (threads_n * vec)) < TARGET_BLOCKS // 2 else 256
+        threads_k = _largest_dividing(shape.k, tuple(t // threads_n for t in (threads, 256, 128, 64, 32)
+                                                     if t >= threads_n) + (8, 4, 2, 1))
     else:  # w[n, k]: vectors along k, threads_k lanes side by side in a row
         vec = full if shape.k % full == 0 else 1
         threads_k = _largest_dividing(shape.k // vec, (64, 32, 16, 8, 4, 2, 1))
@@ -358,8 +361,12 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig) -> 
     else:
         (epilogue,) = epilogues
     loops = [i.loop_rv for i in info.iters]
-    m = sch.fuse(*[loops[p] for p in found.rows])
     n, k = loops[found.n], loops[found.k]
+    if found.rows:
+        m = sch.fuse(*[loops[p] for p in found.rows])
+    else:  # one row, its unit dims normalized away: a loop of extent 1 stands for it
+        m = sch.add_unit_loop(info.block_rv)
+        sch.reorder(m, n, k)
     mo, mi = sch.split(m, [None, c.rows])
     bx, tn, vn = sch.split(n, [None, c.threads_n, c.per_thread_n])
     if shape.layout == "kn":
@@ -371,6 +378,7 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig) -> 
         ko, ku, tk, kv = sch.split(k, [None, c.unroll, c.threads_k, c.vec])
         sch.reorder(mo, bx, tn, tk, ko, ku, mi, vn, kv)
     partial = sch.rfactor(tk, 0)
+    sch.annotate(partial, GEMV_MARK, c.rows)  # which kernels are this rule's (tests, inspection)
     acc = sch.cache_write(partial, 0, "local")  # partial sums in registers ...
     # every loop of the kernel is bound to (threadIdx.y, threadIdx.x) = (threads / group, group)
     ty_extent, tx_extent = c.threads // c.group, c.group

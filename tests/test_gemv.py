@@ -17,8 +17,9 @@ from tvm import relax, s_tir, tirx
 import grape_tvm
 from grape_tvm.compiler import _cuda_sources
 from grape_tvm.passes import CheckDeviceKernels, DecodeGemv, FuseWeightTranspose, unbound_kernels
-from grape_tvm.passes.gemv_schedule import (BUCKETS, accumulate_in_fp32, gemv_config,
-                                            lowers_to_static_kernels, match_gemv, schedule_gemv)
+from grape_tvm.passes.gemv_schedule import (BUCKETS, GEMV_MARK, GemvShape, accumulate_in_fp32,
+                                            gemv_config, lowers_to_static_kernels, match_gemv,
+                                            schedule_gemv)
 from grape_tvm.runtime.cuda_compile import nvcc_available
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
@@ -257,7 +258,9 @@ def test_blocks_matmuls_dispatch_between_gemv_and_matmul(blocks_cuda):
     add is four GEMV kernels (M <= 1, 2, 4, 8) and dlight's Matmul, chosen on the host."""
     kernels = _kernels(blocks_cuda)
     name = "fused_matmul_add_gelu_add1_kernel"
-    assert [kernels.get(name + s) for s in ("", "_1", "_2", "_3")] == [256] * 4
+    shape = GemvShape(name, tirx.Var("n", "int64"), 768, 768, "kn", "float32", "float32")
+    assert [kernels.get(name + s) for s in ("", "_1", "_2", "_3")] == \
+        [gemv_config(shape, rows).threads for rows in BUCKETS] == [512, 512, 512, 256]
     assert kernels[name + "_4"] == 128
     body = _kernel_body("\n".join(_cuda_sources(blocks_cuda.executable)), name)
     assert re.search(r"\*\(float4\*\)\(w0_local_ptr \+ \(ax0 \* 4\)\) = \*\(float4\*\)\(w0_ptr", body)
@@ -270,6 +273,7 @@ def test_blocks_dispatch_is_an_if_on_the_host(blocks_cuda):
     lowered = grape_tvm.grape_pipeline(CUDA, {"n": (1, 1024)})(blocks_relax(768, 2))
     func = lowered["fused_matmul_add_gelu_add1"]
     text = func.script()
+    assert {int(r) for r in re.findall(GEMV_MARK + r'": (\d+)', text)} == set(BUCKETS)
     assert [int(b) for b in re.findall(r"T\.tvm_thread_invariant\(n <= T\.int64\((\d+)\)\)", text)] \
         == list(BUCKETS)
     assert unbound_kernels(lowered) == []
@@ -277,79 +281,21 @@ def test_blocks_dispatch_is_an_if_on_the_host(blocks_cuda):
 
 
 def test_gpt2_decode_step_matmuls_are_gemv_kernels():
-    """Batch 1 (M = 1, static): each projection (QKV, output, MLP up with GELU, MLP down with
-    the residual) is one GEMV kernel of 256 threads."""
-    module = grape_tvm.build(gpt2_decode_step(64, 4, 2), {"past": (1, 1024)}, CUDA,
+    """Batch 1 (M = 1, static): each projection (QKV, output with the residual, MLP up with
+    GELU, MLP down with the residual) is one GEMV kernel, no dispatch; attention's batched
+    matmuls are not the rule's."""
+    dims = {"past": (1, 1024)}
+    lowered = grape_tvm.grape_pipeline(CUDA, dims)(gpt2_decode_step(64, 4, 2))
+    ours = {gv.name_hint: f for gv, f in lowered.functions_items()
+            if isinstance(f, tirx.PrimFunc) and GEMV_MARK in f.script()}
+    assert sorted(ours) == ["fused_matmul3_add1_add2", "fused_matmul4_add3_gelu",
+                            "fused_matmul5_add1_add2", "fused_matmul_add"]
+    assert not any("tvm_thread_invariant" in f.script() for f in ours.values())
+    module = grape_tvm.build(gpt2_decode_step(64, 4, 2), dims, CUDA,
                              output_names=gpt2_output_names(2), prebuild_cubin=nvcc_available())
     kernels = _kernels(module)
-    gemv = {name: threads for name, threads in kernels.items()
-            if re.fullmatch(r"fused_matmul\d*_add\d*(_gelu|_add\d+)?_kernel", name)}
-    assert len(gemv) == 4 and set(gemv.values()) == {256}, kernels
-    assert not any(name.endswith("_kernel_1") for name in gemv)  # static M: no dispatch
+    for name in ours:
+        assert name + "_kernel" in kernels and name + "_kernel_1" not in kernels
+    assert kernels["fused_matmul5_add1_add2_kernel"] == 512  # K = 256, N = 64: 8 blocks
     if nvcc_available():
         assert module.cubins
-
-
-# -- FuseWeightTranspose: [N, K] weights read in place ------------------------------------
-
-def _transposes() -> tvm.IRModule:
-    """``x @ w.T`` (w: 2-D, a Linear weight) and ``q @ k^T`` (4-D, attention's)."""
-    bb = relax.BlockBuilder()
-    m = tirx.Var("m", "int64")
-    x = relax.Var("x", relax.TensorType((m, 1, 64), "float32"))
-    w = relax.Var("w", relax.TensorType((48, 64), "float32"))
-    q = relax.Var("q", relax.TensorType((2, 4, 5, 16), "float32"))
-    k = relax.Var("k", relax.TensorType((2, 4, 8, 16), "float32"))
-    with bb.function("main", [x, w, q, k]):
-        with bb.dataflow():
-            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
-            a = bb.emit(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])))
-            out = bb.emit_output(relax.Tuple([y, a]))
-        bb.emit_func_output(out)
-    return relax.transform.Normalize()(bb.get())
-
-
-def test_a_transposed_matrix_weight_is_read_in_place():
-    fused = FuseWeightTranspose()(_transposes())
-    text = fused.script()
-    assert "R.call_tir(cls.NT_matmul, (x, w)" in text
-    assert "x[v_i0, v_i1, v_k] * w[v_i2, v_k]" in fused["NT_matmul"].script()
-    assert text.count("R.permute_dims(") == 1  # attention's k^T stays
-    assert "R.permute_dims(k, axes=[0, 1, 3, 2])" in text
-
-
-def test_a_fused_transpose_computes_x_times_w_transposed():
-    import numpy as np  # pylint: disable=import-outside-toplevel
-
-    module = grape_tvm.build(FuseWeightTranspose()(_transposes()), {"m": (1, 8)}, "llvm",
-                             output_names=["y", "a"])
-    rng = np.random.default_rng(0)
-    inputs = {"x": rng.standard_normal((3, 1, 64)), "w": rng.standard_normal((48, 64)),
-              "q": rng.standard_normal((2, 4, 5, 16)), "k": rng.standard_normal((2, 4, 8, 16))}
-    inputs = {name: value.astype(np.float32) for name, value in inputs.items()}
-    with tempfile_artifact(module) as path, grape_tvm.load(path, "cpu") as ex:
-        got = ex.run(inputs)
-    np.testing.assert_allclose(got["y"], inputs["x"] @ inputs["w"].T, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(got["a"], inputs["q"] @ inputs["k"].transpose(0, 1, 3, 2),
-                               rtol=1e-5, atol=1e-5)
-
-
-def test_grape_gpu_pipeline_gives_a_linear_weight_the_nk_gemv():
-    """``x @ permute_dims(w)``, no fusion beforehand: grape's CUDA pipeline leaves no
-    transpose kernel and the matmul dispatches between [N, K] GEMV kernels and dlight."""
-    bb = relax.BlockBuilder()
-    m = tirx.Var("m", "int64")
-    x = relax.Var("x", relax.TensorType((m, 64), "float32"))
-    w = relax.Var("w", relax.TensorType((48, 64), "float32"))
-    with bb.function("main", [x, w]):
-        with bb.dataflow():
-            y = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w, [1, 0])))
-        bb.emit_func_output(y)
-    lowered = grape_tvm.grape_pipeline(CUDA, {"m": (1, 1024)})(bb.get())
-    prims = {gv.name_hint: f for gv, f in lowered.functions_items() if isinstance(f, tirx.PrimFunc)}
-    assert not any("transpose" in name for name in prims), sorted(prims)
-    text = prims["NT_matmul"].script()
-    assert [int(b) for b in re.findall(r"T\.tvm_thread_invariant\(m <= T\.int64\((\d+)\)\)", text)] \
-        == list(BUCKETS)
-    assert grape_tvm.grape_pipeline(CUDA, {"m": (1, 1024)}, decode_gemv=False)(bb.get()) \
-        .get_global_var("transpose") is not None

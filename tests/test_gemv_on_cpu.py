@@ -194,3 +194,20 @@ def test_generated_cuda_equals_numpy(layout, dtype, k, n, gemv_above, tmp_path_f
         assert not np.isnan(got).any(), f"outputs left unwritten at m={m}"
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(),
                                    err_msg=f"{name} at m={m}")
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_static_rows_one_kernel_equals_numpy(rows, tmp_path_factory):
+    """M static (x: (1, K), a decode step of batch 1; or 3 rows, padded to the bucket of 4)."""
+    k, n = 256, 516
+    func = _the_kernel(_matmul(k=k, n=n, rows=(rows,)))
+    kernels = CpuKernels(DecodeGemv().apply(func, CUDA, False).mod["main"],
+                         tmp_path_factory.getbasetemp())
+    rng = np.random.default_rng(rows)
+    x = rng.standard_normal((rows, k)).astype("float32")
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype("float32")
+    b = (0.1 * rng.standard_normal(n)).astype("float32")
+    out = np.full((rows, n), np.nan, "float32")
+    assert kernels.launch(rows, {"x": x, "w": w, "b": b}, out) == "main_kernel"
+    want = _gelu(x.astype(np.float64) @ w.astype(np.float64) + b)
+    np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

@@ -429,6 +429,60 @@ def reductions_model(width: int = 512):
     return bb.get()
 
 
+# -- single matmuls: grape's GEMV kernels (passes/gemv_schedule.py) ------------------------
+
+# GPT-2 124M's matmul shapes (K, N): QKV, attention output, MLP up, MLP down, LM head.
+GPT2_MATMULS = ((768, 2304), (768, 768), (768, 3072), (3072, 768), (768, 50257))
+
+
+def matmul_relax(k: int, n: int, dtype: str = "float32", layout: str = "kn", dim: str = "m"):
+    """``y = x @ W``, x: (m, k); W: (k, n) ("kn", Hugging Face's Conv1D) or (n, k) ("nk",
+    ``nn.Linear``: ``x @ permute_dims(W)``, which grape's GPU pipeline reads in place,
+    ``FuseWeightTranspose``)."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    m = tirx.Var(dim, "int64")
+    x = relax.Var("x", relax.TensorType((m, k), dtype))
+    w = relax.Var("w", relax.TensorType((k, n) if layout == "kn" else (n, k), dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            wt = w if layout == "kn" else relax.op.permute_dims(w, [1, 0])
+            y = bb.emit_output(relax.op.matmul(x, wt))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+# The GPU tests' matmuls: K = 256; y's N is a multiple of the 16-byte vector (516 for fp32,
+# 520 for fp16: the last column tile is partly padding), z's N = 102 is not (scalar loads of
+# [K, N] weights, padding in every layout).
+GEMV_TEST_K, GEMV_TEST_N2 = 256, 102
+GEMV_TEST_N1 = {"float32": 516, "float16": 520}
+
+
+def gemv_test_relax(dtype: str = "float32", layout: str = "kn", dim: str = "m"):
+    """``y = gelu(x @ W1 + b1)`` and ``z = x @ W2 + b2``, x: (m, 256); W as in
+    ``matmul_relax``."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    op = relax.op
+    m = tirx.Var(dim, "int64")
+    k, n1, n2 = GEMV_TEST_K, GEMV_TEST_N1[dtype], GEMV_TEST_N2
+    x = relax.Var("x", relax.TensorType((m, k), dtype))
+    ws = [relax.Var(f"w{i}", relax.TensorType((k, n) if layout == "kn" else (n, k), dtype))
+          for i, n in ((1, n1), (2, n2))]
+    bs = [relax.Var(f"b{i}", relax.TensorType((n,), dtype)) for i, n in ((1, n1), (2, n2))]
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, ws[0], bs[0], ws[1], bs[1]]):
+        with bb.dataflow():
+            wt = [w if layout == "kn" else op.permute_dims(w, [1, 0]) for w in ws]
+            y = bb.emit(op.nn.gelu(op.add(op.matmul(x, wt[0]), bs[0])))
+            z = bb.emit(op.add(op.matmul(x, wt[1]), bs[1]))
+            out = bb.emit_output(relax.Tuple([y, z]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 def reductions_numpy(x: np.ndarray, threshold: float) -> dict[str, np.ndarray]:
     """``reductions_model`` in numpy (float64 sums); over n = 0 the identities grape gives:
     0 for the sums and the mean, -inf for the max, +inf for the min."""
@@ -481,3 +535,26 @@ def library_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.nda
     pre = x64 @ w["w_up"] + w["b_up"]
     h = 0.5 * pre * (1 + np.tanh(np.sqrt(2 / np.pi) * (pre + 0.044715 * pre ** 3)))
     return h @ w["w_down_t"].T + x64, h
+
+
+def gemv_test_inputs(m: int, dtype: str, layout: str, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs of ``gemv_test_relax`` at m rows, from a seed (W scaled by 1/sqrt(K))."""
+    rng = np.random.default_rng(seed)
+    k, n1, n2 = GEMV_TEST_K, GEMV_TEST_N1[dtype], GEMV_TEST_N2
+    out = {"x": rng.standard_normal((m, k))}
+    for i, n in ((1, n1), (2, n2)):
+        w = rng.standard_normal((k, n)) / np.sqrt(k)
+        out[f"w{i}"] = w if layout == "kn" else np.ascontiguousarray(w.T)
+        out[f"b{i}"] = 0.1 * rng.standard_normal(n)
+    return {name: value.astype(dtype) for name, value in out.items()}
+
+
+def gemv_test_numpy(inputs: dict[str, np.ndarray], layout: str) -> tuple[np.ndarray, np.ndarray]:
+    """``gemv_test_relax`` in float64 from the same (rounded) inputs: (y, z)."""
+    from math import erf, sqrt  # pylint: disable=import-outside-toplevel
+
+    f = {name: value.astype(np.float64) for name, value in inputs.items()}
+    w1, w2 = (f["w1"], f["w2"]) if layout == "kn" else (f["w1"].T, f["w2"].T)
+    h = f["x"] @ w1 + f["b1"]
+    y = 0.5 * h * (1 + np.vectorize(erf)(h / sqrt(2)))
+    return y, f["x"] @ w2 + f["b2"]

@@ -10,7 +10,8 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
-                              DescribeConditionals, HoistBranchStorage, HoistReductionInit,
+                              DescribeConditionals, FuseWeightTranspose, HoistBranchStorage,
+                              HoistReductionInit,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
@@ -108,15 +109,20 @@ class GrapePipeline:
                 passes.append(CopyPassThroughBranches())
             # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
-            if matmul_implementation(target, self.matmul) == "cublaslt":
+            matmul = matmul_implementation(target, self.matmul)
+            if matmul == "cublaslt":
                 passes.append(OffloadMatmul())
             passes += lowering.library_dispatch_passes(target)
+            decode_gemv = matmul != "tvm"  # the matmuls left to schedules: grape's rules first
+            if is_gpu(target) and decode_gemv:
+                # An nn.Linear weight's transpose read in place by the matmul kernel (GEMV "nk").
+                passes.append(FuseWeightTranspose())
             # NaN and empty reductions as onnxruntime has them (passes/numerics.py).
             numerics = numerics_legalize_map()
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).
-                passes += gpu_legalize_passes(numerics) + [CheckDeviceKernels()]
+                passes += gpu_legalize_passes(numerics, decode_gemv) + [CheckDeviceKernels()]
             else:
                 passes += [relax.transform.LegalizeOps(numerics) if p.info.name == "LegalizeOps"
                            else p for p in lowering.legalize_passes(target)]
@@ -148,9 +154,12 @@ def grape_pipeline(target: tvm.target.Target | None = None,
 
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
     0 keeps every ``if``. ``matmul``: "cublaslt" (matmuls with a weight become cuBLASLt
-    calls captured in the graphs; CUDA's default), "grape" or "tvm" (TVM's schedules, with
-    grape's rules or TVM's alone). ``device_branches``: the ``if``s left become conditional regions
-    (no host read of the condition); False leaves them to the VM, which reads it.
+    calls captured in the graphs; CUDA's default), "grape" (grape's GEMV kernels for
+    matmuls with few rows, ``passes/gemv_schedule.py``, a transposed 2-D weight read in
+    place, ``FuseWeightTranspose``; dlight above them) or "tvm" (dlight's rules alone, a
+    transpose kernel). Under "cublaslt" the matmuls it does not take get grape's rules.
+    ``device_branches``: the ``if``s left become conditional regions (no host read of the
+    condition); False leaves them to the VM, which reads it.
     """
     return GrapePipeline(target, dims, select_ops, device_branches, matmul)
 

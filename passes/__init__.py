@@ -19,6 +19,9 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
   (a rule failing on a kernel passes it to the next) and ``FullReduction``, grape's rule
   for reductions to one element (one thread block, an all-reduce over its threads).
+- ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
+  their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
+  ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
 - ``numerics_legalize_map``: legalizations that keep NaN through relu, clip, maximum,
   minimum and sign, and give empty max/min/mean reductions onnxruntime's values;
@@ -36,6 +39,8 @@ from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .branch_storage import HoistBranchStorage, after_memory_planning
 from .conv_slice import SliceIntoConvPadding
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
+from .gemv_schedule import DecodeGemv
+from .weight_transpose import FuseWeightTranspose
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
@@ -52,8 +57,10 @@ __all__ = [
     "CONDITIONAL_PREFIX",
     "CheckDeviceKernels",
     "CopyPassThroughBranches",
+    "DecodeGemv",
     "DescribeConditionals",
     "FullReduction",
+    "FuseWeightTranspose",
     "GraphPlan",
     "HoistBranchStorage",
     "HoistReductionInit",

@@ -63,20 +63,26 @@ class CudaCoreMatmul(ScheduleRule):
         return "CudaCoreMatmul()"
 
 
-def default_gpu_rules() -> list[ScheduleRule]:
-    """TVM's CUDA rules in TVM's order, each ``TolerantRule``; ``Fallback`` last binds
-    whatever the others left. ``Matmul`` is ``CudaCoreMatmul``: see there. grape's
-    ``FullReduction`` (passes/reduction_schedules.py) comes before ``GeneralReduction``,
-    which leaves the loops of a reduction to one element on the host; after ``Reduction``,
-    whose schedules of sums to one element it keeps."""
-    return [TolerantRule(rule) for rule in (CudaCoreMatmul(), dl.gpu.GEMV(), dl.gpu.Reduction(),
-                                            FullReduction(), dl.gpu.GeneralReduction())] + \
-        [dl.gpu.Fallback()]
+def default_gpu_rules(decode_gemv: bool = True) -> list[ScheduleRule]:
+    """grape's ``DecodeGemv`` (passes/gemv_schedule.py), then TVM's CUDA rules in TVM's
+    order, each ``TolerantRule``; ``Fallback`` last binds whatever the others left.
+    ``Matmul`` is ``CudaCoreMatmul``: see there. grape's ``FullReduction``
+    (passes/reduction_schedules.py) comes before ``GeneralReduction``, which leaves the loops
+    of a reduction to one element on the host; after ``Reduction``, whose schedules of sums
+    to one element it keeps. ``decode_gemv=False``: no ``DecodeGemv``."""
+    from .gemv_schedule import DecodeGemv  # pylint: disable=import-outside-toplevel
+
+    ours = (DecodeGemv(),) if decode_gemv else ()
+    return [TolerantRule(rule) for rule in (*ours, CudaCoreMatmul(), dl.gpu.GEMV(),
+                                            dl.gpu.Reduction(), FullReduction(),
+                                            dl.gpu.GeneralReduction())] + [dl.gpu.Fallback()]
 
 
-def gpu_legalize_passes(legalize_map: dict | None = None) -> list[tvm.transform.Pass]:
+def gpu_legalize_passes(legalize_map: dict | None = None,
+                        decode_gemv: bool = True) -> list[tvm.transform.Pass]:
     """``tvm.relax.backend.cuda.pipeline.legalize_passes`` with tolerant schedule rules;
-    ``legalize_map``: more legalizations of grape's (``numerics_legalize_map``)."""
+    ``legalize_map``: more legalizations of grape's (``numerics_legalize_map``);
+    ``decode_gemv``: with grape's GEMV rule (``default_gpu_rules``)."""
     from .name_derived_dims import keep_renaming_reshape  # pylint: disable=import-outside-toplevel
 
     t = relax.transform
@@ -84,4 +90,4 @@ def gpu_legalize_passes(legalize_map: dict | None = None) -> list[tvm.transform.
     legalize = {**(legalize_map or {}), "relax.reshape": keep_renaming_reshape}
     return [t.LegalizeOps(legalize), t.AnnotateTIROpPattern(),
             t.FoldConstant(), t.FuseOps(),
-            t.FuseTIR(), dl.ApplyDefaultSchedule(*default_gpu_rules())]
+            t.FuseTIR(), dl.ApplyDefaultSchedule(*default_gpu_rules(decode_gemv))]

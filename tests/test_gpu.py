@@ -650,3 +650,66 @@ def test_cublaslt_topologies_over_the_whole_range():
         assert counts and max(counts.values()) <= 12
     finally:
         executor.close()
+
+
+# -- grape's GEMV kernels (passes/gemv_schedule.py) ---------------------------------------
+
+# Rows on either side of each bucket (M <= 1, 2, 4, 8: GEMV kernels; above: dlight's Matmul)
+GEMV_ROWS = (1, 2, 3, 7, 8, 9, 64, 512, 1024)
+
+
+def _gemv_run(layout: str, dtype: str):
+    """Run ``gemv_{layout}_{dtype}`` at every m of GEMV_ROWS twice (first sight records, the
+    second replays); yield (m, name, got, float64 reference)."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import gemv_test_inputs, gemv_test_numpy  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact(f"gemv_{layout}_{dtype}.cuda.grape"), "cuda")
+    try:
+        for sight in range(2):
+            for m in GEMV_ROWS:
+                inputs = gemv_test_inputs(m, dtype, layout, seed=100 * sight + m)
+                got = executor.run(inputs)
+                for name, want in zip(("y", "z"), gemv_test_numpy(inputs, layout)):
+                    yield m, name, got[name], want
+        yield None, "groups", executor.backend.describe()["topology_groups"], None
+    finally:
+        executor.close()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("layout", ["kn", "nk"])
+def test_gemv_kernels_equal_numpy_on_both_sides_of_every_bucket(layout, dtype):
+    """``gelu(x @ W1 + b1)`` and ``x @ W2 + b2`` (K = 256; N = 516 or 520 and 102: vector and
+    scalar weight loads, padded column tiles) at m = 1..1024 across the buckets, equal to
+    numpy in float64 on the same inputs. fp16 sums in fp32; its inputs and outputs are fp16
+    (relative error about 1e-3), hence 1e-2. The tolerance is relative to each output's
+    largest value, so that values near zero are judged on the scale of their output."""
+    rtol = 1e-4 if dtype == "float32" else 1e-2
+    worst = {}
+    for m, name, got, want in _gemv_run(layout, dtype):
+        if m is None:
+            continue
+        assert got.dtype == np.dtype(dtype) and got.shape == want.shape
+        err = np.abs(got.astype(np.float64) - want).max() / np.abs(want).max()
+        worst[m] = max(worst.get(m, 0.0), float(err))
+        np.testing.assert_allclose(got.astype(np.float64), want, rtol=rtol,
+                                   atol=rtol * np.abs(want).max(), err_msg=f"{name} at m={m}")
+    print(f"gemv {layout} {dtype}: max |err| / max |ref| by m: "
+          + ", ".join(f"{m}: {e:.1e}" for m, e in worst.items()))
+
+
+def test_gemv_buckets_are_the_topologies():
+    """One launch configuration per bucket: m = 1 | 2 | 3 | 7, 8 | 9..1024 (dlight's Matmul)
+    fall in five topology groups, one graph each, whatever m within a group."""
+    for _, name, groups, _ in _gemv_run("kn", "float32"):
+        if name != "groups":
+            continue
+        (region,) = groups.values()
+        found = sorted(sorted(s[0] for s in g["shape_keys"]) for g in region)
+        print(f"topology groups: {found}")
+        assert found == [[1], [2], [3], [7, 8], [9, 64, 512, 1024]]

@@ -22,6 +22,12 @@
   and TVM's own builds of them, ``gpt2_{prefill,decode}.{tvm_vm,tvm_cuda_graph}.cuda.grape``
   (``hf_baselines.json`` says how each was built, or why not), for ``bench/hf_models.py``;
   the same in fp16: ``gpt2_{prefill,decode}_fp16*`` (``hf_models.py --dtype float16``).
+- ``gemv_{kn,nk}_{float32,float16}.cuda.grape``: two matmuls with symbolic rows m = 1..1024
+  (``models.gemv_test_relax``: one with bias and GELU, one with bias; weights [K, N] and
+  [N, K]) on grape's GEMV kernels and dlight's Matmul above 8 rows (tests).
+- ``matmul_{kn,nk}_{float32,float16}_{K}x{N}.{grape,tvm_dlight}.cuda.grape``: ``y = x @ W`` at
+  GPT-2's five (K, N), m = 1..1024, built by grape's pipeline and by the same pipeline without
+  its GEMV rule (TVM's dlight schedules; "kn" only) for ``bench/matmul.py``.
 - ``branches.{grape,grape_host_if,tvm_vm}.cuda.grape``: ``models.branch_model`` (a
   data-dependent early exit, width 512, n = 1..1024) with its ``if`` as a conditional region,
   with its ``if`` left to the VM (regions still graphs), and TVM's build (its VM reads the
@@ -53,14 +59,17 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     DECODER_SMALL,
     DECODER_TINY,
     REDUCTION_OUTPUTS,
+    GPT2_MATMULS,
     blocks_relax,
     branch_model,
     decoder_state_names,
     decoder_step,
+    gemv_test_relax,
     gpt2_decode_step,
     gpt2_output_names,
     library_layer,
     reductions_model,
+    matmul_relax,
 )
 
 import grape_tvm  # noqa: E402  pylint: disable=wrong-import-position
@@ -194,7 +203,8 @@ def _tvm_baselines(onnx_path: Path, dims: dict, out: Path, name: str,
 
 def _tvm_pipeline_grape_schedules(repair_branch_storage: bool = False):
     """TVM's CUDA pipeline (its finalize passes: ``RewriteCUDAGraph`` where configured) with
-    grape's tolerant schedule rules and named derived dims: no graph regions, no grape runtime.
+    grape's tolerant schedule rules (dlight's, not grape's GEMV rule) and named derived dims:
+    no graph regions, no grape runtime.
 
     ``repair_branch_storage``: ``HoistBranchStorage`` right after TVM's
     ``StaticPlanBlockMemory``. TVM 0.27's planner can reuse, in an ``if``'s else branch, a
@@ -215,7 +225,7 @@ def _tvm_pipeline_grape_schedules(repair_branch_storage: bool = False):
         with CUDA:
             return tvm.transform.Sequential(
                 [NameDerivedDims(), relax.transform.ConvertToDataflow()]
-                + cuda.library_dispatch_passes(CUDA) + gpu_legalize_passes()
+                + cuda.library_dispatch_passes(CUDA) + gpu_legalize_passes(decode_gemv=False)
                 + cuda.dataflow_lower_passes(CUDA) + finalize)(mod)
 
     return _pipeline
@@ -322,6 +332,37 @@ def build_branches(out: Path) -> None:
     nested.export(out / "nested.cuda.grape")
 
 
+MATMUL_DIMS = {"m": (1, 1024)}
+
+
+def build_gemv_tests(out: Path) -> None:
+    """Matmuls on grape's GEMV kernels, both weight layouts, fp32 and fp16 (tests)."""
+    for dtype in ("float32", "float16"):
+        for layout in ("kn", "nk"):
+            name = f"gemv_{layout}_{dtype}"
+            module = _timed(name, lambda d=dtype, l=layout: grape_tvm.build(
+                gemv_test_relax(d, l), MATMUL_DIMS, CUDA, output_names=["y", "z"], matmul="grape"))
+            module.export(out / f"{name}.cuda.grape")
+
+
+# bench/matmul.py's systems: what build(matmul=...) each is built with.
+MATMUL_SYSTEMS = {"cublaslt": "cublaslt", "gemv": "grape", "tvm_dlight": "tvm"}
+
+
+def build_matmul_bench(out: Path) -> None:
+    """GPT-2's matmul shapes with grape's GEMV rule and without it (``bench/matmul.py``)."""
+    for dtype in ("float32", "float16"):
+        for k, n in GPT2_MATMULS:
+            for layout, systems in (("kn", ("cublaslt", "gemv", "tvm_dlight")), ("nk", ("gemv",))):
+                for system in systems:
+                    name = f"matmul_{layout}_{dtype}_{k}x{n}.{system}"
+                    module = _timed(name, lambda d=dtype, l=layout, k=k, n=n, s=system:
+                                    grape_tvm.build(matmul_relax(k, n, d, l), MATMUL_DIMS, CUDA,
+                                                    output_names=["y"],
+                                                    matmul=MATMUL_SYSTEMS[s]))
+                    module.export(out / f"{name}.cuda.grape")
+
+
 def build_memory_example(out: Path, hi: int = 4096) -> None:
     """The bundled example over n = 1..``hi``: ``bench/memory.py --device cuda``."""
     model = out / "blocks.onnx"
@@ -359,7 +400,8 @@ def build_reductions(out: Path) -> None:
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.
 STEPS = {
     "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
-              build_onnx_loop, build_branches, build_reductions, build_library),
+              build_onnx_loop, build_branches, build_reductions, build_library,
+              build_gemv_tests),
     "demo": (build_example,),
     "inspect": (build_example,),
     "argument_tables": (build_bench,),
@@ -368,6 +410,7 @@ STEPS = {
     "branches": (build_branches,),
     "memory": (build_memory_example,),
     "probe_cublaslt": (),
+    "matmul": (build_matmul_bench,),
     "hf_models": (build_hf_models, build_wav2vec2),
     "hf_models_fp16": (lambda out: build_hf_models(out, dtype="float16"),),
 }

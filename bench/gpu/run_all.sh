@@ -24,6 +24,7 @@ want argument_tables && { python3 -P bench/argument_tables.py --artifacts build/
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }
+want matmul && { python3 -P bench/matmul.py --artifacts build/gpu --out "$out" ${GRAPE_MATMUL_ARGS:-} || status=1; }
 want memory && { python3 -P bench/memory.py --device cuda --artifact build/gpu/blocks_4096.cuda.grape --shapes 4096 --cycles 300 --out "$out" || status=1; }
 want probe_cublaslt && { python3 -P bench/probe_cublaslt.py --out "$out" || status=1; }
 want hf_models && { python3 -P bench/hf_models.py --artifacts build/gpu --out "$out" ${GRAPE_HF_MODELS_ARGS:-} || status=1; }

@@ -250,7 +250,7 @@ def _kernels(module) -> dict[str, int]:
 @pytest.fixture(scope="module")
 def blocks_cuda():
     return grape_tvm.build(blocks_relax(768, 2), {"n": (1, 1024)}, CUDA, output_names=["y"],
-                           prebuild_cubin=nvcc_available())
+                           prebuild_cubin=nvcc_available(), matmul="grape")
 
 
 def test_blocks_matmuls_dispatch_between_gemv_and_matmul(blocks_cuda):
@@ -270,7 +270,7 @@ def test_blocks_matmuls_dispatch_between_gemv_and_matmul(blocks_cuda):
 
 
 def test_blocks_dispatch_is_an_if_on_the_host(blocks_cuda):
-    lowered = grape_tvm.grape_pipeline(CUDA, {"n": (1, 1024)})(blocks_relax(768, 2))
+    lowered = grape_tvm.grape_pipeline(CUDA, {"n": (1, 1024)}, matmul="grape")(blocks_relax(768, 2))
     func = lowered["fused_matmul_add_gelu_add1"]
     text = func.script()
     assert {int(r) for r in re.findall(GEMV_MARK + r'": (\d+)', text)} == set(BUCKETS)
@@ -285,13 +285,13 @@ def test_gpt2_decode_step_matmuls_are_gemv_kernels():
     GELU, MLP down with the residual) is one GEMV kernel, no dispatch; attention's batched
     matmuls are not the rule's."""
     dims = {"past": (1, 1024)}
-    lowered = grape_tvm.grape_pipeline(CUDA, dims)(gpt2_decode_step(64, 4, 2))
+    lowered = grape_tvm.grape_pipeline(CUDA, dims, matmul="grape")(gpt2_decode_step(64, 4, 2))
     ours = {gv.name_hint: f for gv, f in lowered.functions_items()
             if isinstance(f, tirx.PrimFunc) and GEMV_MARK in f.script()}
     assert sorted(ours) == ["fused_matmul3_add1_add2", "fused_matmul4_add3_gelu",
                             "fused_matmul5_add1_add2", "fused_matmul_add"]
     assert not any("tvm_thread_invariant" in f.script() for f in ours.values())
-    module = grape_tvm.build(gpt2_decode_step(64, 4, 2), dims, CUDA,
+    module = grape_tvm.build(gpt2_decode_step(64, 4, 2), dims, CUDA, matmul="grape",
                              output_names=gpt2_output_names(2), prebuild_cubin=nvcc_available())
     kernels = _kernels(module)
     for name in ours:

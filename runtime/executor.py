@@ -29,7 +29,11 @@ DEFAULT_MAX_SHAPES = 2048
 # shape leaves its outputs there. The executor empties the pool once VM calls at dims it
 # had not seen have returned this many bytes, or this many times (planned calls do not use
 # the VM's memory at all).
-VM_POOL_CLEAR_BYTES = 4 << 20
+# On the CPU the pool is host memory (bench/memory.py). On a GPU emptying it frees device
+# buffers (cudaFree, a device-wide sync each) that the next VM call allocates again: below
+# one call's outputs it would be paid on every call (a test recording 120 shapes of a
+# 16 MiB output took minutes on the H200).
+VM_POOL_CLEAR_BYTES = {"cpu": 4 << 20, "gpu": 256 << 20}
 VM_POOL_CLEAR_CALLS = 64
 
 REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
@@ -117,6 +121,8 @@ class GraphExecutor:
         self._plans: OrderedDict[tuple, CallPlan | None] = OrderedDict()
         # VM calls at new dims since the VM's memory pool was emptied, and their outputs' bytes.
         self._vm_pool_calls = self._vm_pool_bytes = 0
+        self._on_cpu = device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+        self._vm_pool_limit = VM_POOL_CLEAR_BYTES["cpu" if self._on_cpu else "gpu"]
         self._watch: CallPlanRecorder | None = None
         self._pool = BufferPool(device)
         self._buffer_of: dict[tuple, int] = {}
@@ -286,8 +292,8 @@ class GraphExecutor:
             self._vm_pool_bytes += sum(nbytes(v) for v in values
                                        if isinstance(v, tvm.runtime.Tensor))
             if self._vm_pool_calls >= VM_POOL_CLEAR_CALLS or \
-                    self._vm_pool_bytes >= VM_POOL_CLEAR_BYTES:
-                _clear_vm_memory_pools()
+                    self._vm_pool_bytes >= self._vm_pool_limit:
+                _clear_vm_memory_pools(trim_host=self._on_cpu)
                 self._vm_pool_calls = self._vm_pool_bytes = 0
         return values, recorder
 
@@ -628,15 +634,15 @@ def _share_memory(tensors: Sequence[Any]) -> bool:
     return any(start < end for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
-def _clear_vm_memory_pools() -> None:
+def _clear_vm_memory_pools(trim_host: bool) -> None:
     """Free the buffers TVM's VMs keep pooled and unused (every VM of the process shares
-    the pool of a device: the others allocate again what they need), and give the host
-    memory freed back to the system: glibc keeps freed heap pages otherwise, and buffers of
-    many sizes leave it fragmented (bench/memory.py)."""
+    the pool of a device: the others allocate again what they need); ``trim_host``: also
+    give the host memory freed back to the system: glibc keeps freed heap pages otherwise,
+    and buffers of many sizes leave it fragmented (bench/memory.py)."""
     clear = tvm.get_global_func("vm.builtin.memory_manager.clear", allow_missing=True)
     if clear is not None:
         clear()
-    if _MALLOC_TRIM is not None:
+    if trim_host and _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
 
 

@@ -623,35 +623,6 @@ def test_cublaslt_matmuls_in_graphs_equal_numpy(dtype):
         executor.close()
 
 
-def test_cublaslt_topologies_over_the_whole_range():
-    """Algorithms chosen per bucket of n (powers of two): recording n over 1..1024 (each
-    bucket's ends and every 9th n between: recording all 1024 took minutes) makes at most
-    12 topologies (graphs) per region."""
-    import sys  # pylint: disable=import-outside-toplevel
-
-    import tvm  # pylint: disable=import-outside-toplevel
-
-    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-    from models import library_weights  # pylint: disable=import-outside-toplevel
-
-    executor = load(_artifact("library_float32.cuda.grape"), "cuda")
-    try:
-        executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device)
-                              for k, v in library_weights("float32").items()})
-        edges = {e for k in range(11) for e in (1 << k, (1 << k) + 1)}
-        sizes = sorted({n for n in edges | set(range(1, 1025, 9)) if n <= 1024})
-        seconds = executor.record_all({"n": sizes}, progress=False)
-        groups = executor.backend.describe()["topology_groups"]
-        counts = {region: len(g) for region, g in groups.items()}
-        print(f"recorded {len(sizes)} n in 1..1024 in {seconds:.1f} s: topologies per region "
-              f"{counts}")
-        assert counts and max(counts.values()) <= 12
-    finally:
-        executor.close()
-
-
 # -- grape's GEMV kernels (passes/gemv_schedule.py) ---------------------------------------
 
 # Rows on either side of each bucket (M <= 1, 2, 4, 8: GEMV kernels; above: dlight's Matmul)
@@ -713,3 +684,38 @@ def test_gemv_buckets_are_the_topologies():
         found = sorted(sorted(s[0] for s in g["shape_keys"]) for g in region)
         print(f"topology groups: {found}")
         assert found == [[1], [2], [3], [7, 8], [9, 64, 512, 1024]]
+
+
+# Last in the module: twice on the H200 this test did not finish (within 75 s, with the
+# stack dumped at 40 s inside TVM's memory_manager.clear after record_all's calls, which
+# queue without a sync: bench/results/gpu_run/topology_test_hang.log; and within about
+# 100 s: final_attempt.log). The cause is not known. The timeout's thread method ends the
+# process after dumping every thread, so that the failure shows and stops nothing else.
+@pytest.mark.timeout(240, method="thread")
+def test_cublaslt_topologies_over_the_whole_range():
+    """Algorithms chosen per bucket of n (powers of two): recording n over 1..1024 (each
+    bucket's ends and every 9th n between) makes at most 12 topologies (graphs) per
+    region."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import library_weights  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact("library_float32.cuda.grape"), "cuda")
+    try:
+        executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device)
+                              for k, v in library_weights("float32").items()})
+        edges = {e for k in range(11) for e in (1 << k, (1 << k) + 1)}
+        sizes = sorted({n for n in edges | set(range(1, 1025, 9)) if n <= 1024})
+        seconds = executor.record_all({"n": sizes}, progress=False)
+        groups = executor.backend.describe()["topology_groups"]
+        counts = {region: len(g) for region, g in groups.items()}
+        print(f"recorded {len(sizes)} n in 1..1024 in {seconds:.1f} s: topologies per region "
+              f"{counts}")
+        assert counts and max(counts.values()) <= 12
+    finally:
+        executor.close()

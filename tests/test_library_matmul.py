@@ -78,14 +78,14 @@ def test_offload_leaves_other_dtypes_and_shapes_alone():
 
 def test_library_calls_join_a_graph_region_and_the_plan_names_the_library():
     module = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
-                             prebuild_cubin=False)
+                             prebuild_cubin=False, matmul="cublaslt")
     kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
     assert "grape.cublaslt.matmul_bias_gelu" in kernels and "grape.cublaslt.matmul_nt" in kernels
     assert module.plan["libraries"] == ["cublaslt"] and module.plan["matmul"] == "cublaslt"
     assert not module.plan["host_steps"]
-    tvm_only = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
-                               prebuild_cubin=False, matmul="tvm")
-    assert tvm_only.plan["libraries"] == [] and tvm_only.plan["matmul"] == "tvm"
+    default = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
+                              prebuild_cubin=False)
+    assert default.plan["libraries"] == [] and default.plan["matmul"] == "tvm"
 
 
 def test_matmul_choice_is_checked():
@@ -101,7 +101,7 @@ def test_a_decode_step_uses_cublaslt_and_its_kernels_compile():
     from models import gpt2_decode_step, gpt2_output_names  # pylint: disable=import-outside-toplevel
 
     module = grape_tvm.build(gpt2_decode_step(64, 4, 2), {"past": (1, 64)}, CUDA,
-                             output_names=gpt2_output_names(2))
+                             output_names=gpt2_output_names(2), matmul="cublaslt")
     kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
     assert sum(k.startswith("grape.cublaslt.") for k in kernels) >= 8  # 4 per layer at least
     assert module.cubins  # the TVM kernels left, compiled by nvcc here

@@ -386,7 +386,8 @@ def build_library(out: Path) -> None:
     """``models.library_layer`` in fp32 and fp16: matmuls as cuBLASLt calls (tests)."""
     for dtype in ("float32", "float16"):
         module = _timed(f"library_{dtype}", lambda d=dtype: grape_tvm.build(
-            library_layer(d), {"n": (1, 1024)}, CUDA, output_names=["y", "h"]))
+            library_layer(d), {"n": (1, 1024)}, CUDA, output_names=["y", "h"],
+            matmul="cublaslt"))
         module.export(out / f"library_{dtype}.cuda.grape")
 
 

@@ -287,9 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", action="append", default=[], metavar="NAME=LO:HI",
                    help="range of a symbolic dimension (an ONNX dim_param); repeat per dimension")
     p.add_argument("--matmul", choices=("cublaslt", "grape", "tvm"), default=None,
-                   help="what runs matmuls with a weight: tvm (TVM's schedules, the "
-                        "default), grape (grape's GEMV kernels for few rows; cuda) or cublaslt "
-                        "(cuBLASLt calls captured into the graphs; cuda)")
+                   help="what runs matmuls with a weight: cublaslt (the default on cuda: "
+                        "cuBLASLt calls captured into the graphs), grape (grape's GEMV kernels "
+                        "for few rows; cuda) or tvm (TVM's schedules; the default on llvm)")
     p.add_argument("--max-memory", type=float, default=64, metavar="GIB",
                    help="refuse ranges whose memory, planned at their upper bounds and allocated "
                         "by every call, exceeds this many GiB (default 64)")

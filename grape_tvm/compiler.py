@@ -141,10 +141,10 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     warning, and a note in ``plan["notes"]``). For a CUDA target the kernels are compiled
     to cubin here when nvcc is present (else on first load, then cached). ``dim_names``
     maps a dim of ``mod`` to the name users know it by, where they differ
-    (``frontend.with_identifier_dims``). ``matmul`` chooses what runs matmuls: "tvm" (TVM's
-    schedules, the default), "grape" (grape's GEMV kernels for few rows; CUDA) or
-    "cublaslt" (calls of cuBLASLt captured into the graphs; CUDA; the deployment host needs
-    ``libcublasLt``).
+    (``frontend.with_identifier_dims``). ``matmul`` chooses what runs matmuls: "cublaslt"
+    (the default on CUDA: calls of cuBLASLt captured into the graphs; the deployment host
+    needs ``libcublasLt``), "grape" (grape's GEMV kernels for few rows; CUDA) or "tvm"
+    (TVM's schedules; the default elsewhere).
     """
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}

@@ -18,16 +18,18 @@ and each change would be another graph topology.
 Row-major ``out[M, N] = x[M, K] @ w[K, N]`` is the column-major ``out^T = w^T x^T``: A is
 ``w`` (N x K, or K x N transposed when the model holds ``w`` as [N, K]), B is ``x``.
 
-Needs ``libcublasLt`` (the ``nvidia-cublas`` package, extra ``cuda``); found by soname, so a
-library PyTorch or the system already loaded serves too.
+Needs ``libcublasLt``: one the process or the system has (a library PyTorch already loaded
+serves), else the ``nvidia-cublas`` package's (extra ``cuda``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib.util
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -44,7 +46,7 @@ _COMPUTE_32F = 68  # fp32 accumulation, full precision (no TF32): PyTorch's defa
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _PREF_MAX_WORKSPACE_BYTES = 1
-_ALGO_CONFIG_ID = 0
+_ALGO_CONFIG_ID, _ALGO_CONFIG_SPLITK_NUM, _ALGO_CONFIG_REDUCTION_SCHEME = 0, 2, 3
 EPILOGUES = {"": 1, "bias": 4, "gelu": 32, "bias_gelu": 36}
 
 
@@ -80,14 +82,25 @@ class _Heuristic(ctypes.Structure):
 
 
 def _library() -> ctypes.CDLL:
-    for name in _LIBRARIES:
+    """libcublasLt: one the process or the system has (by soname), else the one of the
+    ``nvidia-cublas`` package, which pip puts where the loader does not look."""
+    for name in _LIBRARIES + tuple(str(path) for path in _packaged_libraries()):
         try:
             return ctypes.CDLL(name)
         except OSError:
             continue
     raise CublasLtError("this artifact's matmuls run on cuBLASLt, and no libcublasLt is found "
-                        f"here (tried {', '.join(_LIBRARIES)}): install nvidia-cublas "
-                        "(pip install 'grape-tvm[cuda]'), or compile with --matmul tvm")
+                        f"here (tried {', '.join(_LIBRARIES)} and the nvidia-cublas package): "
+                        "pip install 'grape-tvm[cuda]', or compile with --matmul tvm")
+
+
+def _packaged_libraries() -> list[Path]:
+    """libcublasLt files of the ``nvidia-cublas`` wheels (``nvidia/cu13/lib`` for CUDA 13,
+    ``nvidia/cublas/lib`` for CUDA 12), newest first."""
+    spec = importlib.util.find_spec("nvidia")
+    folders = list(spec.submodule_search_locations or ()) if spec else []
+    return [path for folder in folders for sub in ("cu13/lib", "cublas/lib")
+            for path in sorted(Path(folder, sub).glob("libcublasLt.so.*"), reverse=True)]
 
 
 def _ok(status: int, call: str) -> None:
@@ -203,13 +216,16 @@ class CublasLt:
             raise CublasLtError(f"cuBLASLt has no algorithm for {function.name} {dtype} "
                                 f"M<={m}, K={k}, N={n}")
         self.chosen[f"{function.name}/{dtype}/M<={m}/K={k}/N={n}"] = {
-            "algo_id": self._algo_id(found), "workspace_bytes": int(found.workspaceSize)}
+            "algo_id": self._algo_config(found, _ALGO_CONFIG_ID),
+            "split_k": self._algo_config(found, _ALGO_CONFIG_SPLITK_NUM),
+            "reduction_scheme": self._algo_config(found, _ALGO_CONFIG_REDUCTION_SCHEME),
+            "workspace_bytes": int(found.workspaceSize)}
         return _Plan(desc, found)
 
-    def _algo_id(self, found: _Heuristic) -> int:
-        value, written = ctypes.c_int32(), ctypes.c_size_t()
+    def _algo_config(self, found: _Heuristic, attribute: int) -> int:
+        value, written = ctypes.c_uint32(), ctypes.c_size_t()
         _ok(self.lib.cublasLtMatmulAlgoConfigGetAttribute(
-            ctypes.byref(found.algo), _ALGO_CONFIG_ID, ctypes.byref(value), ctypes.c_size_t(4),
+            ctypes.byref(found.algo), attribute, ctypes.byref(value), ctypes.c_size_t(4),
             ctypes.byref(written)), "cublasLtMatmulAlgoConfigGetAttribute")
         return value.value
 

@@ -33,8 +33,8 @@ from .argument_table import TopologyGroups
 from .cublaslt import CublasLt, register_functions
 from .cuda_compile import CubinStore
 from .cuda_driver import check, driver
-from .cuda_graph import (Capture, CapturedGraph, find_pointer_slots, node_records,
-                         read_kernel_nodes)
+from .cuda_graph import (Capture, CapturedGraph, CapturedNodes, OwnedGraph, UnkeptGraph,
+                         check_memsets, find_pointer_slots, node_records, read_nodes)
 from .topology_graph import PatchKernel, TopologyGraph, guard_address
 
 MODES = ("topology", "per-shape")
@@ -113,6 +113,8 @@ class CudaGraphBackend:
         self.graphs_instantiated = 0
         self.launches = 0  # graph launches, for the executor's statistics
         self.synchronizing_guards = 0  # guards read on the host (per-shape mode): each a sync
+        self.graphs_not_kept = 0  # captures run once and dropped (``UnkeptGraph``)
+        self.not_kept_reason: str | None = None
         self._evicted_graphs = 0
         # Device memory taken by graphs and their tables: free memory read just before and
         # after each instantiation, table write and release (nothing else allocates there).
@@ -209,10 +211,31 @@ class CudaGraphBackend:
         self.graphs_captured += 1
         if run:
             self.launches += 1  # the capture's own run, below
+        try:
+            nodes = read_nodes(graph, self._layouts)
+            check_memsets(nodes.memsets, capture.region_args)
+        except UnkeptGraph as reason:
+            self._run_once(capture, graph, run, reason)
+            return
         if self.mode == "topology":
-            self._keep_in_topology(capture, graph, run)
+            self._keep_in_topology(capture, graph, nodes, run)
         else:
-            self._keep_per_shape(capture, graph, run)
+            self._keep_per_shape(capture, graph, nodes, run)
+
+    def _run_once(self, capture: Capture, graph, run: bool, reason: UnkeptGraph) -> None:
+        """A graph that cannot serve later calls: run it for this call and drop it. The shape
+        stays unrecorded, so each call at it captures again (correct, not fast)."""
+        self.graphs_not_kept += 1
+        self.not_kept_reason = f"{capture.region}: {reason}"
+        once = OwnedGraph()
+        once.graph = graph
+        try:
+            if run:
+                once.instantiate(self.stream)
+                check(driver.cuGraphLaunch(once.exec, self.stream), "cuGraphLaunch")
+                self.synchronize()  # the graph is freed below: let it finish first
+        finally:
+            once.close()
 
     def abort(self, capture: Capture) -> None:
         capture.stream_context.__exit__(None, None, None)
@@ -226,10 +249,11 @@ class CudaGraphBackend:
             self._patch = PatchKernel(self.cubins)
         return self._patch
 
-    def _keep_in_topology(self, capture: Capture, graph, run: bool) -> None:
-        nodes = read_kernel_nodes(graph, self._layouts)
+    def _keep_in_topology(self, capture: Capture, graph, captured: CapturedNodes,
+                          run: bool) -> None:
+        nodes = captured.kernels
         slots = find_pointer_slots(nodes, capture.region_args)
-        records = node_records(nodes, slots)
+        records = node_records(nodes, slots, captured.memsets)
         region = self._regions.setdefault(
             capture.region, _RegionGraphs(TopologyGroups(self.max_shapes), []))
         placed = region.groups.add(capture.shape, records)
@@ -251,8 +275,9 @@ class CudaGraphBackend:
             topology_graph.replay(placed.row, capture.region_args, self.stream)
 
     # -- per-shape mode ------------------------------------------------------------------
-    def _keep_per_shape(self, capture: Capture, graph, run: bool) -> None:
-        nodes = read_kernel_nodes(graph, self._layouts)
+    def _keep_per_shape(self, capture: Capture, graph, captured: CapturedNodes,
+                        run: bool) -> None:
+        nodes = captured.kernels
         slots = find_pointer_slots(nodes, capture.region_args)
         free = _free_bytes()
         captured = CapturedGraph(graph, nodes, slots, capture.region_args, self.stream)
@@ -288,6 +313,7 @@ class CudaGraphBackend:
                 "per_shape_graphs": len(self._per_shape), "evicted": self.evicted,
                 "graph_device_bytes": self.graph_device_bytes,
                 "synchronizing_guards": self.synchronizing_guards,
+                "graphs_not_kept": self.graphs_not_kept, "not_kept_reason": self.not_kept_reason,
                 "cublaslt_algorithms": dict(self.cublaslt.chosen) if self.cublaslt else {},
                 "topology_groups": regions}
 

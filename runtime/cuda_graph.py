@@ -9,17 +9,23 @@ call: a captured graph keeps the addresses of capture time. Kernel parameters th
 into a region argument are found once, after capture (``cuFuncGetParamInfo`` gives each
 parameter's size); ``CapturedGraph`` re-points them from the host when a later call's
 arguments live elsewhere (``cuGraphExecKernelNodeSetParams``).
+
+A captured graph holds kernel nodes, and memset nodes where a library zeroes something
+before its kernels (cuBLASLt's split-K counters in its workspace: where they lie and how
+many there are follow M). A memset is part of the topology, as it was captured: two shapes
+whose memsets differ need two graphs. A graph with any other node, or with a memset into a
+region argument (an address a later call moves), is not kept (``UnkeptGraph``).
 """
 
 from __future__ import annotations
 
 import ctypes
-from dataclasses import dataclass
+from dataclasses import astuple, dataclass
 from typing import Any, Sequence
 
 import tvm
 
-from .argument_table import NodeRecord
+from .argument_table import MEMSET_RECORD, NodeRecord
 from .cuda_driver import check, driver
 from .signature import nbytes
 
@@ -42,6 +48,36 @@ class KernelNode:
 
 
 @dataclass(frozen=True)
+class MemsetNode:
+    """One memset node read back from a captured graph: all of it is topology."""
+
+    dst: int
+    value: int
+    element_size: int
+    width: int
+    height: int
+    pitch: int
+
+    @property
+    def span(self) -> tuple[int, int]:
+        """First byte written and one past the last."""
+        rows = max(self.height - 1, 0) * self.pitch
+        return self.dst, self.dst + rows + self.width * self.element_size
+
+
+@dataclass
+class CapturedNodes:
+    """The nodes of a captured graph that grape keeps: kernels, and memsets."""
+
+    kernels: list[KernelNode]
+    memsets: list[MemsetNode]
+
+
+class UnkeptGraph(Exception):
+    """A captured graph that cannot be replayed for later calls (the reason says why)."""
+
+
+@dataclass(frozen=True)
 class PointerSlot:
     """Kernel parameter ``param`` of node ``node`` points ``delta`` bytes into region arg ``arg``."""
 
@@ -49,13 +85,6 @@ class PointerSlot:
     param: int
     arg: int
     delta: int
-
-
-# A parameter wider than this is taken apart into 8-byte words: library kernels (cuBLAS)
-# take one struct of hundreds of bytes whose operands' addresses and sizes sit inside it,
-# and the patch kernel updates at most 16 bytes at a time (bench/results/probe_cublaslt.json).
-MAX_FIELD_BYTES = 16
-WORD = 8
 
 
 def _parameters(func) -> list[tuple[int, int]]:
@@ -106,17 +135,24 @@ def parameter_buffer(params, parameters: Sequence[tuple[int, int]]) -> bytes:
     return bytes(buffer)
 
 
-def read_kernel_nodes(graph, layouts: dict | None = None) -> list[KernelNode]:
-    """Kernel nodes of a captured graph with their parameters; ``layouts`` caches each
-    function's parameters across captures."""
+def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
+    """Kernel and memset nodes of a captured graph, kernels with their parameters;
+    ``layouts`` caches each function's parameters across captures. Raises ``UnkeptGraph``
+    for a graph with nodes of another type."""
     layouts = {} if layouts is None else layouts
     _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
     nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
-    kernels = []
+    kernels, memsets = [], []
     for node in nodes[:count]:
         kind = check(driver.cuGraphNodeGetType(node), "cuGraphNodeGetType")
-        if kind != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+        if kind == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET:
+            p = check(driver.cuGraphMemsetNodeGetParams(node), "cuGraphMemsetNodeGetParams")
+            memsets.append(MemsetNode(int(p.dst), int(p.value), int(p.elementSize),
+                                      int(p.width), int(p.height), int(p.pitch)))
             continue
+        if kind != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
+            raise UnkeptGraph(f"it holds a {str(kind).split('.')[-1].split(':')[0]} node "
+                              "(grape replays kernel and memset nodes)")
         params = check(driver.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
         key = int(params.func)
         parameters = layouts.get(key)
@@ -126,7 +162,20 @@ def read_kernel_nodes(graph, layouts: dict | None = None) -> list[KernelNode]:
         fields = fields_of(parameters)
         kernels.append(KernelNode(node, params, fields,
                                   [buffer[offset:offset + size] for offset, size in fields]))
-    return kernels
+    return CapturedNodes(kernels, memsets)
+
+
+def check_memsets(memsets: Sequence[MemsetNode], region_args: Sequence[Any]) -> None:
+    """Raise ``UnkeptGraph`` if a memset writes into a region argument: a graph keeps its
+    address, and a later call's argument may live elsewhere."""
+    spans = [(i, *_tensor_span(a)) for i, a in enumerate(region_args)
+             if isinstance(a, tvm.runtime.Tensor)]
+    for m in memsets:
+        first, end = m.span
+        for arg, start, size in spans:
+            if size and first < start + size and start < end:
+                raise UnkeptGraph(f"a memset writes into region argument {arg}, whose "
+                                  "address a later call may move")
 
 
 def _tensor_span(t) -> tuple[int, int]:
@@ -248,8 +297,10 @@ class Capture:
         pass  # stream capture sees the launches itself
 
 
-def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> list[NodeRecord]:
-    """Argument-table records of a captured region.
+def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot],
+                 memsets: Sequence[MemsetNode] = ()) -> list[NodeRecord]:
+    """Argument-table records of a captured region: its kernels in launch order, then its
+    memsets (``MEMSET_RECORD``: every value fixed, no field).
 
     Parameters that point into a region argument are part of the topology (which argument,
     at which offset); their field is zeros of their size (counted in a full table, never a
@@ -268,4 +319,5 @@ def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> l
         fields = ((p.gridDimX, p.gridDimY, p.gridDimZ),) + tuple(
             bytes(len(v)) if i in pointers else v for i, v in enumerate(node.values))
         records.append(NodeRecord(int(p.func), fixed, fields))
+    records += [NodeRecord(MEMSET_RECORD, astuple(m), ()) for m in memsets]
     return records

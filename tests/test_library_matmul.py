@@ -85,7 +85,10 @@ def test_library_calls_join_a_graph_region_and_the_plan_names_the_library():
     assert not module.plan["host_steps"]
     default = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
                               prebuild_cubin=False)
-    assert default.plan["libraries"] == [] and default.plan["matmul"] == "tvm"
+    assert default.plan["libraries"] == ["cublaslt"] and default.plan["matmul"] == "cublaslt"
+    tvm_only = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
+                               prebuild_cubin=False, matmul="tvm")
+    assert tvm_only.plan["libraries"] == [] and tvm_only.plan["matmul"] == "tvm"
 
 
 def test_matmul_choice_is_checked():
@@ -130,3 +133,17 @@ def test_parameter_buffer_from_extra_and_from_kernel_params():
     params = SimpleNamespace(extra=0, kernelParams=ctypes.addressof(pointers))
     assert parameter_buffer(params, [(0, 8), (8, 4)]) == \
         (0x1122334455667788).to_bytes(8, "little") + b"abcd"
+
+
+def test_the_nvidia_cublas_package_is_found_where_pip_put_it(monkeypatch):
+    """``pip install 'grape-tvm[cuda]'`` brings libcublasLt in the nvidia-cublas wheel, in a
+    folder the loader does not search: the runtime finds it there when no soname loads."""
+    from grape_tvm.runtime import cublaslt
+
+    packaged = cublaslt._packaged_libraries()  # pylint: disable=protected-access
+    if not packaged:
+        pytest.skip("nvidia-cublas is not installed here")
+    monkeypatch.setattr(cublaslt, "_LIBRARIES", ("libcublasLt.so.nonexistent",))
+    library = cublaslt._library()  # pylint: disable=protected-access
+    assert library._name == str(packaged[0])  # pylint: disable=protected-access
+    assert library.cublasLtGetVersion() > 0

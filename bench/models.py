@@ -537,6 +537,38 @@ def library_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.nda
     return h @ w["w_down_t"].T + x64, h
 
 
+ATTENTION_HEADS, ATTENTION_HEAD_DIM = 12, 64  # GPT-2's
+
+
+def attention_products(dtype: str = "float32"):
+    """A decode step's attention over a symbolic past (the shape GPT-2's ONNX export has):
+    ``o = softmax(q @ k^T * 0.125) @ v``, q: (b, 12, 1, 64), k and v: (b, 12, p, 64). On CUDA
+    both products are strided-batched cuBLASLt calls (``OffloadMatmul``)."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    b, p = tirx.Var("b", "int64"), tirx.Var("p", "int64")
+    h, d = ATTENTION_HEADS, ATTENTION_HEAD_DIM
+    q = relax.Var("q", relax.TensorType((b, h, 1, d), dtype))
+    k = relax.Var("k", relax.TensorType((b, h, p, d), dtype))
+    v = relax.Var("v", relax.TensorType((b, h, p, d), dtype))
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(k, [0, 1, 3, 2])),
+                                         relax.const(0.125, dtype)))
+            o = bb.emit_output(op.matmul(op.nn.softmax(scores, axis=-1), v))
+        bb.emit_func_output(o)
+    return bb.get()
+
+
+def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    """``attention_products`` in float64."""
+    scores = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) * 0.125
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True) @ v.astype(np.float64)
+
+
 def gemv_test_inputs(m: int, dtype: str, layout: str, seed: int = 0) -> dict[str, np.ndarray]:
     """Inputs of ``gemv_test_relax`` at m rows, from a seed (W scaled by 1/sqrt(K))."""
     rng = np.random.default_rng(seed)

@@ -8,6 +8,7 @@ from tvm.ir.transform import PassContext
 from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.dpl import rewrite_call
 from tvm.relax.transform import function_pass
+from tvm.sym.analyzer import Analyzer
 
 from grape_tvm.runtime.cublaslt import EPILOGUES, MatmulFunction
 
@@ -34,6 +35,11 @@ def _weight(w: relax.Expr) -> tuple[relax.Expr, bool] | None:
     return w, False
 
 
+def _is_activation_product(x: relax.Expr, w: relax.Expr) -> bool:
+    """Both operands batches of matrices (rank 3 or more): attention's products."""
+    return all(isinstance(e.ty, relax.TensorType) and e.ty.ndim >= 3 for e in (x, w))
+
+
 class _Match:
     """What a matched pattern binds: x, the weight, and the bias and activation if any."""
 
@@ -47,10 +53,50 @@ class _Match:
             self.activation = _ACTIVATIONS[root.op.name]
 
 
+def _swapped_last_two(w: relax.Expr) -> relax.Expr | None:
+    """``w``'s operand if ``w`` is ``permute_dims`` swapping its last two axes, else None."""
+    if not (isinstance(w, relax.Call) and getattr(w.op, "name", "") == "relax.permute_dims"):
+        return None
+    rank = w.args[0].ty.ndim if isinstance(w.args[0].ty, relax.TensorType) else -1
+    axes = w.attrs.axes
+    swapped = list(range(rank - 2)) + [rank - 1, rank - 2]
+    return w.args[0] if axes is not None and [int(a) for a in axes] == swapped else None
+
+
+def _same_dims(a, b) -> bool:
+    analyzer = Analyzer()
+    return len(a) == len(b) and all(analyzer.can_prove_equal(x, y) for x, y in zip(a, b))
+
+
+def _rewrite_batched(root, x: relax.Expr, w: relax.Expr) -> relax.Expr:
+    """``matmul(x, w)`` of two activations with the same batch dims ([..., M, K] by
+    [..., K, N], ``w`` maybe ``permute_dims`` of [..., N, K]): one strided-batched call."""
+    stored = _swapped_last_two(w)
+    transposed = stored is not None
+    stored = stored if transposed else w
+    x_ty, w_ty, out_ty = x.ty, stored.ty, root.ty
+    if not all(isinstance(t, relax.TensorType) and t.shape is not None and t.ndim >= 3
+               for t in (x_ty, w_ty, out_ty)):
+        return root
+    dtype = str(out_ty.dtype)
+    if dtype not in LIBRARY_DTYPES or str(x_ty.dtype) != dtype or str(w_ty.dtype) != dtype:
+        return root
+    xs, ws = x_ty.shape.values, w_ty.shape.values
+    k_of_w = ws[-1] if transposed else ws[-2]
+    if x_ty.ndim != w_ty.ndim or not _same_dims(xs[:-2], ws[:-2]) or \
+            not _same_dims([xs[-1]], [k_of_w]):
+        return root  # broadcast batch dims, or K not provably equal: TVM's kernel
+    function = MatmulFunction("", transposed, batched=True)
+    return relax.op.call_dps_packed(function.name, relax.Tuple([x, stored]),
+                                    relax.TensorType(out_ty.shape, dtype))
+
+
 def _rewrite(root, matched: dict, root_pattern) -> relax.Expr:
     match = _Match(matched, root_pattern)
     x_ty, out_ty = match.x.ty, root.ty
     dtype = str(out_ty.dtype)
+    if root_pattern is _MATMUL and _is_activation_product(match.x, match.w):
+        return _rewrite_batched(root, match.x, match.w)
     weight = _weight(match.w)
     if weight is None or dtype not in LIBRARY_DTYPES or str(x_ty.dtype) != dtype:
         return root
@@ -93,8 +139,10 @@ class OffloadMatmul:
     runtime (``runtime/cublaslt.py``: the function's name says its epilogue). The call is a
     kernel launch for ``LiftGraphRegions``: captured into the region's graph.
 
-    Matmuls of two activations (attention scores), of other dtypes, or whose out dtype
-    differs from their inputs', stay TVM's.
+    A product of two batches of matrices with the same batch dims (attention's scores,
+    ``q @ permute_dims(k)``, and its weighted sum, ``p @ v``) becomes one strided-batched
+    call (``grape.cublaslt.batched_matmul[_nt]``). Matmuls of other dtypes, whose out dtype
+    differs from their inputs', or whose batch dims broadcast, stay TVM's.
 
     Before::
 
@@ -106,6 +154,10 @@ class OffloadMatmul:
 
         y = R.call_dps_packed("grape.cublaslt.matmul_bias_gelu", (x, w, b),
                               out_ty=R.Tensor((n, 3072), "float32"))
+
+    and ``s = R.matmul(q, R.permute_dims(k, [0, 1, 3, 2]))`` with q: (b, 12, 1, 64), k:
+    (b, 12, p, 64) becomes ``R.call_dps_packed("grape.cublaslt.batched_matmul_nt", (q, k),
+    out_ty=R.Tensor((b, 12, 1, p), "float32"))``.
     """
 
     def transform_function(self, func: relax.Function, mod: IRModule,

@@ -13,7 +13,9 @@ kernel (bench/results/probe_cublaslt.json showed both work for cuBLAS's kernels)
 An algorithm is chosen once per bucket of M (the rows of the product: powers of two, so
 M = 1..1024 gives 11 buckets), by cuBLASLt's heuristic at the bucket's upper end, and kept:
 cuBLASLt's own first choice changes with M far more often (bench/results/probe_cublaslt.json),
-and each change would be another graph topology.
+and each change would be another graph topology. A product of two activations (attention's
+scores and weighted sum, ``batched``) is one strided-batched call, its algorithm chosen per
+bucket of M, N and the batch count.
 
 Row-major ``out[M, N] = x[M, K] @ w[K, N]`` is the column-major ``out^T = w^T x^T``: A is
 ``w`` (N x K, or K x N transposed when the model holds ``w`` as [N, K]), B is ``x``.
@@ -46,6 +48,7 @@ _COMPUTE_32F = 68  # fp32 accumulation, full precision (no TF32): PyTorch's defa
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _PREF_MAX_WORKSPACE_BYTES = 1
+_LAYOUT_BATCH_COUNT, _LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
 _ALGO_CONFIG_ID, _ALGO_CONFIG_SPLITK_NUM, _ALGO_CONFIG_REDUCTION_SCHEME = 0, 2, 3
 EPILOGUES = {"": 1, "bias": 4, "gelu": 32, "bias_gelu": 36}
 
@@ -56,15 +59,19 @@ class CublasLtError(RuntimeError):
 
 @dataclass(frozen=True)
 class MatmulFunction:
-    """What one packed function does: its epilogue, and whether ``w`` comes as [N, K]."""
+    """What one packed function does: its epilogue, whether ``w`` comes as [N, K], and
+    whether both operands are batches of matrices (``batched``: attention's products of two
+    activations, [..., M, K] by [..., K, N], the same batch dims on both)."""
 
     epilogue: str  # a key of EPILOGUES
     transposed_weight: bool
+    batched: bool = False
 
     @property
     def name(self) -> str:
-        suffix = "_".join(p for p in ("matmul", self.epilogue, "nt" if self.transposed_weight
-                                      else "") if p)
+        suffix = "_".join(p for p in ("batched" if self.batched else "", "matmul",
+                                      self.epilogue, "nt" if self.transposed_weight else "")
+                          if p)
         return FUNCTION_PREFIX + suffix
 
     @property
@@ -72,7 +79,9 @@ class MatmulFunction:
         return "bias" in self.epilogue
 
 
-MATMUL_FUNCTIONS = {f.name: f for f in (MatmulFunction(e, t) for e in EPILOGUES for t in (False, True))}
+MATMUL_FUNCTIONS = {f.name: f for f in [MatmulFunction(e, t) for e in EPILOGUES
+                                         for t in (False, True)] +
+                    [MatmulFunction("", t, batched=True) for t in (False, True)]}
 
 
 class _Heuristic(ctypes.Structure):
@@ -113,6 +122,36 @@ def bucket(m: int) -> int:
     return 1 << max(m - 1, 0).bit_length()
 
 
+@dataclass(frozen=True)
+class _Problem:
+    """The sizes of one call: ``batch`` products of (M x K) by (K x N)."""
+
+    m: int
+    k: int
+    n: int
+    batch: int = 1
+
+    @staticmethod
+    def of(function: MatmulFunction, x, out) -> "_Problem":
+        k, n = int(x.shape[-1]), int(out.shape[-1])
+        if function.batched:
+            return _Problem(int(out.shape[-2]), k, n, int(np.prod(out.shape[:-2], dtype=np.int64)))
+        return _Problem(int(np.prod(x.shape[:-1], dtype=np.int64)), k, n)
+
+    def bucket(self, function: MatmulFunction) -> "_Problem":
+        """The bucket's upper ends, where the algorithm is chosen: M (and, for products of
+        two activations, N and the batch: a past length, heads times batch) rounded up to
+        a power of two; K, and N of a weight, as they are."""
+        if function.batched:
+            return _Problem(bucket(self.m), self.k, bucket(self.n), bucket(self.batch))
+        return _Problem(bucket(self.m), self.k, self.n)
+
+    def describe(self, function: MatmulFunction) -> str:
+        if function.batched:
+            return f"batch<={self.batch}/M<={self.m}/K={self.k}/N<={self.n}"
+        return f"M<={self.m}/K={self.k}/N={self.n}"
+
+
 @dataclass
 class _Plan:
     """Descriptors and the algorithm of one (function, dtype, M bucket, K, N)."""
@@ -139,17 +178,16 @@ class CublasLt:
     # -- the packed functions' work --------------------------------------------------------
     def matmul(self, function: MatmulFunction, x, w, out, bias, stream: int) -> None:
         """``out = epilogue(x @ w (+ bias))`` on ``stream``; x: [..., K], w: [K, N] or
-        [N, K] (``transposed_weight``), out: [..., N], all of one dtype."""
+        [N, K] (``transposed_weight``), out: [..., N], all of one dtype. ``batched``: x
+        [..., M, K], w [..., K, N] or [..., N, K], out [..., M, N], one product per batch."""
         dtype = str(out.dtype)
-        k, n = int(x.shape[-1]), int(out.shape[-1])
-        m = int(np.prod(x.shape[:-1], dtype=np.int64))
-        if m == 0:
+        problem = _Problem.of(function, x, out)
+        if problem.m == 0 or problem.batch == 0 or problem.n == 0:
             return
-        plan = self._plan(function, dtype, m, k, n, bias)
+        plan = self._plan(function, dtype, problem, bias)
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
-        a = self._layout(dtype, n, k, k if function.transposed_weight else n,
-                         transposed=function.transposed_weight)
-        b, c = self._layout(dtype, k, m, k), self._layout(dtype, n, m, n)
+        a, b, c = self._layouts_of(function, dtype, problem)
+        m, k, n = problem.m, problem.k, problem.n
         if bias is not None:
             pointer = ctypes.c_void_p(bias.data_ptr())
             _ok(self.lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_BIAS_POINTER,
@@ -159,29 +197,48 @@ class CublasLt:
             self.handle, plan.desc, ctypes.addressof(alpha), w.data_ptr(), a, x.data_ptr(), b,
             ctypes.addressof(beta), out.data_ptr(), c, out.data_ptr(), c,
             ctypes.addressof(plan.algo.algo), int(self.workspace), WORKSPACE_BYTES, stream),
-            f"cublasLtMatmul({function.name}, {dtype}, M={m}, K={k}, N={n})")
+            f"cublasLtMatmul({function.name}, {dtype}, batch={problem.batch}, M={m}, K={k}, "
+            f"N={n})")
 
-    def _layout(self, dtype: str, rows: int, cols: int, ld: int, transposed: bool = False):
-        """A column-major matrix layout; ``transposed``: stored as its transpose (cols x rows)."""
+    def _layouts_of(self, function: MatmulFunction, dtype: str, problem: "_Problem"):
+        """Layouts of A (w), B (x) and C (out) in cuBLASLt's column-major terms."""
+        m, k, n, batch = problem.m, problem.k, problem.n, problem.batch
+        a = self._layout(dtype, n, k, k if function.transposed_weight else n,
+                         transposed=function.transposed_weight, batch=batch)
+        return a, self._layout(dtype, k, m, k, batch=batch), self._layout(dtype, n, m, n,
+                                                                             batch=batch)
+
+    def _layout(self, dtype: str, rows: int, cols: int, ld: int, transposed: bool = False,
+                batch: int = 1):
+        """A column-major matrix layout; ``transposed``: stored as its transpose (cols x
+        rows); ``batch`` > 1: that many such matrices, one after the other."""
         stored = (cols, rows) if transposed else (rows, cols)
-        key = (dtype, *stored, ld)
+        key = (dtype, *stored, ld, batch)
         layout = self._layouts.get(key)
         if layout is None:
             layout = self._layouts[key] = ctypes.c_void_p()
             _ok(self.lib.cublasLtMatrixLayoutCreate(
                 ctypes.byref(layout), _CUDA_R[dtype], ctypes.c_uint64(stored[0]),
                 ctypes.c_uint64(stored[1]), ctypes.c_int64(ld)), "cublasLtMatrixLayoutCreate")
+            if batch > 1:
+                count, stride = ctypes.c_int32(batch), ctypes.c_int64(stored[0] * stored[1])
+                for attribute, value in ((_LAYOUT_BATCH_COUNT, count),
+                                         (_LAYOUT_STRIDED_BATCH_OFFSET, stride)):
+                    _ok(self.lib.cublasLtMatrixLayoutSetAttribute(
+                        layout, attribute, ctypes.byref(value),
+                        ctypes.c_size_t(ctypes.sizeof(value))), "cublasLtMatrixLayoutSetAttribute")
         return layout
 
-    def _plan(self, function: MatmulFunction, dtype: str, m: int, k: int, n: int, bias) -> _Plan:
-        key = (function.name, dtype, bucket(m), k, n)
+    def _plan(self, function: MatmulFunction, dtype: str, problem: "_Problem", bias) -> _Plan:
+        upper = problem.bucket(function)
+        key = (function.name, dtype, upper)
         plan = self._plans.get(key)
         if plan is None:
-            plan = self._plans[key] = self._choose(function, dtype, bucket(m), k, n, bias)
+            plan = self._plans[key] = self._choose(function, dtype, upper, bias)
         return plan
 
-    def _choose(self, function: MatmulFunction, dtype: str, m: int, k: int, n: int, bias) -> _Plan:
-        """Descriptors, and cuBLASLt's first choice at the bucket's upper end ``m``."""
+    def _choose(self, function: MatmulFunction, dtype: str, problem: "_Problem", bias) -> _Plan:
+        """Descriptors, and cuBLASLt's first choice at the bucket's upper ends ``problem``."""
         desc = ctypes.c_void_p()
         _ok(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R["float32"]),
             "cublasLtMatmulDescCreate")
@@ -203,9 +260,7 @@ class CublasLt:
             _ok(self.lib.cublasLtMatmulPreferenceSetAttribute(
                 pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.c_size_t(8)),
                 "cublasLtMatmulPreferenceSetAttribute")
-            a = self._layout(dtype, n, k, k if function.transposed_weight else n,
-                             transposed=function.transposed_weight)
-            b, c = self._layout(dtype, k, m, k), self._layout(dtype, n, m, n)
+            a, b, c = self._layouts_of(function, dtype, problem)
             found, count = _Heuristic(), ctypes.c_int()
             _ok(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, 1,
                                                          ctypes.byref(found), ctypes.byref(count)),
@@ -214,8 +269,8 @@ class CublasLt:
             self.lib.cublasLtMatmulPreferenceDestroy(pref)
         if count.value < 1:
             raise CublasLtError(f"cuBLASLt has no algorithm for {function.name} {dtype} "
-                                f"M<={m}, K={k}, N={n}")
-        self.chosen[f"{function.name}/{dtype}/M<={m}/K={k}/N={n}"] = {
+                                f"{problem.describe(function)}")
+        self.chosen[f"{function.name}/{dtype}/{problem.describe(function)}"] = {
             "algo_id": self._algo_config(found, _ALGO_CONFIG_ID),
             "split_k": self._algo_config(found, _ALGO_CONFIG_SPLITK_NUM),
             "reduction_scheme": self._algo_config(found, _ALGO_CONFIG_REDUCTION_SCHEME),

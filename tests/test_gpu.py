@@ -618,6 +618,43 @@ def test_split_k_counters_are_zeroed_for_every_m_of_a_topology():
         assert any(memsets), "no memset captured: the test no longer covers what it is for"
 
 
+@pytest.mark.timeout(180, method="thread")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_cublaslt_attention_products_equal_numpy(dtype):
+    """A decode step's attention, ``softmax(q @ k^T / 8) @ v`` over a past p of 1..1024
+    and a batch of 1..4: both products are strided-batched cuBLASLt calls in the region's
+    graph (k's transpose read in place), an algorithm per bucket of p and of the batch.
+    Every (b, p), first seen and replayed at new addresses in a random order, equals numpy."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import attention_numpy  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact(f"attention_products_{dtype}.cuda.grape"), "cuda")
+    rng = np.random.default_rng(3)
+    shapes = [(b, p) for b in (1, 3) for p in (1, 2, 7, 64, 65, 300, 1024)]
+    tolerance = 1e-4 if dtype == "float32" else 2e-2
+    worst = 0.0
+    try:
+        for index in [int(i) for _ in range(2) for i in rng.permutation(len(shapes))]:
+            b, p = shapes[index]
+            q, k, v = (rng.standard_normal(shape).astype(dtype)
+                       for shape in ((b, 12, 1, 64), (b, 12, p, 64), (b, 12, p, 64)))
+            got = executor.run({"q": q, "k": k, "v": v})["o"].astype(np.float64)
+            want = attention_numpy(q, k, v)
+            error = float(np.abs(got - want).max() / np.abs(want).max())
+            worst = max(worst, error)
+            assert error <= tolerance, (dtype, b, p, error)
+        groups = executor.backend.describe()["topology_groups"]
+        print(f"{dtype}: worst relative error {worst:.2e}; topologies "
+              f"{ {r: len(g) for r, g in groups.items()} }; {executor.stats}")
+        assert executor.stats.planned_calls == len(shapes)
+    finally:
+        executor.close()
+
+
 @contextlib.contextmanager
 def _library_executor(dtype: str):
     """``models.library_layer`` loaded with its weights bound; yields ``run(sizes, rounds)``,

@@ -61,15 +61,44 @@ def test_offload_rewrites_weight_matmuls_with_their_epilogues():
     assert "relax.nn.relu" in calls  # cuBLASLt's ReLU drops NaN: not fused
 
 
+@I.ir_module
+class Attention:
+    @R.function
+    def main(q: R.Tensor(("b", 12, 1, 64), "float32"), k: R.Tensor(("b", 12, "p", 64), "float32"),
+             v: R.Tensor(("b", 12, "p", 64), "float32"), k1: R.Tensor((1, 12, "p", 64), "float32"),
+             k3: R.Tensor(("b", 12, 64, "p"), "float32")):
+        with R.dataflow():
+            s = R.matmul(q, R.permute_dims(k, [0, 1, 3, 2]))   # q @ k^T: batched, k as stored
+            o = R.matmul(R.nn.softmax(s), v)                   # p @ v: batched
+            b = R.matmul(q, R.permute_dims(k1, [0, 1, 3, 2]))  # batch dims broadcast: TVM's
+            t = R.matmul(q, k3)                                # k stored as k^T: batched
+            R.output(o, b, t)
+        return (o, b, t)
+
+
+def test_offload_rewrites_products_of_two_activations_as_batched_calls():
+    """Attention's products (the same batch dims on both sides) become strided-batched
+    calls, the transpose of k read in place; broadcast batch dims stay TVM's."""
+    calls = _calls(OffloadMatmul()(Attention))
+    assert calls.count("grape.cublaslt.batched_matmul_nt") == 1
+    assert calls.count("grape.cublaslt.batched_matmul") == 2
+    assert calls.count("relax.matmul") == 1
+    assert calls.count("relax.permute_dims") == 1  # k1's: k's transpose is read in place
+    lifted = grape_tvm.build(Attention, {"b": (1, 4), "p": (1, 64)}, CUDA,
+                             output_names=["o", "b", "t"], prebuild_cubin=False)
+    kernels = [k for r in lifted.plan["regions"] for k in r["kernels"]]
+    assert "grape.cublaslt.batched_matmul_nt" in kernels and not lifted.plan["host_steps"]
+
+
 def test_offload_leaves_other_dtypes_and_shapes_alone():
     @I.ir_module
     class Other:
         @R.function
         def main(x: R.Tensor(("n", 8), "float64"), w: R.Tensor((8, 8), "float64"),
-                 x3: R.Tensor(("b", "n", 8), "float32"), w3: R.Tensor(("b", 8, 8), "float32")):
+                 x3: R.Tensor(("b", "n", 8), "float32"), w3: R.Tensor((1, 8, 8), "float32")):
             with R.dataflow():
                 y = R.matmul(x, w)      # float64: no cuBLASLt function for it here
-                z = R.matmul(x3, w3)    # a batched weight: not a 2-D weight
+                z = R.matmul(x3, w3)    # a 3-D weight broadcast over the batch
                 R.output(y, z)
             return (y, z)
 

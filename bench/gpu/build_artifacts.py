@@ -67,6 +67,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     gemv_test_relax,
     gpt2_decode_step,
     gpt2_output_names,
+    attention_products,
     library_layer,
     reductions_model,
     matmul_relax,
@@ -383,12 +384,17 @@ def build_attention(out: Path) -> None:
 
 
 def build_library(out: Path) -> None:
-    """``models.library_layer`` in fp32 and fp16: matmuls as cuBLASLt calls (tests)."""
+    """``models.library_layer`` and ``models.attention_products`` in fp32 and fp16: matmuls
+    as cuBLASLt calls (tests)."""
     for dtype in ("float32", "float16"):
         module = _timed(f"library_{dtype}", lambda d=dtype: grape_tvm.build(
             library_layer(d), {"n": (1, 1024)}, CUDA, output_names=["y", "h"],
             matmul="cublaslt"))
         module.export(out / f"library_{dtype}.cuda.grape")
+        module = _timed(f"attention_products_{dtype}", lambda d=dtype: grape_tvm.build(
+            attention_products(d), {"b": (1, 4), "p": (1, 1024)}, CUDA, output_names=["o"],
+            matmul="cublaslt"))
+        module.export(out / f"attention_products_{dtype}.cuda.grape")
 
 
 def build_reductions(out: Path) -> None:

@@ -618,6 +618,11 @@ def category(reason: str) -> str:
     return text[:110]
 
 
+def _is_wrong_result(reason: str) -> bool:
+    """The case compiled and ran, and its outputs differ from the expected ones."""
+    return category(reason).startswith("wrong result")
+
+
 def summarize(cases: list[Case], results: dict, command: str, wall_s: float,
               settings: dict | None = None) -> dict:
     names = [c.name for c in cases]
@@ -643,6 +648,8 @@ def summarize(cases: list[Case], results: dict, command: str, wall_s: float,
         "grape_pass_where_tvm_fails": sorted(ok["grape"] - ok["tvm"]),
         "failures": fails["grape"],
         "tvm_failures": fails["tvm"],
+        # a compiler may refuse a model, never answer wrongly: this list should stay empty
+        "wrong_results": sorted(n for n, why in fails["grape"].items() if _is_wrong_result(why)),
         "categories": dict(collections.Counter(category(r) for r in fails["grape"].values())
                            .most_common()),
         "tvm_categories": dict(collections.Counter(category(r) for r in fails["tvm"].values())
@@ -667,6 +674,7 @@ def table(report: dict, top: int = 10) -> str:
         f"({100 * report['grape_pass'] / n:.1f}%)",
         f"  {'grape fails where TVM passes':<34}{len(report['grape_fail_where_tvm_passes']):>6}",
         f"  {'grape passes where TVM fails':<34}{len(report['grape_pass_where_tvm_fails']):>6}",
+        f"  {'grape wrong results':<34}{len(report['wrong_results']):>6}",
         f"top grape failure categories ({len(report['failures'])} failures):",
     ]
     for name, count in list(report["categories"].items())[:top]:

@@ -13,7 +13,7 @@ import onnx.numpy_helper
 import tvm
 from tvm import relax
 
-from grape_tvm.onnx_fixes import default_opset, from_onnx
+from grape_tvm.onnx_fixes import UnsupportedNode, default_opset, from_onnx
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 
 _ONNX_DTYPES = {
@@ -30,7 +30,7 @@ _ONNX_DTYPES = {
 
 
 class ImportError_(RuntimeError):
-    """TVM's ONNX importer could not import the model."""
+    """TVM's ONNX importer could not import the model, or grape refused a node of it."""
 
 
 def load_onnx(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
@@ -257,6 +257,8 @@ def import_onnx(model: onnx.ModelProto,
         mod = from_onnx(model, ranges)
     except Exception as err:  # pylint: disable=broad-except
         first = str(err).strip().splitlines()
-        raise ImportError_(f"TVM's ONNX importer cannot import graph {model.graph.name!r}: "
+        who = "grape-tvm refuses" if isinstance(err, UnsupportedNode) else \
+            "TVM's ONNX importer cannot import"
+        raise ImportError_(f"{who} graph {model.graph.name!r}: "
                            f"{first[-1] if first else type(err).__name__}") from err
     return relax.transform.DeadCodeElimination(["main"])(mod)

@@ -567,10 +567,17 @@ class GraphExecutor:
         self.close()
 
 
+def _is_record(dtype: np.dtype) -> bool:
+    """A structured or raw-bytes dtype (``void8``, ``[("a", "<f4")]``), not a number type
+    registered by ml_dtypes."""
+    return dtype.fields is not None or dtype.name.startswith("void")
+
+
 def _check_host_array(name: str, array: np.ndarray) -> None:
     """Refuse, naming the input, what a TVM tensor cannot hold (TVM would only say "unknown
-    dtype"): Python objects or strings, and a byte order other than the host's."""
-    if array.dtype.kind in "OSUV":
+    dtype"): Python objects or strings, raw or structured records, and a byte order other
+    than the host's. ml_dtypes' numbers (bfloat16, float8_*) are of kind "V" too: kept."""
+    if array.dtype.kind in "OSU" or array.dtype.kind == "V" and _is_record(array.dtype):
         raise InputError(f"input {name!r} has dtype {array.dtype}: not an array of numbers")
     if not array.dtype.isnative:
         order = "big" if array.dtype.byteorder == ">" else "little"

@@ -32,7 +32,7 @@ def report(tmp_path_factory):
 
 def test_report_has_the_keys_and_consistent_counts(report):
     for key in ("cases", "tvm_pass", "grape_pass", "grape_fail_where_tvm_passes", "failures",
-                "tvm_failures", "categories", "command"):
+                "tvm_failures", "wrong_results", "categories", "command"):
         assert key in report, key
     assert report["cases"] == len(SLICE)
     assert report["grape_pass"] + len(report["failures"]) == report["cases"]
@@ -49,10 +49,24 @@ def test_report_has_the_keys_and_consistent_counts(report):
         assert case in report["tvm_failures"], case
 
 
+def test_wrong_results_lists_the_cases_that_ran_and_differ():
+    cases = [conformance.Case(name, "Add", b"", [], [], 1e-3, 1e-7) for name in ("a", "b", "c")]
+    results = {"a": {"grape": {"ok": True, "reason": None, "seconds": 0}},
+               "b": {"grape": {"ok": False, "reason": "Add: wrong result: output 'y' shape (2,), "
+                                                       "expected (3,)", "seconds": 0}},
+               "c": {"grape": {"ok": False, "reason": "Add: import: ImportError_: refused",
+                               "seconds": 0}}}
+    for outcome in results.values():
+        outcome["tvm"] = outcome["grape"]
+    report = conformance.summarize(cases, results, "python -m grape_tvm.conformance", 0.0)
+    assert report["wrong_results"] == ["b"]
+
+
 def test_grape_passes_every_case_tvm_passes(report):
     # test_if (a 0-d input) and test_shape (a shape output) failed on grape only, until fixed.
     unexpected = report["grape_fail_where_tvm_passes"]
     assert unexpected == [], {c: report["failures"][c] for c in unexpected}
+    assert report["wrong_results"] == []
     assert "test_if" not in report["failures"] and "test_shape" not in report["failures"]
 
 

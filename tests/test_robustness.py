@@ -122,6 +122,7 @@ def test_zero_size_dims_where_the_range_allows_them(tmp_path):
     (np.ones((2, 64), ">f4"), "input 'x' is big-endian (>f4), expected the host's byte order"),
     (np.full((2, 64), None, dtype=object), "input 'x' has dtype object: not an array of numbers"),
     (np.full((2, 64), "a"), "input 'x' has dtype <U1: not an array of numbers"),
+    (np.zeros((2, 64), "V4"), "input 'x' has dtype |V4: not an array of numbers"),
 ])
 def test_arrays_tvm_cannot_hold_are_refused_naming_the_input(blocks, x, message):
     with pytest.raises(grape_tvm.runtime.InputError) as err:

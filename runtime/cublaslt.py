@@ -13,7 +13,9 @@ kernel (bench/results/probe_cublaslt.json showed both work for cuBLAS's kernels)
 An algorithm is chosen once per bucket of M (the rows of the product: powers of two, so
 M = 1..1024 gives 11 buckets), by cuBLASLt's heuristic at the bucket's upper end, and kept:
 cuBLASLt's own first choice changes with M far more often (bench/results/probe_cublaslt.json),
-and each change would be another graph topology. A product of two activations (attention's
+and each change would be another graph topology. Each size is checked once against its
+bucket's algorithm (``cublasLtMatmulAlgoCheck``): one that cannot run it (fp16 with an odd
+N misaligns the output's rows) gets an algorithm chosen for its alignment. A product of two activations (attention's
 scores and weighted sum, ``batched``) is one strided-batched call, its algorithm chosen per
 bucket of M, N and the batch count.
 
@@ -44,6 +46,7 @@ _LIBRARIES = ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so")
 
 # cuBLASLt's enums (cublasLt.h, library_types.h).
 _CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14}
+_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _COMPUTE_32F = 68  # fp32 accumulation, full precision (no TF32): PyTorch's default
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
@@ -146,6 +149,12 @@ class _Problem:
             return _Problem(bucket(self.m), self.k, bucket(self.n), bucket(self.batch))
         return _Problem(bucket(self.m), self.k, self.n)
 
+    def alignment(self, dtype: str) -> int:
+        """Bytes (up to 16) every leading dimension of the problem is a multiple of: what
+        an algorithm's vector loads may assume."""
+        size = _ELEMENT_BYTES[dtype]
+        return min(16, *((self.k * size) & -(self.k * size), (self.n * size) & -(self.n * size)))
+
     def describe(self, function: MatmulFunction) -> str:
         if function.batched:
             return f"batch<={self.batch}/M<={self.m}/K={self.k}/N<={self.n}"
@@ -171,7 +180,8 @@ class CublasLt:
         self.handle = ctypes.c_void_p()
         _ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
         self.workspace = check(driver.cuMemAlloc(WORKSPACE_BYTES), "cuMemAlloc(cuBLASLt workspace)")
-        self._plans: dict[tuple, _Plan] = {}
+        self._plans: dict[tuple, _Plan] = {}  # per bucket and alignment; owns the descriptors
+        self._plan_of: dict[tuple, _Plan] = {}  # per exact problem: the plan that ran it
         self._layouts: dict[tuple, ctypes.c_void_p] = {}
         self.chosen: dict[str, dict] = {}  # for inspect: the algorithm of each bucket
 
@@ -230,12 +240,42 @@ class CublasLt:
         return layout
 
     def _plan(self, function: MatmulFunction, dtype: str, problem: "_Problem", bias) -> _Plan:
-        upper = problem.bucket(function)
-        key = (function.name, dtype, upper)
-        plan = self._plans.get(key)
+        """The bucket's plan, checked for this exact problem once (an algorithm chosen at
+        the bucket's upper end may not support a smaller size: fp16 with N = 7 misaligns
+        the output's rows); where it does not, one chosen for the problem itself."""
+        exact = (function.name, dtype, problem)
+        plan = self._plan_of.get(exact)
         if plan is None:
-            plan = self._plans[key] = self._choose(function, dtype, upper, bias)
+            upper = problem.bucket(function)
+            key = (function.name, dtype, upper, problem.alignment(dtype))
+            plan = self._plans.get(key)
+            if plan is None:
+                # The bucket's algorithm, from its upper end; if it cannot run the first
+                # problem of its alignment here, from that problem (kept for the others).
+                plan, at = self._choose(function, dtype, upper, bias), upper
+                if not self._supports(plan, function, dtype, problem):
+                    self._release(plan)
+                    plan, at = self._choose(function, dtype, problem, bias), problem
+                self._keep(key, plan, f"{function.name}/{dtype}/{at.describe(function)}/"
+                           f"aligned {key[-1]}")
+            elif not self._supports(plan, function, dtype, problem):
+                plan = self._choose(function, dtype, problem, bias)
+                self._keep(exact, plan, f"{function.name}/{dtype}/{problem.describe(function)}")
+            self._plan_of[exact] = plan
         return plan
+
+    def _supports(self, plan: _Plan, function: MatmulFunction, dtype: str,
+                  problem: "_Problem") -> bool:
+        """``cublasLtMatmulAlgoCheck`` of the plan's algorithm on ``problem``'s layouts."""
+        a, b, c = self._layouts_of(function, dtype, problem)
+        result = _Heuristic()
+        status = self.lib.cublasLtMatmulAlgoCheck(self.handle, plan.desc, a, b, c, c,
+                                                  ctypes.byref(plan.algo.algo),
+                                                  ctypes.byref(result))
+        return status == 0 and result.workspaceSize <= WORKSPACE_BYTES
+
+    def _release(self, plan: _Plan) -> None:
+        self.lib.cublasLtMatmulDescDestroy(plan.desc)
 
     def _choose(self, function: MatmulFunction, dtype: str, problem: "_Problem", bias) -> _Plan:
         """Descriptors, and cuBLASLt's first choice at the bucket's upper ends ``problem``."""
@@ -270,12 +310,16 @@ class CublasLt:
         if count.value < 1:
             raise CublasLtError(f"cuBLASLt has no algorithm for {function.name} {dtype} "
                                 f"{problem.describe(function)}")
-        self.chosen[f"{function.name}/{dtype}/{problem.describe(function)}"] = {
-            "algo_id": self._algo_config(found, _ALGO_CONFIG_ID),
-            "split_k": self._algo_config(found, _ALGO_CONFIG_SPLITK_NUM),
-            "reduction_scheme": self._algo_config(found, _ALGO_CONFIG_REDUCTION_SCHEME),
-            "workspace_bytes": int(found.workspaceSize)}
         return _Plan(desc, found)
+
+    def _keep(self, key: tuple, plan: _Plan, where: str) -> None:
+        """Own ``plan`` under ``key``; ``chosen`` says, for inspect, what it is."""
+        self._plans[key] = plan
+        self.chosen[where] = {
+            "algo_id": self._algo_config(plan.algo, _ALGO_CONFIG_ID),
+            "split_k": self._algo_config(plan.algo, _ALGO_CONFIG_SPLITK_NUM),
+            "reduction_scheme": self._algo_config(plan.algo, _ALGO_CONFIG_REDUCTION_SCHEME),
+            "workspace_bytes": int(plan.algo.workspaceSize)}
 
     def _algo_config(self, found: _Heuristic, attribute: int) -> int:
         value, written = ctypes.c_uint32(), ctypes.c_size_t()
@@ -300,10 +344,11 @@ class CublasLt:
         if self.handle is None:
             return
         for plan in self._plans.values():
-            self.lib.cublasLtMatmulDescDestroy(plan.desc)
+            self._release(plan)
         for layout in self._layouts.values():
             self.lib.cublasLtMatrixLayoutDestroy(layout)
         self._plans.clear()
+        self._plan_of.clear()
         self._layouts.clear()
         driver.cuMemFree(self.workspace)
         self.lib.cublasLtDestroy(self.handle)

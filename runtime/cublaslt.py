@@ -142,11 +142,11 @@ class _Problem:
         return _Problem(int(np.prod(x.shape[:-1], dtype=np.int64)), k, n)
 
     def bucket(self, function: MatmulFunction) -> "_Problem":
-        """The bucket's upper ends, where the algorithm is chosen: M (and, for products of
-        two activations, N and the batch: a past length, heads times batch) rounded up to
-        a power of two; K, and N of a weight, as they are."""
+        """The bucket's upper ends, where the algorithm is chosen: M rounded up to a power
+        of two; for products of two activations K, N and the batch too (a past length is
+        N of ``q @ k^T`` and K of ``p @ v``); K and N of a weight as they are."""
         if function.batched:
-            return _Problem(bucket(self.m), self.k, bucket(self.n), bucket(self.batch))
+            return _Problem(bucket(self.m), bucket(self.k), bucket(self.n), bucket(self.batch))
         return _Problem(bucket(self.m), self.k, self.n)
 
     def alignment(self, dtype: str) -> int:
@@ -194,6 +194,13 @@ class CublasLt:
         problem = _Problem.of(function, x, out)
         if problem.m == 0 or problem.batch == 0 or problem.n == 0:
             return
+        if problem.k == 0:  # a sum over nothing (attention over an empty source): zeros
+            if not function.batched:
+                raise CublasLtError(f"{function.name}: a matmul over K = 0 with a weight")
+            check(driver.cuMemsetD8Async(out.data_ptr(), 0, problem.batch * problem.m *
+                                         problem.n * _ELEMENT_BYTES[dtype], stream),
+                  "cuMemsetD8Async")
+            return
         plan = self._plan(function, dtype, problem, bias)
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         a, b, c = self._layouts_of(function, dtype, problem)
@@ -226,18 +233,25 @@ class CublasLt:
         key = (dtype, *stored, ld, batch)
         layout = self._layouts.get(key)
         if layout is None:
-            layout = self._layouts[key] = ctypes.c_void_p()
+            layout = ctypes.c_void_p()
             _ok(self.lib.cublasLtMatrixLayoutCreate(
                 ctypes.byref(layout), _CUDA_R[dtype], ctypes.c_uint64(stored[0]),
                 ctypes.c_uint64(stored[1]), ctypes.c_int64(ld)), "cublasLtMatrixLayoutCreate")
-            if batch > 1:
-                count, stride = ctypes.c_int32(batch), ctypes.c_int64(stored[0] * stored[1])
-                for attribute, value in ((_LAYOUT_BATCH_COUNT, count),
-                                         (_LAYOUT_STRIDED_BATCH_OFFSET, stride)):
-                    _ok(self.lib.cublasLtMatrixLayoutSetAttribute(
-                        layout, attribute, ctypes.byref(value),
-                        ctypes.c_size_t(ctypes.sizeof(value))), "cublasLtMatrixLayoutSetAttribute")
+            try:
+                if batch > 1:
+                    self._set_batch(layout, batch, stored[0] * stored[1])
+            except BaseException:  # half-made: a layout without its batch computes one product
+                self.lib.cublasLtMatrixLayoutDestroy(layout)
+                raise
+            self._layouts[key] = layout
         return layout
+
+    def _set_batch(self, layout, batch: int, stride: int) -> None:
+        for attribute, value in ((_LAYOUT_BATCH_COUNT, ctypes.c_int32(batch)),
+                                 (_LAYOUT_STRIDED_BATCH_OFFSET, ctypes.c_int64(stride))):
+            _ok(self.lib.cublasLtMatrixLayoutSetAttribute(
+                layout, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))),
+                "cublasLtMatrixLayoutSetAttribute")
 
     def _plan(self, function: MatmulFunction, dtype: str, problem: "_Problem", bias) -> _Plan:
         """The bucket's plan, checked for this exact problem once (an algorithm chosen at
@@ -252,17 +266,29 @@ class CublasLt:
             if plan is None:
                 # The bucket's algorithm, from its upper end; if it cannot run the first
                 # problem of its alignment here, from that problem (kept for the others).
-                plan, at = self._choose(function, dtype, upper, bias), upper
-                if not self._supports(plan, function, dtype, problem):
-                    self._release(plan)
+                plan, at = self._choose_at_upper_end(function, dtype, upper, problem, bias), upper
+                if plan is None:
                     plan, at = self._choose(function, dtype, problem, bias), problem
                 self._keep(key, plan, f"{function.name}/{dtype}/{at.describe(function)}/"
                            f"aligned {key[-1]}")
             elif not self._supports(plan, function, dtype, problem):
                 plan = self._choose(function, dtype, problem, bias)
-                self._keep(exact, plan, f"{function.name}/{dtype}/{problem.describe(function)}")
+                self._keep(exact, plan, f"{function.name}/{dtype}/{problem.describe(function)}"
+                           "/this size")
             self._plan_of[exact] = plan
         return plan
+
+    def _choose_at_upper_end(self, function: MatmulFunction, dtype: str, upper: "_Problem",
+                             problem: "_Problem", bias) -> _Plan | None:
+        """cuBLASLt's choice at the bucket's upper end if it runs ``problem``, else None."""
+        try:
+            plan = self._choose(function, dtype, upper, bias)
+        except CublasLtError:  # nothing at the upper end: the problem itself may have one
+            return None
+        if self._supports(plan, function, dtype, problem):
+            return plan
+        self._release(plan)
+        return None
 
     def _supports(self, plan: _Plan, function: MatmulFunction, dtype: str,
                   problem: "_Problem") -> bool:
@@ -282,6 +308,16 @@ class CublasLt:
         desc = ctypes.c_void_p()
         _ok(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R["float32"]),
             "cublasLtMatmulDescCreate")
+        try:
+            found = self._heuristic(desc, function, dtype, problem, bias)
+        except BaseException:
+            self.lib.cublasLtMatmulDescDestroy(desc)
+            raise
+        return _Plan(desc, found)
+
+    def _heuristic(self, desc, function: MatmulFunction, dtype: str, problem: "_Problem",
+                   bias) -> _Heuristic:
+        """Set ``desc``'s attributes; cuBLASLt's first choice for ``problem``."""
         for attr, value in ((_DESC_TRANSA, _OP_T if function.transposed_weight else _OP_N),
                             (_DESC_TRANSB, _OP_N), (_DESC_EPILOGUE, EPILOGUES[function.epilogue])):
             box = ctypes.c_int32(value)
@@ -310,7 +346,7 @@ class CublasLt:
         if count.value < 1:
             raise CublasLtError(f"cuBLASLt has no algorithm for {function.name} {dtype} "
                                 f"{problem.describe(function)}")
-        return _Plan(desc, found)
+        return found
 
     def _keep(self, key: tuple, plan: _Plan, where: str) -> None:
         """Own ``plan`` under ``key``; ``chosen`` says, for inspect, what it is."""

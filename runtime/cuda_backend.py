@@ -217,6 +217,9 @@ class CudaGraphBackend:
         except UnkeptGraph as reason:
             self._run_once(capture, graph, run, reason)
             return
+        except BaseException:
+            driver.cuGraphDestroy(graph)
+            raise
         if self.mode == "topology":
             self._keep_in_topology(capture, graph, nodes, run)
         else:
@@ -233,7 +236,9 @@ class CudaGraphBackend:
             if run:
                 once.instantiate(self.stream)
                 check(driver.cuGraphLaunch(once.exec, self.stream), "cuGraphLaunch")
-                self.synchronize()  # the graph is freed below: let it finish first
+                # A rare path: wait, rather than rely on the driver's deferred destruction
+                # of an executing graph.
+                self.synchronize()
         finally:
             once.close()
 
@@ -249,11 +254,11 @@ class CudaGraphBackend:
             self._patch = PatchKernel(self.cubins)
         return self._patch
 
-    def _keep_in_topology(self, capture: Capture, graph, captured: CapturedNodes,
+    def _keep_in_topology(self, capture: Capture, graph, nodes_read: CapturedNodes,
                           run: bool) -> None:
-        nodes = captured.kernels
+        nodes = nodes_read.kernels
         slots = find_pointer_slots(nodes, capture.region_args)
-        records = node_records(nodes, slots, captured.memsets)
+        records = node_records(nodes, slots, nodes_read.memsets)
         region = self._regions.setdefault(
             capture.region, _RegionGraphs(TopologyGroups(self.max_shapes), []))
         placed = region.groups.add(capture.shape, records)
@@ -275,9 +280,9 @@ class CudaGraphBackend:
             topology_graph.replay(placed.row, capture.region_args, self.stream)
 
     # -- per-shape mode ------------------------------------------------------------------
-    def _keep_per_shape(self, capture: Capture, graph, captured: CapturedNodes,
+    def _keep_per_shape(self, capture: Capture, graph, nodes_read: CapturedNodes,
                         run: bool) -> None:
-        nodes = captured.kernels
+        nodes = nodes_read.kernels
         slots = find_pointer_slots(nodes, capture.region_args)
         free = _free_bytes()
         captured = CapturedGraph(graph, nodes, slots, capture.region_args, self.stream)

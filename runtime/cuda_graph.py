@@ -49,8 +49,10 @@ class KernelNode:
 
 @dataclass(frozen=True)
 class MemsetNode:
-    """One memset node read back from a captured graph: all of it is topology."""
+    """One memset node read back from a captured graph: all of it is topology, where it
+    runs too (``kernels_before``: the kernel nodes captured before it)."""
 
+    kernels_before: int
     dst: int
     value: int
     element_size: int
@@ -147,12 +149,13 @@ def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
         kind = check(driver.cuGraphNodeGetType(node), "cuGraphNodeGetType")
         if kind == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET:
             p = check(driver.cuGraphMemsetNodeGetParams(node), "cuGraphMemsetNodeGetParams")
-            memsets.append(MemsetNode(int(p.dst), int(p.value), int(p.elementSize),
+            # Nodes come back in the order the capture created them: a stream's order.
+            memsets.append(MemsetNode(len(kernels), int(p.dst), int(p.value), int(p.elementSize),
                                       int(p.width), int(p.height), int(p.pitch)))
             continue
         if kind != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
-            raise UnkeptGraph(f"it holds a {str(kind).split('.')[-1].split(':')[0]} node "
-                              "(grape replays kernel and memset nodes)")
+            raise UnkeptGraph(f"it holds a {kind.name} node (grape replays kernel and memset "
+                              "nodes)")
         params = check(driver.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
         key = int(params.func)
         parameters = layouts.get(key)

@@ -11,8 +11,9 @@ The patch kernel applies only what differs from the launch before.
 
 A launch may carry guards (predication): device-resident 1-byte conditions and the values
 they must hold, read by the patch kernel when the graph runs. If one fails, the patch kernel
-disables the region's nodes and the launch runs nothing else: a data-dependent ``if``
-launches both branches, each guarded by the condition, with no host sync.
+disables the region's kernel nodes and the launch runs no kernel: a data-dependent ``if``
+launches both branches, each guarded by the condition, with no host sync. Memset nodes (a
+library's, into its own workspace: ``cuda_graph.check_memsets`` keeps no other) still run.
 """
 
 from __future__ import annotations

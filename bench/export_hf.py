@@ -55,7 +55,8 @@ WAV2VEC2_TINY = {
 }
 
 
-def _perturbed(model):
+def perturb_weights(model):
+    """Noise (std 0.02) on every parameter of ``model``, in place; returns it."""
     import torch  # pylint: disable=import-outside-toplevel
 
     with torch.no_grad():
@@ -86,17 +87,19 @@ def make_model(kind: str, config: dict[str, Any], seed: int = 0, dtype: str = "f
     if kind == "gpt2":
         cfg = transformers.GPT2Config(**config)
         cfg._attn_implementation = "eager"  # pylint: disable=protected-access
-        model = _perturbed(transformers.GPT2LMHeadModel(cfg).eval())
+        model = perturb_weights(transformers.GPT2LMHeadModel(cfg).eval())
     elif kind == "wav2vec2":
         cfg = transformers.Wav2Vec2Config(**config)
         cfg._attn_implementation = "eager"  # pylint: disable=protected-access
-        model = _perturbed(transformers.Wav2Vec2Model(cfg).eval())
+        model = perturb_weights(transformers.Wav2Vec2Model(cfg).eval())
     else:
         raise ValueError(f"unknown model kind {kind!r}: expected 'gpt2' or 'wav2vec2'")
     return model.to(getattr(torch, dtype))
 
 
-def _gpt2_wrappers(model):
+def causal_lm_wrappers(model):
+    """Prefill and decode-step modules around a transformers causal LM (GPT-2, Llama):
+    explicit key and value tensors in and out, ``past_{i}_*`` in, ``present_{i}_*`` out."""
     import torch  # pylint: disable=import-outside-toplevel
     from transformers.cache_utils import DynamicCache  # pylint: disable=import-outside-toplevel
 
@@ -131,12 +134,14 @@ def _gpt2_wrappers(model):
     return Prefill().eval(), Decode().eval()
 
 
-def _kv_names(prefix: str, layers: int) -> list[str]:
+def kv_names(prefix: str, layers: int) -> list[str]:
     return [f"{prefix}_{i}_{kv}" for i in range(layers) for kv in ("key", "value")]
 
 
-def _export(module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
-            dynamic_axes: dict) -> onnx.ModelProto:
+def export_onnx(module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
+                dynamic_axes: dict) -> onnx.ModelProto:
+    """``module`` traced on ``args`` by the legacy exporter (opset ``OPSET``, no constant
+    folding: parameters stay initializers named by their ``state_dict`` key)."""
     import torch  # pylint: disable=import-outside-toplevel
 
     with warnings.catch_warnings(), torch.no_grad():
@@ -157,23 +162,23 @@ def export_gpt2(config: dict[str, Any], seed: int = 0,
     model = make_model("gpt2", config, seed, dtype)
     cfg = model.config
     layers, heads, head_dim = cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head
-    prefill, decode = _gpt2_wrappers(model)
+    prefill, decode = causal_lm_wrappers(model)
     kv_axes = {0: "batch", 2: "past"}
     present_axes = {0: "batch", 2: "seq"}
     with tempfile.TemporaryDirectory() as tmp:
         ids = torch.randint(0, cfg.vocab_size, (2, 5))
-        pre = _export(prefill, (ids,), Path(tmp, "prefill.onnx"), ["input_ids"],
-                      ["logits", *_kv_names("present", layers)],
+        pre = export_onnx(prefill, (ids,), Path(tmp, "prefill.onnx"), ["input_ids"],
+                      ["logits", *kv_names("present", layers)],
                       {"input_ids": {0: "batch", 1: "seq"}, "logits": {0: "batch", 1: "seq"},
-                       **{n: present_axes for n in _kv_names("present", layers)}})
+                       **{n: present_axes for n in kv_names("present", layers)}})
         past = [torch.randn(2, heads, 3, head_dim, dtype=getattr(torch, dtype))
                 for _ in range(2 * layers)]
-        dec = _export(decode, (ids[:, :1], *past), Path(tmp, "decode.onnx"),
-                      ["input_ids", *_kv_names("past", layers)],
-                      ["logits", *_kv_names("present", layers)],
+        dec = export_onnx(decode, (ids[:, :1], *past), Path(tmp, "decode.onnx"),
+                      ["input_ids", *kv_names("past", layers)],
+                      ["logits", *kv_names("present", layers)],
                       {"input_ids": {0: "batch"}, "logits": {0: "batch"},
-                       **{n: kv_axes for n in _kv_names("past", layers)},
-                       **{n: {0: "batch", 2: "past_plus_1"} for n in _kv_names("present", layers)}})
+                       **{n: kv_axes for n in kv_names("past", layers)},
+                       **{n: {0: "batch", 2: "past_plus_1"} for n in kv_names("present", layers)}})
     return {"gpt2_prefill": pre, "gpt2_decode": dec}
 
 
@@ -193,7 +198,7 @@ def export_wav2vec2(config: dict[str, Any], seed: int = 0) -> dict[str, onnx.Mod
             return self.model(input_values).last_hidden_state
 
     with tempfile.TemporaryDirectory() as tmp:
-        proto = _export(Encoder().eval(), (torch.randn(1, 16000),), Path(tmp, "w2v.onnx"),
+        proto = export_onnx(Encoder().eval(), (torch.randn(1, 16000),), Path(tmp, "w2v.onnx"),
                         ["input_values"], ["last_hidden_state"],
                         {"input_values": {0: "batch", 1: "samples"},
                          "last_hidden_state": {0: "batch", 1: "frames"}})

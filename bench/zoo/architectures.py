@@ -1,0 +1,254 @@
+"""The model zoo: architectures users bring, each a tiny Hugging Face configuration with
+random weights (no downloads), its ONNX export with dynamic axes, the dims a user would
+declare, and the inputs to check it with.
+
+One ``Architecture`` per model, listed in ``ARCHITECTURES``. Every model is made in fp32
+under ``torch.manual_seed(SEED)`` and its parameters perturbed (``export_hf.perturb_weights``:
+no two weights equal, no zero bias hiding a wrong one). Exported by ``export_hf.export_onnx``
+(the legacy TorchScript exporter, opset 17), weights embedded as initializers.
+
+Needs torch and transformers (not project dependencies); they are imported when a model is
+made, so listing the architectures needs neither.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from export_hf import causal_lm_wrappers, export_onnx, kv_names, perturb_weights  # noqa: E402  pylint: disable=wrong-import-position
+
+SEED = 0
+VOCAB = 1000
+LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM = 2, 2, 16  # grouped-query: 4 heads share 2
+IMAGE = 32  # pixels a side: ViT's 4x4 patches of 8, ResNet down to 1x1
+
+TOLERANCE = 1e-4  # on relative_error: max |grape - onnxruntime| / max |onnxruntime|, fp32
+Feeds = dict[str, np.ndarray]
+
+
+@dataclass(frozen=True)
+class Export:
+    """One way to export a model. An architecture lists them in the order a user tries
+    them: transformers' defaults first, then the next step when grape refuses the file."""
+
+    attn_implementation: str | None = None  # None: transformers' default (sdpa)
+    # onnxruntime's basic graph optimizations (constant folding, standard ONNX ops only)
+    # rewrite the exported file before grape reads it
+    folded_by_onnxruntime: bool = False
+
+    def label(self) -> str:
+        folded = ", folded by onnxruntime" if self.folded_by_onnxruntime else ""
+        return f"attn_implementation={self.attn_implementation or 'default'}{folded}"
+
+
+@dataclass(frozen=True)
+class Architecture:
+    """One zoo model: how to make it, export it, declare its dims and feed it."""
+
+    name: str
+    make_module: Callable[[str | None], object]  # attn_implementation -> torch module
+    inputs: tuple[str, ...]
+    outputs: tuple[str, ...]
+    dynamic_axes: dict[str, dict[int, str]]
+    dims: dict[str, tuple[int, int]]  # what the user declares to compile_onnx
+    make_feeds: Callable[[np.random.Generator, dict[str, int]], Feeds]
+    exports: tuple[Export, ...] = (Export(),)
+
+    def shapes(self) -> list[dict[str, int]]:
+        """The range's smallest, a middle and its top: every dim at once."""
+        return [{d: lo for d, (lo, _) in self.dims.items()},
+                {d: (lo + hi) // 2 for d, (lo, hi) in self.dims.items()},
+                {d: hi for d, (_, hi) in self.dims.items()}]
+
+    def export(self, path: Path, how: Export) -> Path:
+        """Write the exported model to ``path`` (the reference onnxruntime runs) and return
+        the file grape is to compile: ``path`` itself or its folded copy beside it.
+
+        Traced on the middle shape: a dim traced at 1 can be baked in as a constant."""
+        import torch  # pylint: disable=import-outside-toplevel
+
+        feeds = self.make_feeds(np.random.default_rng(SEED), self.shapes()[1])
+        args = tuple(torch.from_numpy(feeds[name]) for name in self.inputs)
+        export_onnx(self.make_module(how.attn_implementation).eval(), args, path,
+                    list(self.inputs), list(self.outputs), self.dynamic_axes)
+        if not how.folded_by_onnxruntime:
+            return path
+        return fold_by_onnxruntime(path, path.with_suffix(".folded.onnx"))
+
+
+def fold_by_onnxruntime(path: Path, folded: Path) -> Path:
+    """``path`` as onnxruntime's basic level optimizes it, saved to ``folded``."""
+    import onnxruntime  # pylint: disable=import-outside-toplevel
+
+    options = onnxruntime.SessionOptions()
+    options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.ORT_ENABLE_BASIC
+    options.optimized_model_filepath = str(folded)
+    onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    return folded
+
+
+def _seeded(make: Callable[[], object]):
+    import torch  # pylint: disable=import-outside-toplevel
+
+    torch.manual_seed(SEED)
+    return perturb_weights(make().eval())
+
+
+def _attn(attn_implementation: str | None) -> dict:
+    return {} if attn_implementation is None else {"attn_implementation": attn_implementation}
+
+
+def _returning(model, output: str, **call_kwargs):
+    """``model`` as a torch module whose traced graph returns its one ``output``."""
+    import torch  # pylint: disable=import-outside-toplevel
+
+    class OneOutput(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, *args):
+            return getattr(self.model(*args, **call_kwargs), output)
+
+    return OneOutput()
+
+
+def _encoder(family: str, attn_implementation: str | None, **config):
+    """transformers' ``{family}Model`` (Bert, ViT) at the zoo's tiny encoder size, without
+    its pooler: ``last_hidden_state``."""
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    cfg = getattr(transformers, f"{family}Config")(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
+        **config, **_attn(attn_implementation))
+    model_class = getattr(transformers, f"{family}Model")
+    return _returning(_seeded(lambda: model_class(cfg, add_pooling_layer=False)),
+                      "last_hidden_state")
+
+
+def _bert(attn_implementation: str | None):
+    return _encoder("Bert", attn_implementation, vocab_size=VOCAB, max_position_embeddings=128)
+
+
+def _vit(attn_implementation: str | None):
+    return _encoder("ViT", attn_implementation, image_size=IMAGE, patch_size=8)
+
+
+def _llama_model(attn_implementation: str | None):
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=LLAMA_LAYERS, num_attention_heads=4,
+                                   num_key_value_heads=LLAMA_KV_HEADS,
+                                   max_position_embeddings=128, **_attn(attn_implementation))
+    return _seeded(lambda: transformers.LlamaForCausalLM(cfg))
+
+
+def _llama_prefill(attn_implementation: str | None):
+    # No past is fed and only the logits are returned (the cache the model fills is dead
+    # code in the graph). Not use_cache=False: without a cache and a mask, transformers
+    # looks for packed sequences with torch.diff, which has no ONNX export.
+    return _returning(_llama_model(attn_implementation), "logits")
+
+
+def _llama_decode(attn_implementation: str | None):
+    return causal_lm_wrappers(_llama_model(attn_implementation))[1]
+
+
+def _resnet(_attn_implementation: str | None):
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    # ResNet-18's shape (basic blocks, four stages) at a tiny width and depth
+    cfg = transformers.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32, 64, 128],
+                                    depths=[1, 1, 1, 1], layer_type="basic", num_labels=10)
+    model = _seeded(lambda: transformers.ResNetForImageClassification(cfg))
+    return _returning(model, "logits")
+
+
+def _token_ids(rng: np.random.Generator, shape: dict[str, int]) -> np.ndarray:
+    return rng.integers(0, VOCAB, (shape["batch"], shape["seq"])).astype(np.int64)
+
+
+def _ids_and_padding_mask(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
+    """The last sequence padded from its middle on (when there is a middle to pad)."""
+    mask = np.ones((shape["batch"], shape["seq"]), np.int64)
+    mask[-1, max(1, shape["seq"] // 2):] = 0
+    return {"input_ids": _token_ids(rng, shape), "attention_mask": mask}
+
+
+def _decode_step(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
+    """One new token per sequence after ``past`` cached positions (every one attended)."""
+    kv_shape = (shape["batch"], LLAMA_KV_HEADS, shape["past"], LLAMA_HEAD_DIM)
+    return {"input_ids": _token_ids(rng, {"batch": shape["batch"], "seq": 1}),
+            **{name: rng.standard_normal(kv_shape).astype(np.float32) for name in _PAST}}
+
+
+def _images(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
+    return {"pixel_values": rng.standard_normal((shape["batch"], 3, IMAGE, IMAGE))
+            .astype(np.float32)}
+
+
+_BATCH_SEQ = {0: "batch", 1: "seq"}
+_PAST, _PRESENT = kv_names("past", LLAMA_LAYERS), kv_names("present", LLAMA_LAYERS)
+
+ARCHITECTURES = {a.name: a for a in [
+    Architecture(
+        "bert", _bert, ("input_ids", "attention_mask"), ("last_hidden_state",),
+        {"input_ids": _BATCH_SEQ, "attention_mask": _BATCH_SEQ, "last_hidden_state": _BATCH_SEQ},
+        {"batch": (1, 4), "seq": (1, 64)}, _ids_and_padding_mask,
+        # The mask's scalar ConstantOfShape stops TVM's importer, with either attention;
+        # onnxruntime's constant folding removes it
+        exports=(Export(), Export("eager"), Export("eager", folded_by_onnxruntime=True))),
+    Architecture(
+        "llama", _llama_prefill, ("input_ids",), ("logits",),
+        {"input_ids": _BATCH_SEQ, "logits": _BATCH_SEQ},
+        {"batch": (1, 4), "seq": (1, 64)}, lambda rng, shape: {"input_ids": _token_ids(rng, shape)},
+        # sdpa with grouped-query attention has no ONNX export (torch's legacy exporter)
+        exports=(Export(), Export("eager"))),
+    Architecture(
+        "llama_decode", _llama_decode, ("input_ids", *_PAST), ("logits", *_PRESENT),
+        {"input_ids": {0: "batch"}, "logits": {0: "batch"},
+         **{name: {0: "batch", 2: "past"} for name in _PAST},
+         **{name: {0: "batch", 2: "past_plus_1"} for name in _PRESENT}},
+        {"batch": (1, 4), "past": (1, 64)}, _decode_step),
+    Architecture(
+        "vit", _vit, ("pixel_values",), ("last_hidden_state",),
+        {"pixel_values": {0: "batch"}, "last_hidden_state": {0: "batch"}},
+        {"batch": (1, 8)}, _images),
+    Architecture(
+        "resnet", _resnet, ("pixel_values",), ("logits",),
+        {"pixel_values": {0: "batch"}, "logits": {0: "batch"}},
+        {"batch": (1, 8)}, _images),
+]}
+
+
+def relative_error(got: np.ndarray, want: np.ndarray) -> float:
+    """max |got - want| over max |want|: relative to the output's scale, so that elements
+    near zero do not blow the measure up."""
+    scale = float(np.abs(want).max()) or 1.0
+    return float(np.abs(got.astype(np.float64) - want).max()) / scale
+
+
+def errors_against_onnxruntime(executor, path: Path, arch: Architecture,
+                               shapes: list[dict[str, int]]) -> list[dict]:
+    """Run ``executor`` and onnxruntime (CPU) on the same seeded feeds at each shape:
+    ``{"shape", "relative_error"}`` per shape, the worst over the outputs."""
+    import onnxruntime  # pylint: disable=import-outside-toplevel
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    rng = np.random.default_rng(SEED)
+    results = []
+    for shape in shapes:
+        feeds = arch.make_feeds(rng, shape)
+        got = executor.run(feeds)
+        want = dict(zip(arch.outputs, session.run(list(arch.outputs), feeds)))
+        results.append({"shape": shape, "relative_error": max(
+            relative_error(got[name], want[name]) for name in arch.outputs)})
+    return results

@@ -1,0 +1,152 @@
+"""Export every zoo architecture, compile it with grape for llvm and CUDA, and check the
+llvm build against onnxruntime at the range's smallest, middle and top shapes.
+
+    python3 bench/zoo/run.py --out bench/results            # writes bench/results/zoo.json
+    python3 bench/zoo/run.py --out /tmp/zoo --models llama,vit
+
+CUDA is built only (the kernels compiled to cubins with nvcc): nothing here runs on a GPU,
+so no model has a "gpu" key. A model whose default export fails to export or compile is
+exported again the next way a user would try (``Architecture.exports``); every attempt is
+kept, a failure as its one-line reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from architectures import (  # noqa: E402  pylint: disable=wrong-import-position
+    ARCHITECTURES, TOLERANCE, Architecture, Export, errors_against_onnxruntime)
+
+CUDA = {"kind": "cuda", "arch": "sm_90"}
+
+
+def machine() -> str:
+    """The CPU and the versions that decide the export and the reference."""
+    import onnxruntime  # pylint: disable=import-outside-toplevel
+    import torch  # pylint: disable=import-outside-toplevel
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    cpuinfo = Path("/proc/cpuinfo")
+    models = [ln.split(":", 1)[1].strip() for ln in
+              (cpuinfo.read_text().splitlines() if cpuinfo.exists() else [])
+              if ln.startswith("model name")]
+    cpu = f"{len(models)} x {models[0]}" if models else platform.machine()
+    return (f"CPU only ({cpu}); torch {torch.__version__}, transformers "
+            f"{transformers.__version__}, onnxruntime {onnxruntime.__version__}")
+
+
+def one_line(err: BaseException) -> str:
+    """The exception's type and the last line of its message (TVM's carry tracebacks)."""
+    lines = [ln for ln in str(err).strip().splitlines() if ln.strip()]
+    return f"{type(err).__name__}: {lines[-1][:400] if lines else ''}"
+
+
+def compile_timed(path: Path, arch: Architecture, target, artifact: Path) -> dict:
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    start = time.perf_counter()
+    module = grape_tvm.compile_onnx(path, dims=arch.dims, target=target)
+    seconds = time.perf_counter() - start
+    module.export(artifact)
+    return {"compile_seconds": round(seconds, 2), "artifact_bytes": artifact.stat().st_size,
+            "cubins": len(module.cubins)}
+
+
+def check_llvm(compiled: Path, reference: Path, arch: Architecture, workdir: Path) -> dict:
+    """Compile ``compiled`` for llvm, run it against onnxruntime on ``reference``."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    artifact = workdir / f"{arch.name}.llvm.grape"
+    result = compile_timed(compiled, arch, "llvm", artifact)
+    shapes = errors_against_onnxruntime(grape_tvm.load(artifact), reference, arch, arch.shapes())
+    worst = max(s["relative_error"] for s in shapes)
+    return {**result, "shapes": shapes, "max_relative_error": worst,
+            "matches_onnxruntime": worst <= TOLERANCE}
+
+
+def record(attempt: dict, step: str, run):
+    """``run()``, recorded as ``attempt[step]``: its value, or its failure in one line (and
+    None returned)."""
+    try:
+        attempt[step] = value = run()
+    except Exception as err:  # pylint: disable=broad-except
+        attempt[step] = one_line(err)
+        return None
+    return value
+
+
+def try_export(arch: Architecture, how: Export, workdir: Path) -> dict:
+    """One export, its llvm build and check, and (when llvm built) its CUDA build; the
+    first step that fails holds its one-line reason and ends the attempt."""
+    attempt = {"export": how.label()}
+    reference = workdir / f"{arch.name}.onnx"
+    compiled = record(attempt, "exported", lambda: arch.export(reference, how))
+    if compiled is None:
+        return attempt
+    attempt["exported"] = True  # the path is workdir's, gone after the run
+    if record(attempt, "llvm", lambda: check_llvm(compiled, reference, arch, workdir)):
+        record(attempt, "cuda",
+               lambda: compile_timed(compiled, arch, CUDA, workdir / f"{arch.name}.cuda.grape"))
+    return attempt
+
+
+def run_architecture(arch: Architecture, workdir: Path) -> dict:
+    """The architecture's exports in order until one builds for llvm; the model's entry
+    describes that one (or the last), and every attempt is kept."""
+    attempts = []
+    for how in arch.exports:
+        attempts.append(try_export(arch, how, workdir))
+        if isinstance(attempts[-1].get("llvm"), dict):
+            break
+    last = attempts[-1]
+    llvm = last.get("llvm", "not built: export failed")
+    cuda = last.get("cuda", "not built: llvm failed")
+    return {
+        "dims": {d: list(r) for d, r in arch.dims.items()},
+        "export": last["export"],
+        "exported": last["exported"],
+        "compiles": {"llvm": isinstance(llvm, dict) or llvm, "cuda": isinstance(cuda, dict) or cuda},
+        "matches_onnxruntime": isinstance(llvm, dict) and llvm["matches_onnxruntime"],
+        "max_relative_error": llvm["max_relative_error"] if isinstance(llvm, dict) else None,
+        "attempts": attempts,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="folder for zoo.json")
+    parser.add_argument("--models", default=",".join(ARCHITECTURES))
+    args = parser.parse_args(argv)
+    models = {}
+    with tempfile.TemporaryDirectory(prefix="grape-zoo-") as tmp:
+        for name in args.models.split(","):
+            print(f"{name} ...", flush=True)
+            models[name] = run_architecture(ARCHITECTURES[name], Path(tmp))
+            print(json.dumps({k: models[name][k] for k in ("compiles", "matches_onnxruntime")}),
+                  flush=True)
+    result = {
+        "machine": machine(),
+        "command": shlex.join(["python3", *sys.argv]),
+        "gpu": "absent: nothing was run on a GPU (CUDA is built only), so no model has a 'gpu' key",
+        "tolerance": {"relative_error": TOLERANCE,
+                      "measure": "max |grape - onnxruntime| / max |onnxruntime| per output, "
+                                 "the worst output; fp32, llvm build on the CPU"},
+        "models": models,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "zoo.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(f"wrote {args.out / 'zoo.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

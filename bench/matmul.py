@@ -213,6 +213,11 @@ def _rel_err(torch, got, x, w) -> float:
     return float((got.double() - want).abs().max() / want.abs().max())
 
 
+def counts(quick: bool) -> tuple[int, int, int]:
+    """Warm launches per round, warm rounds, cold launches."""
+    return (20, 3, 10) if quick else (50, 7, 30)
+
+
 def measure_shape(torch, artifacts: Path, dtype: str, k: int, n: int, rows, bandwidth: float,
                   quick: bool) -> dict:
     tdtype = getattr(torch, dtype)
@@ -226,7 +231,7 @@ def measure_shape(torch, artifacts: Path, dtype: str, k: int, n: int, rows, band
     cublas_stream = torch.cuda.Stream()
     clock_of = {name: Clock(torch, a.stream_handle) for name, a in systems.items()}
     clock_of["cublas"] = Clock(torch, cublas_stream.cuda_stream)
-    launches, rounds, cold_reps = (20, 3, 10) if quick else (50, 7, 30)
+    launches, rounds, cold_reps = counts(quick)
     out = {}
     try:
         for m in rows:
@@ -305,17 +310,20 @@ def main() -> None:
     clock.close()
     print(f"{machine}; device copy {bandwidth / 1e12:.2f} TB/s; empty graph {floor['warm']:.2f} us "
           f"warm, {floor['cold']:.2f} us cold")
-    print("us per call; warm: 50 graph launches back to back; cold: L2 evicted before each")
+    launches, rounds, cold_reps = counts(args.quick)
+    print(f"us per call; warm: {launches} graph launches back to back; cold: L2 evicted before "
+          "each")
     print(f"{'':27s} | {'warm':^44s} | {'cold':^23s} |")
     print(HEADER, flush=True)
     result = {
         "machine": machine,
-        "command": "bash bench/gpu/run_all.sh (python3 bench/matmul.py --artifacts build/gpu "
-                   "--out $OUT)",
+        "command": "bash bench/gpu/run_all.sh (python3 bench/matmul.py "
+                   f"{' '.join(sys.argv[1:])})",
         "what": "y = x @ W, W (K, N) as HF GPT-2's Conv1D, M symbolic 1..1024 in every artifact",
-        "method": ("*_us: one CUDA graph holding the operation alone, 50 launches back to back "
-                   "(CUDA events), per launch, median of 7 rounds (L2-warm); *_cold_us: single "
-                   "launches after a 256 MiB write, median of 30 (HBM); both include the GPU's "
+        "method": (f"*_us: one CUDA graph holding the operation alone, {launches} launches back "
+                   f"to back (CUDA events), per launch, median of {rounds} rounds (L2-warm); "
+                   f"*_cold_us: single launches after a 256 MiB write, median of {cold_reps} "
+                   "(HBM); both include the GPU's "
                    "cost of a one-node graph (empty_graph_us), not subtracted; grape and "
                    "tvm_dlight: the graph grape's executor captured (per-shape mode); cublas: "
                    "torch.matmul, TF32 off, in a torch CUDA graph; roofline_us: bytes of W, x "

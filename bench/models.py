@@ -52,18 +52,22 @@ def blocks_relax(width: int = 768, depth: int = 24, dim: str = "n"):
     return bb.get()
 
 
-def blocks_numpy(x: np.ndarray, weights: dict[str, np.ndarray], depth: int) -> np.ndarray:
-    """The same blocks in numpy (float64 accumulate), for checking small cases on CPU."""
+def gelu_numpy(v: np.ndarray) -> np.ndarray:
+    """GELU by erf, as Relax's ``nn.gelu``, in numpy."""
     from math import erf, sqrt  # pylint: disable=import-outside-toplevel
 
-    verf = np.vectorize(erf)
+    return 0.5 * v * (1 + np.vectorize(erf)(v / sqrt(2)))
+
+
+def blocks_numpy(x: np.ndarray, weights: dict[str, np.ndarray], depth: int) -> np.ndarray:
+    """The same blocks in numpy (float64 accumulate), for checking small cases on CPU."""
     h = x.astype(np.float64)
     for i in range(depth):
         mu = h.mean(-1, keepdims=True)
         var = h.var(-1, keepdims=True)
         ln = (h - mu) / np.sqrt(var + 1e-5) * weights[f"ln_g{i}"] + weights[f"ln_b{i}"]
         mm = ln @ weights[f"w{i}"] + weights[f"b{i}"]
-        h = h + 0.5 * mm * (1 + verf(mm / sqrt(2)))
+        h = h + gelu_numpy(mm)
     return h.astype(np.float32)
 
 
@@ -148,9 +152,6 @@ def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: 
 
 def gpt2_numpy(x, caches, weights, heads: int, layers: int):
     """The same step in numpy: (y, presents), for checking on the CPU."""
-    from math import erf, sqrt  # pylint: disable=import-outside-toplevel
-
-    verf = np.vectorize(erf)
 
     def ln(v, g, b):
         mu, var = v.mean(-1, keepdims=True), v.var(-1, keepdims=True)
@@ -174,7 +175,7 @@ def gpt2_numpy(x, caches, weights, heads: int, layers: int):
         a = (p @ pv).transpose(1, 0, 2).reshape(1, hidden)
         h = h + a @ w["w_o"] + w["b_o"]
         f = ln(h, w["ln2_g"], w["ln2_b"]) @ w["w_fc"] + w["b_fc"]
-        f = 0.5 * f * (1 + verf(f / sqrt(2)))
+        f = gelu_numpy(f)
         h = h + f @ w["w_proj"] + w["b_proj"]
     y = ln(h, weights["lnf_g"], weights["lnf_b"])
     return y.astype(np.float32), presents
@@ -382,13 +383,7 @@ def branch_weights(width: int = 512, seed: int = 0) -> dict[str, np.ndarray]:
 
 def branch_numpy(x: np.ndarray, weights: dict[str, np.ndarray], threshold: float) -> np.ndarray:
     """``branch_model`` in numpy (float64; gelu by erf, as Relax's)."""
-    from math import erf, sqrt  # pylint: disable=import-outside-toplevel
-
-    verf = np.vectorize(erf)
-
-    def gelu(v):
-        return 0.5 * v * (1 + verf(v / sqrt(2)))
-
+    gelu = gelu_numpy
     x64 = x.astype(np.float64)
     h = gelu(x64 @ weights["w_in"])
     if h.mean() > threshold:
@@ -583,10 +578,8 @@ def gemv_test_inputs(m: int, dtype: str, layout: str, seed: int = 0) -> dict[str
 
 def gemv_test_numpy(inputs: dict[str, np.ndarray], layout: str) -> tuple[np.ndarray, np.ndarray]:
     """``gemv_test_relax`` in float64 from the same (rounded) inputs: (y, z)."""
-    from math import erf, sqrt  # pylint: disable=import-outside-toplevel
-
     f = {name: value.astype(np.float64) for name, value in inputs.items()}
     w1, w2 = (f["w1"], f["w2"]) if layout == "kn" else (f["w1"].T, f["w2"].T)
     h = f["x"] @ w1 + f["b1"]
-    y = 0.5 * h * (1 + np.vectorize(erf)(h / sqrt(2)))
+    y = gelu_numpy(h)
     return y, f["x"] @ w2 + f["b2"]

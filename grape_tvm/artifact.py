@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
+from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
+
 MAGIC = b"GRAPETVM"
 FORMAT_VERSION = 1
 _HEADER = struct.Struct("<8sIQ")
@@ -145,7 +147,7 @@ _MANIFEST = {
         "conditionals?": [{"name": str, "condition": str, "mode": str, "then_calls": [str],
                            "else_calls": [str], "kernels": int}],
         "branches?": _Each({"condition": int, "dims": [str], "branches": [[_BRANCH_CALL]]}),
-        "libraries?": [frozenset({"cublaslt"})],
+        "libraries?": [frozenset({CUBLASLT})],
     },
     "loop?": {"carried": [str], "stop": str, "max_steps": int, "onnx?": _ONNX_LOOP},
     "sections": [{"name": str, "offset": int, "size": int, "sha256": str}],

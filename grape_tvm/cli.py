@@ -18,6 +18,8 @@ from pathlib import Path
 import numpy as np
 
 from grape_tvm.artifact import Artifact, write_atomically
+from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX
+from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
 
 
 def _parse_dims(items: list[str]) -> dict[str, str]:
@@ -153,9 +155,9 @@ def describe(manifest: dict) -> dict:
 def _matmul_description(plan: dict) -> str:
     """What runs the model's matmuls (``build(matmul=...)``)."""
     chosen = plan.get("matmul", "tvm")
-    if chosen == "cublaslt":
+    if chosen == CUBLASLT:
         calls = sorted({k for r in plan["regions"] for k in r["kernels"]
-                        if k.startswith("grape.cublaslt.")})
+                        if k.startswith(FUNCTION_PREFIX)})
         return ("cuBLASLt, called inside the graphs (an algorithm per power-of-two bucket of "
                 f"the rows; inspect --record lists them): {', '.join(calls) or 'none matched'}; "
                 "other matmuls TVM's schedules")

@@ -518,9 +518,12 @@ class LayerNormalization(tvm_onnx.LayerNormalization):
 
     @classmethod
     def _impl_v17(cls, bb, inputs, attr, params):
-        y = bb.normalize(super()._impl_v17(bb, inputs, attr, params)[0])
+        normalized = super()._impl_v17(bb, inputs, attr, params)
+        if _num_outputs(attr) == 1:
+            return normalized  # TVM's own, where only Y is used
+        y = bb.normalize(normalized[0])
         x = inputs[0]
-        rank = len(x.ty.shape.values)
+        rank = x.ty.ndim
         axis = attr.get("axis", -1)
         axes = list(range(axis + rank if axis < 0 else axis, rank))
         stash = str(tvm_onnx.get_type(attr.get("stash_type", onnx.TensorProto.FLOAT)))

@@ -2,8 +2,9 @@
 
 dlight (TVM 0.27) has none that fits a decode step with a symbolic batch: its ``GEMV`` rule
 never matches when the row count M is symbolic (both ``x[m, k]`` and ``w[k, n]`` look like
-the vector), and ``LowBatchGEMV`` leaves weights laid out ``[K, N]`` (Hugging Face GPT-2's
-Conv1D, the benchmark models) unscheduled unless they are quantized. Matmul's schedule,
+the vector), and ``LowBatchGEMV``'s schedule of weights laid out ``[K, N]`` (Hugging Face
+GPT-2's Conv1D, the benchmark models) leaves loops outside the threads, which run on the
+host (``unbound_kernels`` flags it; ``[N, K]`` it binds fully). Matmul's schedule,
 which then takes such a kernel, tiles M by 32 or more rows and runs at a fraction of the
 memory bandwidth when M is 1.
 
@@ -511,12 +512,12 @@ class DecodeGemv(ScheduleRule):
         shape = match_gemv(func)
         if shape is None:
             return None
+        if not shape.symbolic and int(shape.rows) > self.buckets[-1]:
+            return None
         if shape.acc_dtype != "float32":
             func = accumulate_in_fp32(func, shape.block)
         if not shape.symbolic:
             rows = int(shape.rows)
-            if rows > self.buckets[-1]:
-                return None
             bucket = next(b for b in self.buckets if b >= rows)
             sch = schedule_gemv(func, shape, gemv_config(shape, bucket))
             return sch if lowers_to_static_kernels(sch.mod["main"], target) else None

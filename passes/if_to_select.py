@@ -64,7 +64,9 @@ def _dims(ty) -> list | None:
     return None
 
 
-def _same_dims(a: list, b: list, analyzer: Analyzer) -> bool:
+def same_dims(a: list, b: list, analyzer: Analyzer | None = None) -> bool:
+    """Two shapes provably equal, dim by dim."""
+    analyzer = analyzer or Analyzer()
     return len(a) == len(b) and all(analyzer.can_prove_equal(x, y) for x, y in zip(a, b))
 
 
@@ -81,12 +83,12 @@ def _shape_mismatch(branch: relax.If, result_ty) -> str:
         return f"a branch's shape is not known ({tys[0]} and {tys[1]})"
     if len({str(ty.dtype) for ty in tys + [result_ty]}) != 1:
         return f"its branches' dtypes differ ({tys[0]} and {tys[1]})"
-    if not _same_dims(shapes[0], shapes[1], analyzer):
+    if not same_dims(shapes[0], shapes[1], analyzer):
         return (f"its branches' shapes differ ({tys[0]} and {tys[1]}): a select would "
                 "broadcast them")
     select = relax.BlockBuilder().normalize(
         relax.op.where(branch.cond, branch.true_branch.body, branch.false_branch.body))
-    if _dims(select.ty) is None or not _same_dims(_dims(select.ty), shapes[0], analyzer):
+    if _dims(select.ty) is None or not same_dims(_dims(select.ty), shapes[0], analyzer):
         return f"its select's shape ({select.ty}) is not its branches' ({tys[0]})"
     return ""
 

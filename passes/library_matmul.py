@@ -8,9 +8,10 @@ from tvm.ir.transform import PassContext
 from tvm.relax.dpl import is_op, wildcard
 from tvm.relax.dpl import rewrite_call
 from tvm.relax.transform import function_pass
-from tvm.sym.analyzer import Analyzer
 
 from grape_tvm.runtime.cublaslt import EPILOGUES, MatmulFunction
+
+from .if_to_select import same_dims
 
 LIBRARY_DTYPES = ("float32", "float16", "bfloat16")
 # Activations cuBLASLt's epilogue computes as the model does. ReLU is not one of them:
@@ -25,13 +26,16 @@ def _static_dims(ty) -> list[int] | None:
     return [int(d) for d in dims] if all(isinstance(d, tirx.IntImm) for d in dims) else None
 
 
-def _weight(w: relax.Expr) -> tuple[relax.Expr, bool] | None:
-    """The weight as stored, and whether the model uses it transposed ([N, K] stored)."""
-    if isinstance(w, relax.Call) and getattr(w.op, "name", "") == "relax.permute_dims":
-        axes = w.attrs.axes
-        if axes is None or [int(a) for a in axes] == [1, 0]:
+def _stored(w: relax.Expr) -> tuple[relax.Expr, bool]:
+    """The operand as stored, and whether the model uses it transposed: ``w`` is
+    ``permute_dims`` swapping its last two axes (a 2-D weight stored [N, K], or k of
+    attention's ``q @ k^T``), read in place by cuBLASLt."""
+    if isinstance(w, relax.Call) and getattr(w.op, "name", "") == "relax.permute_dims" and \
+            isinstance(w.args[0].ty, relax.TensorType):
+        rank, axes = w.args[0].ty.ndim, w.attrs.axes
+        swapped = list(range(rank - 2)) + [rank - 1, rank - 2]
+        if (axes is None and rank == 2) or (axes is not None and [int(a) for a in axes] == swapped):
             return w.args[0], True
-        return None
     return w, False
 
 
@@ -53,27 +57,10 @@ class _Match:
             self.activation = _ACTIVATIONS[root.op.name]
 
 
-def _swapped_last_two(w: relax.Expr) -> relax.Expr | None:
-    """``w``'s operand if ``w`` is ``permute_dims`` swapping its last two axes, else None."""
-    if not (isinstance(w, relax.Call) and getattr(w.op, "name", "") == "relax.permute_dims"):
-        return None
-    rank = w.args[0].ty.ndim if isinstance(w.args[0].ty, relax.TensorType) else -1
-    axes = w.attrs.axes
-    swapped = list(range(rank - 2)) + [rank - 1, rank - 2]
-    return w.args[0] if axes is not None and [int(a) for a in axes] == swapped else None
-
-
-def _same_dims(a, b) -> bool:
-    analyzer = Analyzer()
-    return len(a) == len(b) and all(analyzer.can_prove_equal(x, y) for x, y in zip(a, b))
-
-
 def _rewrite_batched(root, x: relax.Expr, w: relax.Expr) -> relax.Expr:
     """``matmul(x, w)`` of two activations with the same batch dims ([..., M, K] by
     [..., K, N], ``w`` maybe ``permute_dims`` of [..., N, K]): one strided-batched call."""
-    stored = _swapped_last_two(w)
-    transposed = stored is not None
-    stored = stored if transposed else w
+    stored, transposed = _stored(w)
     x_ty, w_ty, out_ty = x.ty, stored.ty, root.ty
     if not all(isinstance(t, relax.TensorType) and t.shape is not None and t.ndim >= 3
                for t in (x_ty, w_ty, out_ty)):
@@ -83,8 +70,8 @@ def _rewrite_batched(root, x: relax.Expr, w: relax.Expr) -> relax.Expr:
         return root
     xs, ws = x_ty.shape.values, w_ty.shape.values
     k_of_w = ws[-1] if transposed else ws[-2]
-    if x_ty.ndim != w_ty.ndim or not _same_dims(xs[:-2], ws[:-2]) or \
-            not _same_dims([xs[-1]], [k_of_w]):
+    if x_ty.ndim != w_ty.ndim or not same_dims(xs[:-2], ws[:-2]) or \
+            not same_dims([xs[-1]], [k_of_w]):
         return root  # broadcast batch dims, or K not provably equal: TVM's kernel
     function = MatmulFunction("", transposed, batched=True)
     return relax.op.call_dps_packed(function.name, relax.Tuple([x, stored]),
@@ -97,10 +84,9 @@ def _rewrite(root, matched: dict, root_pattern) -> relax.Expr:
     dtype = str(out_ty.dtype)
     if root_pattern is _MATMUL and _is_activation_product(match.x, match.w):
         return _rewrite_batched(root, match.x, match.w)
-    weight = _weight(match.w)
-    if weight is None or dtype not in LIBRARY_DTYPES or str(x_ty.dtype) != dtype:
+    if dtype not in LIBRARY_DTYPES or str(x_ty.dtype) != dtype:
         return root
-    stored, transposed = weight
+    stored, transposed = _stored(match.w)
     w_dims = _static_dims(stored.ty)
     if w_dims is None or len(w_dims) != 2 or str(stored.ty.dtype) != dtype:
         return root

@@ -11,6 +11,7 @@ from tvm import IRModule, relax, tirx
 from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX as LIBRARY_FUNCTION_PREFIX
+from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
 
 from .if_to_select import NOTES_ATTR as IF_NOTES_ATTR
 
@@ -86,7 +87,7 @@ class GraphPlan:
     def libraries(self) -> list[str]:
         """Libraries the runtime must provide for the regions' kernels (``cublaslt``)."""
         called = [k for r in self.regions for k in r.kernels] + [h.op for h in self.host_steps]
-        return ["cublaslt"] if any(k.startswith(LIBRARY_FUNCTION_PREFIX) for k in called) else []
+        return [CUBLASLT] if any(k.startswith(LIBRARY_FUNCTION_PREFIX) for k in called) else []
 
     def to_json(self) -> dict:
         return {

@@ -39,14 +39,15 @@ from typing import Any
 import numpy as np
 
 from .cuda_driver import check, driver
+from .signature import nbytes
 
 WORKSPACE_BYTES = 32 << 20  # what TVM's cuBLAS BYOC and PyTorch give cuBLASLt
-FUNCTION_PREFIX = "grape.cublaslt."
+LIBRARY = "cublaslt"  # its name in a plan's "libraries" (what the runtime must provide)
+FUNCTION_PREFIX = f"grape.{LIBRARY}."
 _LIBRARIES = ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so")
 
 # cuBLASLt's enums (cublasLt.h, library_types.h).
 _CUDA_R = {"float32": 0, "float16": 2, "bfloat16": 14}
-_ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 _COMPUTE_32F = 68  # fp32 accumulation, full precision (no TF32): PyTorch's default
 _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
@@ -152,7 +153,7 @@ class _Problem:
     def alignment(self, dtype: str) -> int:
         """Bytes (up to 16) every leading dimension of the problem is a multiple of: what
         an algorithm's vector loads may assume."""
-        size = _ELEMENT_BYTES[dtype]
+        size = np.dtype(dtype).itemsize
         return min(16, *((self.k * size) & -(self.k * size), (self.n * size) & -(self.n * size)))
 
     def describe(self, function: MatmulFunction) -> str:
@@ -163,7 +164,7 @@ class _Problem:
 
 @dataclass
 class _Plan:
-    """Descriptors and the algorithm of one (function, dtype, M bucket, K, N)."""
+    """A matmul descriptor and the algorithm cuBLASLt chose for it."""
 
     desc: ctypes.c_void_p
     algo: _Heuristic
@@ -197,8 +198,7 @@ class CublasLt:
         if problem.k == 0:  # a sum over nothing (attention over an empty source): zeros
             if not function.batched:
                 raise CublasLtError(f"{function.name}: a matmul over K = 0 with a weight")
-            check(driver.cuMemsetD8Async(out.data_ptr(), 0, problem.batch * problem.m *
-                                         problem.n * _ELEMENT_BYTES[dtype], stream),
+            check(driver.cuMemsetD8Async(out.data_ptr(), 0, nbytes(out), stream),
                   "cuMemsetD8Async")
             return
         plan = self._plan(function, dtype, problem, bias)
@@ -304,7 +304,7 @@ class CublasLt:
         self.lib.cublasLtMatmulDescDestroy(plan.desc)
 
     def _choose(self, function: MatmulFunction, dtype: str, problem: "_Problem", bias) -> _Plan:
-        """Descriptors, and cuBLASLt's first choice at the bucket's upper ends ``problem``."""
+        """A descriptor for ``function``, and cuBLASLt's first choice for ``problem``."""
         desc = ctypes.c_void_p()
         _ok(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R["float32"]),
             "cublasLtMatmulDescCreate")

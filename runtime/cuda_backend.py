@@ -30,6 +30,7 @@ from typing import Any, Sequence
 import tvm
 
 from .argument_table import TopologyGroups
+from .cublaslt import LIBRARY as CUBLASLT
 from .cublaslt import CublasLt, register_functions
 from .cuda_compile import CubinStore
 from .cuda_driver import check, driver
@@ -104,7 +105,7 @@ class CudaGraphBackend:
         self.stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
         self.capture_stream = check(
             driver.cuStreamCreate(driver.CUstream_flags.CU_STREAM_NON_BLOCKING), "cuStreamCreate")
-        if "cublaslt" in libraries:
+        if CUBLASLT in libraries:
             # The library's handle and workspace are this backend's: its captures use them.
             register_functions()
             self.cublaslt = CublasLt(device.index)

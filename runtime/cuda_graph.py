@@ -171,8 +171,7 @@ def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
 def check_memsets(memsets: Sequence[MemsetNode], region_args: Sequence[Any]) -> None:
     """Raise ``UnkeptGraph`` if a memset writes into a region argument: a graph keeps its
     address, and a later call's argument may live elsewhere."""
-    spans = [(i, *_tensor_span(a)) for i, a in enumerate(region_args)
-             if isinstance(a, tvm.runtime.Tensor)]
+    spans = _argument_spans(region_args)
     for m in memsets:
         first, end = m.span
         for arg, start, size in spans:
@@ -181,14 +180,15 @@ def check_memsets(memsets: Sequence[MemsetNode], region_args: Sequence[Any]) -> 
                                   "address a later call may move")
 
 
-def _tensor_span(t) -> tuple[int, int]:
-    return t.data_ptr(), nbytes(t)
+def _argument_spans(region_args: Sequence[Any]) -> list[tuple[int, int, int]]:
+    """(index, first byte, size) of each tensor argument of a region."""
+    return [(i, a.data_ptr(), nbytes(a)) for i, a in enumerate(region_args)
+            if isinstance(a, tvm.runtime.Tensor)]
 
 
 def find_pointer_slots(nodes: Sequence[KernelNode], region_args: Sequence[Any]) -> list[PointerSlot]:
     """Parameters whose 8 bytes point into one of the region's tensor arguments."""
-    spans = [(i, *_tensor_span(a)) for i, a in enumerate(region_args)
-             if isinstance(a, tvm.runtime.Tensor)]
+    spans = _argument_spans(region_args)
     slots = []
     for n, node in enumerate(nodes):
         for p, value in enumerate(node.values):

@@ -121,7 +121,7 @@ class GraphExecutor:
         self._plans: OrderedDict[tuple, CallPlan | None] = OrderedDict()
         # VM calls at new dims since the VM's memory pool was emptied, and their outputs' bytes.
         self._vm_pool_calls = self._vm_pool_bytes = 0
-        self._on_cpu = device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
+        self._on_cpu = _on_host(device)
         self._vm_pool_limit = VM_POOL_CLEAR_BYTES["cpu" if self._on_cpu else "gpu"]
         self._watch: CallPlanRecorder | None = None
         self._pool = BufferPool(device)
@@ -392,8 +392,7 @@ class GraphExecutor:
                              "buffers); pass an aligned buffer")
         aligned = tvm.runtime.empty(tensor.shape, tensor.dtype, tensor.device)
         aligned.copyfrom(tensor)
-        on_host = tensor.device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
-        self.stats.add("h2d_bytes" if on_host else "d2d_bytes", nbytes(tensor))
+        self.stats.add("h2d_bytes" if _on_host(tensor.device) else "d2d_bytes", nbytes(tensor))
         return aligned
 
     def _name_outputs(self, values: list) -> dict[str, tvm.runtime.Tensor] | list:
@@ -565,6 +564,10 @@ class GraphExecutor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+def _on_host(device) -> bool:
+    return device.dlpack_device_type() == tvm.cpu().dlpack_device_type()
 
 
 def _is_record(dtype: np.dtype) -> bool:

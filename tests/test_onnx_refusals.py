@@ -13,7 +13,7 @@ from onnx.reference import ReferenceEvaluator
 
 import grape_tvm
 from conftest import onnxruntime_outputs
-from grape_tvm.frontend import ImportError_
+from grape_tvm.frontend import ImportError_, import_onnx
 
 info = helper.make_tensor_value_info
 
@@ -165,6 +165,22 @@ def test_layer_normalization_mean_and_inverse_std(tmp_path):
     model = _model(node, [info("x", TensorProto.FLOAT, ["n", 3, 4])], outputs, 17, [scale])
     _equals_onnxruntime(model, tmp_path, {"n": (1, 8)},
                         [{"x": rng.standard_normal((n, 3, 4)).astype(np.float32)} for n in (1, 6)])
+
+
+def test_layer_normalization_of_an_input_known_only_by_its_rank():
+    """``Y`` alone of a LayerNormalization whose input TVM knows only by its rank (a
+    broadcast of two symbolic dims) imports, as with TVM's converter: grape's read the
+    input's shape for outputs nobody asked for, and failed."""
+    add = helper.make_node("Add", ["a", "b"], ["x"])
+    norm = helper.make_node("LayerNormalization", ["x", "s"], ["y"])
+    scale = numpy_helper.from_array(np.ones(4, np.float32), "s")
+    graph = helper.make_graph([add, norm], "m", [info("a", TensorProto.FLOAT, ["n", 4]),
+                                                 info("b", TensorProto.FLOAT, ["m", 4])],
+                              [info("y", TensorProto.FLOAT, None)], [scale])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 10
+    mod = import_onnx(model)
+    assert mod["main"].ret_ty.ndim == 2
 
 
 def test_mish_and_softplus_keep_precision_for_negative_inputs(tmp_path):

@@ -97,12 +97,15 @@ def _timed(label: str, fn):
     return out
 
 
-def build_example(out: Path) -> None:
+def build_example(out: Path, hi: int = 256) -> None:
+    """The bundled example over n = 1..``hi``: ``blocks.cuda.grape`` (tests, demo), or
+    ``blocks_{hi}.cuda.grape`` for another ``hi`` (``bench/memory.py --device cuda``)."""
     model = out / "blocks.onnx"
     onnx.save(make_blocks(), str(model))
-    module = _timed("blocks.cuda.grape", lambda: grape_tvm.compile_onnx(
-        model, dims={"n": (1, 256)}, target="cuda"))
-    module.export(out / "blocks.cuda.grape")
+    name = "blocks.cuda.grape" if hi == 256 else f"blocks_{hi}.cuda.grape"
+    module = _timed(name, lambda: grape_tvm.compile_onnx(model, dims={"n": (1, hi)},
+                                                          target="cuda"))
+    module.export(out / name)
 
 
 def build_bench(out: Path, width: int = 768, depth: int = 24) -> None:
@@ -364,15 +367,6 @@ def build_matmul_bench(out: Path) -> None:
                     module.export(out / f"{name}.cuda.grape")
 
 
-def build_memory_example(out: Path, hi: int = 4096) -> None:
-    """The bundled example over n = 1..``hi``: ``bench/memory.py --device cuda``."""
-    model = out / "blocks.onnx"
-    onnx.save(make_blocks(), str(model))
-    module = _timed(f"blocks_{hi}.cuda.grape", lambda: grape_tvm.compile_onnx(
-        model, dims={"n": (1, hi)}, target="cuda"))
-    module.export(out / f"blocks_{hi}.cuda.grape")
-
-
 def build_attention(out: Path) -> None:
     """Three inputs of one shape, for calls that pass one tensor for all three (tests)."""
     sys.path.insert(0, str(ROOT / "tests"))
@@ -415,7 +409,7 @@ STEPS = {
     "zero_copy": (build_decode,),
     "decode_loop": (build_loop,),
     "branches": (build_branches,),
-    "memory": (build_memory_example,),
+    "memory": (lambda out: build_example(out, hi=4096),),
     "probe_cublaslt": (),
     "matmul": (build_matmul_bench,),
     "hf_models": (build_hf_models, build_wav2vec2),

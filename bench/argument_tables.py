@@ -172,16 +172,54 @@ def measure_gpu_busy(h: Harness, ns: list[int], launches: int = 50) -> dict:
 def measure_host_overhead(h: Harness, ns: list[int], calls: int = 200) -> dict:
     """Microseconds from grape's call entry to the return of its launch (no sync)."""
     rng = np.random.default_rng(1)
-    times = []
+    times, phases = [], {}
     for n in rng.choice(ns, size=calls):
         x_tvm, _ = h.inputs(int(n))
         h.grape.backend.synchronize()
         t0 = time.perf_counter()
         h.grape.run({"x": x_tvm}, return_numpy=False)
         times.append((time.perf_counter() - t0) * 1e6)
+        for phase, us in h.grape.stats.last["host_us"].items():
+            phases.setdefault(phase, []).append(us)
     h.grape.backend.synchronize()
     _profile_host(h, ns)
-    return {"median": statistics.median(times), "p90": float(np.percentile(times, 90))}
+    return {"median": statistics.median(times), "p90": float(np.percentile(times, 90)),
+            "phases": {phase: statistics.median(v) for phase, v in phases.items()}}
+
+
+def measure_queued(h: Harness, ns: list[int], calls: int = 300) -> dict:
+    """Calls queued back to back with no sync, one n at a time: whether the GPU waits on
+    the host. ``gpu_busy_over_wall`` = the kernels' GPU-busy time (the floor, per call)
+    times the calls, over the GPU time from the first call's start to the last's end."""
+    from grape_tvm.runtime.cuda_driver import check, driver  # pylint: disable=import-outside-toplevel
+
+    busy = measure_gpu_busy(h, ns)
+    stream = h.grape.backend.stream
+    start = check(driver.cuEventCreate(0), "cuEventCreate")
+    stop = check(driver.cuEventCreate(0), "cuEventCreate")
+    out = {}
+    try:
+        for n in ns:
+            x_tvm, _ = h.inputs(n)
+            h.grape.run({"x": x_tvm}, return_numpy=False)
+            h.grape.backend.synchronize()
+            check(driver.cuEventRecord(start, stream), "cuEventRecord")
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                h.grape.run({"x": x_tvm}, return_numpy=False)
+            host = (time.perf_counter() - t0) * 1e6 / calls
+            check(driver.cuEventRecord(stop, stream), "cuEventRecord")
+            check(driver.cuEventSynchronize(stop), "cuEventSynchronize")
+            wall = check(driver.cuEventElapsedTime(start, stop), "cuEventElapsedTime") * 1e3
+            out[str(n)] = {"gpu_busy_over_wall": busy[str(n)] * calls / wall,
+                           "gpu_us_per_call": wall / calls, "host_us_per_call": host,
+                           "gpu_busy_us": busy[str(n)]}
+            print(f"  queued n={n:5d}: GPU {wall / calls:7.1f} us/call, host {host:6.1f} "
+                  f"us/call, GPU-busy/wall {out[str(n)]['gpu_busy_over_wall']:.3f}", flush=True)
+    finally:
+        driver.cuEventDestroy(start)
+        driver.cuEventDestroy(stop)
+    return out
 
 
 def _profile_host(h: Harness, ns: list[int], calls: int = 200) -> None:
@@ -292,6 +330,9 @@ def main() -> None:
     busy = measure_gpu_busy(h, ns)
     print(f"  {'gpu_busy (floor)':22s} " + " ".join(f"{busy[str(n)]:8.0f}" for n in ns))
     host = measure_host_overhead(h, ns)
+    print(f"host us per call: median {host['median']:.1f}, p90 {host['p90']:.1f}; median by "
+          "phase: " + ", ".join(f"{k} {v:.1f}" for k, v in host["phases"].items()), flush=True)
+    queued = measure_queued(h, [n for n in (1, 16, 256) if n in ns])
     err = max_error_every_n(h)
     memory, cold, detail = measure_memory_and_cold_start(args.artifacts, h)
     result = {
@@ -301,6 +342,8 @@ def main() -> None:
         "latency_us": latency,
         "gpu_busy_us": busy,
         "host_overhead_us": {"grape": host["median"], "grape_p90": host["p90"]},
+        "host_phases_us": host["phases"],
+        "queued": queued,
         "graph_memory_bytes": memory,
         "cold_start_s": cold,
         "max_abs_err": err,
@@ -315,7 +358,7 @@ def main() -> None:
     }
     (args.out / "argument_tables.json").write_text(json.dumps(result, indent=2))
     plot(result, args.out / "argument_tables.png")
-    print(json.dumps({k: result[k] for k in ("host_overhead_us", "graph_memory_bytes",
+    print(json.dumps({k: result[k] for k in ("host_overhead_us", "host_phases_us", "graph_memory_bytes",
                                              "cold_start_s", "max_abs_err", "ratios")}, indent=1))
     for ex in (h.grape, h.per_shape):
         ex.close()

@@ -148,6 +148,7 @@ _MANIFEST = {
                            "else_calls": [str], "kernels": int}],
         "branches?": _Each({"condition": int, "dims": [str], "branches": [[_BRANCH_CALL]]}),
         "libraries?": [frozenset({CUBLASLT})],
+        "call_program?": dict,  # runtime.call_program's format (checked where it is read)
     },
     "loop?": {"carried": [str], "stop": str, "max_steps": int, "onnx?": _ONNX_LOOP},
     "sections": [{"name": str, "offset": int, "size": int, "sha256": str}],

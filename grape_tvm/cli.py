@@ -139,6 +139,7 @@ def describe(manifest: dict) -> dict:
         "conditionals": _conditional_description(manifest),
         "host_steps": plan["host_steps"],
         "host_bookkeeping": plan.get("host_bookkeeping", 0),
+        "call_program": _program_description(plan),
         "notes": plan.get("notes", []),
         "executor": ("one CUDA graph per region and topology (per-shape argument tables "
                      "patched on the device), recorded on first sight"
@@ -218,6 +219,12 @@ def _print_description(d: dict) -> None:
     if d["conditionals"]:
         print(f"  condition read {d['conditionals'][0]['condition_read']}; host read "
               f"{d['conditionals'][0]['host_read']}")
+    program = d["call_program"]
+    if "error" in program:
+        print(f"call program: none ({program['error']}): TVM's VM runs main")
+    else:
+        print(f"call program: {program['steps']} step(s) over {program['storages']} storage(s) "
+              f"and {program['views']} view(s): calls run without TVM's VM")
     print(f"host steps: {len(d['host_steps'])} (plus {d['host_bookkeeping']} VM shape checks)")
     for h in d["host_steps"]:
         print(f"  {h['function']}.{h['var']} = {h['op']}: {h['reason']}")
@@ -228,6 +235,15 @@ def _print_description(d: dict) -> None:
         print(f"loop: state {loop['carried']}, stops on {loop['stop']!r} or after "
               f"{loop['max_steps']} steps{' (an ONNX Loop)' if loop['from_onnx_loop'] else ''}")
         print(f"  runs as {loop['runs_as']}")
+
+
+def _program_description(plan: dict) -> dict:
+    described = plan.get("call_program")
+    if described is None:
+        return {"error": "the artifact predates call programs"}
+    if "error" in described:
+        return {"error": described["error"]}
+    return {key: len(described[key]) for key in ("steps", "storages", "views")}
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:

@@ -18,6 +18,7 @@ from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature, with_iden
 from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.passes.planned_memory import planned_bytes
 from grape_tvm.pipeline import grape_pipeline, is_gpu, matmul_implementation
+from grape_tvm.runtime.call_program import CallProgram
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
 from grape_tvm.runtime.device_loop import LOOP_SOURCE
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE
@@ -54,6 +55,11 @@ class GrapeModule:
             "plan": self.plan,
             "cubins": sorted(self.cubins),
         }
+
+    @property
+    def program(self) -> CallProgram | None:
+        """The call program the runtime runs calls from (None: the VM runs them)."""
+        return CallProgram.from_plan(self.plan)
 
     def export(self, path: str | Path) -> Path:
         """Write the one-file artifact that ``grape_tvm.load`` reads."""

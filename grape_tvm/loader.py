@@ -11,6 +11,7 @@ from typing import Any
 import tvm
 
 from grape_tvm.artifact import Artifact, ArtifactError, write_atomically
+from grape_tvm.runtime.call_program import CallProgram, ProgramError
 from grape_tvm.runtime.cuda_compile import CubinStore, cache_dir
 from grape_tvm.runtime.executor import DEFAULT_MAX_SHAPES, GraphExecutor
 from grape_tvm.runtime.signature import Signature
@@ -105,15 +106,17 @@ def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
     """
     library, manifest, dev, cubins = _open(path, device)
     signature = Signature.from_json(manifest["signature"])
+    try:
+        program = CallProgram.from_plan(manifest["plan"])
+    except ProgramError as err:
+        raise ArtifactError(f"{path}: {err}") from None
     backend = None
     if manifest["target"]["kind"] == "cuda":
         from grape_tvm.runtime.cuda_backend import CudaGraphBackend  # pylint: disable=import-outside-toplevel
 
         backend = CudaGraphBackend(dev, graph_mode, max_graphs, manifest["target"].get("arch"),
                                    cubins, max_shapes, manifest["plan"].get("libraries", ()))
-    # Without host steps a call is only region launches: run such calls without the VM.
-    plan_calls = not manifest["plan"]["host_steps"] and bool(manifest["plan"]["regions"])
-    executor = GraphExecutor(library, dev, signature, backend, plan_calls=plan_calls,
+    executor = GraphExecutor(library, dev, signature, backend, program=program,
                              branches=manifest["plan"].get("branches"), max_shapes=max_shapes)
     executor.manifest = manifest
     return executor

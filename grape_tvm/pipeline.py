@@ -10,7 +10,7 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
-                              DescribeConditionals, FuseWeightTranspose, HoistBranchStorage,
+                              DescribeCallProgram, DescribeConditionals, FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
@@ -39,6 +39,9 @@ def _finalize_passes(device_branches: bool = True) -> list[tvm.transform.Pass]:
         DescribeConditionals(),
         t.LowerAllocTensor(),
         t.KillAfterLastUse(),
+        # While storages, views and region calls are plain bindings: what a call does, for
+        # a runtime that runs it without TVM's VM.
+        DescribeCallProgram(),
         t.LowerRuntimeBuiltin(),
         t.ComputePrimValue(),
         t.VMShapeLower(),

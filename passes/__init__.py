@@ -47,6 +47,7 @@ from .name_derived_dims import NameDerivedDims
 from .numerics import numerics_legalize_map
 from .reduction_init import HoistReductionInit
 from .reduction_schedules import FullReduction
+from .call_program import DescribeCallProgram
 from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, REGION_PREFIX,
                            GraphPlan, LiftGraphRegions, graph_plan)
 
@@ -58,6 +59,7 @@ __all__ = [
     "CheckDeviceKernels",
     "CopyPassThroughBranches",
     "DecodeGemv",
+    "DescribeCallProgram",
     "DescribeConditionals",
     "FullReduction",
     "FuseWeightTranspose",

@@ -10,15 +10,12 @@ import tvm
 from tvm import IRModule, relax, tirx
 from tvm.ir.transform import PassContext, module_pass
 
+from grape_tvm.runtime.call_program import (BRANCHES_ATTR, CONDITIONAL_ATTR, CONDITIONAL_PREFIX,
+                                            PROGRAM_ATTR, REGION_ATTR, REGION_PREFIX)
 from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX as LIBRARY_FUNCTION_PREFIX
 from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
 
 from .if_to_select import NOTES_ATTR as IF_NOTES_ATTR
-
-REGION_ATTR = "grape.region"
-REGION_PREFIX = "grape_region_"
-CONDITIONAL_ATTR = "grape.conditional"  # BranchesToConditionalRegions' functions
-CONDITIONAL_PREFIX = "grape_cond_"
 
 # Bindings that do no device work and read no tensor contents: while a region is open they
 # are hoisted in front of it (allocations, views, tuples) or sunk behind it (kills), so that
@@ -82,6 +79,8 @@ class GraphPlan:
     conditionals: list[ConditionalInfo] = field(default_factory=list)
     branches: dict = field(default_factory=dict)  # conditional name -> DescribeConditionals' dict
     notes: list[str] = field(default_factory=list)  # what a rewrite left as it was, and why
+    # The entry's call program (DescribeCallProgram), or {"error": why it has none}.
+    call_program: dict = field(default_factory=lambda: {"error": "not described"})
 
     @property
     def libraries(self) -> list[str]:
@@ -98,6 +97,7 @@ class GraphPlan:
             "branches": self.branches,
             "notes": self.notes,
             "libraries": self.libraries,
+            "call_program": self.call_program,
         }
 
 
@@ -357,6 +357,8 @@ def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
     unselected = dict(func.attrs.get(IF_NOTES_ATTR, {})) if func.attrs is not None else {}
     plan.notes = [f"{entry}.{var}: an if kept, not a select: {why}"
                   for var, why in unselected.items()]
+    if func.attrs is not None and PROGRAM_ATTR in func.attrs:
+        plan.call_program = json.loads(str(func.attrs[PROGRAM_ATTR]))
     for block in func.body.blocks:
         for binding in block.bindings:
             kind, op, reason = classify(binding, mod)
@@ -380,7 +382,7 @@ def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
 def _add_conditional(plan: GraphPlan, mod: IRModule, name: str, binding, entry: str) -> int:
     """Add a conditional region (and those nested in it) to ``plan``; its kernel count."""
     func = mod[name]
-    described = json.loads(str(func.attrs["grape.branches"]))
+    described = json.loads(str(func.attrs[BRANCHES_ATTR]))
     if "error" in described:
         plan.host_steps.append(HostStep(
             entry, name, binding.var.name if binding is not None else name,

@@ -1,15 +1,14 @@
-"""A whole call without TVM's VM: the regions it runs, on buffers the executor owns.
+"""A call at fixed dims, from the compiler's call program, on buffers the executor owns.
 
-When the entry function has no host step (only allocations, shape checks and region calls),
-a call at given dims always runs the same regions on tensors that are either the call's
-inputs or memory the VM allocated for it. The first call at those dims runs on the VM and
-is watched (``CallPlanRecorder``); later ones run the ``CallPlan``: each region replayed by
-the backend on the inputs and on executor-owned buffers, with no VM and no instrumentation.
+``PlannedCall`` is the call program evaluated at one call's dims (``CallProgram.at``) and
+placed on the executor's ``BufferPool``: for each region launch, the argument list the
+backend replays (pool buffers as addresses or views, the call's inputs filled in per call)
+and the outputs. No TVM VM runs: the backend replays each region's recording.
 
-Buffers are owned by the ``BufferPool`` (one per executor, each buffer as large as the
-largest shape has needed). Graph parameters follow them wherever they live: the backend
-re-points region arguments on every launch. Outputs are views of pool buffers, valid until
-the next call, as with PyTorch's graph outputs.
+Buffers are owned by the ``BufferPool`` (one per program storage, as large as the largest
+dims have needed). Graph parameters follow them wherever they live: the backend re-points
+region arguments on every launch. Outputs are views of pool buffers, valid until a later
+call writes the same side (see ``BufferPool``), as with PyTorch's graph outputs.
 """
 
 from __future__ import annotations
@@ -21,23 +20,9 @@ from typing import Any, Sequence
 import tvm
 import tvm_ffi
 
-from .signature import nbytes
+from .call_program import Arg, Launch, ProgramAt
 
 MEMO_LIMIT = 1 << 16  # entries of the pool's shared caches before they start over
-# Guards per region call: the conditionals a region may nest in; a call nested deeper keeps
-# the VM. The patch kernel's launch record has room for this many (topology_graph).
-MAX_GUARDS = 8
-
-
-@dataclass(frozen=True)
-class Slot:
-    """Where a region argument or an output comes from on a planned call."""
-
-    kind: str  # "input" (index into the call's inputs), "buffer" (pool buffer) or "value"
-    index: int = 0
-    shape: tuple = ()
-    dtype: str = ""
-    value: Any = None
 
 
 class Address(int):
@@ -49,20 +34,22 @@ class Address(int):
 
 
 class BufferPool:
-    """Executor-owned device buffers, one per slot, grown to the largest size asked for.
+    """Executor-owned device buffers, one per program storage, grown to the largest size
+    asked for.
 
-    Slots that hold a call's outputs have two sides: a call writes its outputs on the side
-    its inputs do not live on, so that the outputs of one call fed to the next (a decode
-    loop's KV cache) are read in place while the new ones are written beside them.
+    Storages that hold a call's outputs have two sides: a call writes its outputs on the
+    side its inputs do not live on, so that the outputs of one call fed to the next (a
+    decode loop's KV cache) are read in place while the new ones are written beside them.
+    An output is therefore overwritten by the second call after it at the latest, and by
+    the next call when that call's inputs are not the executor's outputs.
     """
 
     def __init__(self, device: tvm.runtime.Device):
         self.device = device
-        self.buffers: list[list[Any]] = []  # per slot: [side 0] or [side 0, side 1]
+        self.buffers: list[list[Any]] = []  # per storage: [side 0] or [side 0, side 1]
         self.generation = 0  # bumped when a buffer moves: views made before are stale
-        # What plans of every dims share, valid for one generation: region argument lists
-        # (addresses do not depend on dims) and output views. A decode loop meets a new
-        # past length, so a new plan, on every step: making these once is most of its cost.
+        # What planned calls of every dims share, valid for one generation: addresses and
+        # output views. A decode loop meets new dims on every step.
         self._memo: dict[Any, Any] = {}
         self._memo_generation = 0
         self._shapes: dict[tuple, tvm_ffi.Shape] = {}
@@ -96,23 +83,21 @@ class BufferPool:
             found = self._memo[key] = make()
         return found
 
-    def view(self, index: int, shape: tuple, dtype: str, side: int = 0):
-        base = self._buffer(index, side)
+    def view(self, index: int, offset: int, shape: tuple, dtype: str, side: int = 0):
         ffi_shape = self._shapes.get(shape)
         if ffi_shape is None:  # building a Shape costs more than the view itself
             if len(self._shapes) > MEMO_LIMIT:
                 self._shapes.clear()
             ffi_shape = self._shapes[shape] = tvm_ffi.Shape(shape)
-        return base._create_view(ffi_shape, dtype)
+        return self._buffer(index, side)._create_view(ffi_shape, dtype, offset)
+
+    def address(self, index: int, offset: int, side: int = 0) -> Address:
+        return self.shared(("address", index, offset, side),
+                           lambda: Address(self._buffer(index, side).data_ptr() + offset))
 
     def _buffer(self, index: int, side: int):
         held = self.buffers[index]
         return held[side if side < len(held) else 0]
-
-    def address(self, index: int, side: int = 0) -> "Address":
-        """The buffer's address, made once per generation (plans of every dims share it)."""
-        return self.shared(("address", index, side),
-                           lambda: Address(self._buffer(index, side).data_ptr()))
 
     def _ranges(self) -> tuple[list[int], list[tuple[int, Any]]]:
         """Buffer start addresses, sorted, and (end, side) of each: side 0 or 1 for output
@@ -142,258 +127,222 @@ class BufferPool:
         return free[0] if free else None
 
 
-class CallPlan:
-    """The regions of one call at fixed dims, and where each argument and output lives.
+@dataclass(eq=False)
+class LaunchArgs:
+    """One region launch's arguments on one side of the pool, as the backend replays them.
 
-    A region of a conditional region's branch comes with guards: its last slots are the
-    conditions, ``expects`` what each must be for it to run. Both branches are in the
-    plan; the backend decides on the device which runs (``GraphExecutor``'s branches).
+    ``values`` holds every argument; the positions in ``inputs`` are overwritten with the
+    call's inputs on every call (in place: the list belongs to this launch), and those in
+    ``outputs`` with a caller's ``out=`` tensor when one is given. ``caller`` is the same
+    for launches of any dims whose other arguments sit at the same addresses: between two
+    such launches only ``moving`` can change (``TopologyGraph.replay``).
     """
 
-    def __init__(self, regions: list[tuple[str, tuple, list[Slot], tuple[bool, ...]]],
-                 outputs: list[Slot]):
-        self.regions = regions
-        self.outputs = outputs
-        self.output_buffers = {s.index for s in outputs if s.kind == "buffer"}
-        self.guarded = any(expects for *_, expects in regions)
-        self._generation: dict[int, int] = {}
-        self._args: dict[int, list[tuple]] = {}  # per side
-        self._outs: dict[int, list[Any]] = {}
-        self._described: dict[int, dict[int, tuple]] = {}  # per side, see ``described``
-        self._layouts = [self._layout(slots, len(slots) - len(expects))
-                         for _, _, slots, expects in regions]
+    launch: Launch
+    values: list
+    inputs: tuple[tuple[int, int], ...]  # (position, input index)
+    input_views: tuple[tuple[int, int, tuple, str], ...]  # (position, input, shape, dtype)
+    outputs: tuple[tuple[int, int, Any, int, tuple, str], ...]  # (position, output storage,
+    # the pool's value, offset, shape, dtype)
+    moving: tuple[int, ...]
+    caller: tuple
+    guards: list  # (condition, expect); a condition read from an input is filled per call
+    guard_inputs: tuple[tuple[int, int], ...]  # (guard index, input index)
+    redirected: bool = False  # an output position holds a caller's out= tensor
 
-    def _layout(self, slots: list[Slot], num_args: int) -> tuple:
-        """What a region call's argument list is made of, independent of the pool: the key
-        its address list is shared under, the positions of inputs, of dims passed by value
-        and of outputs, and the region arguments that may move between calls (guards,
-        after ``num_args``, are written on every launch)."""
-        def is_scalar(slot: Slot) -> bool:  # a dim passed by value: differs between dims
-            return slot.kind == "value" and not isinstance(slot.value, tvm.runtime.Tensor)
 
-        key = tuple((s.kind, "scalar" if is_scalar(s) else
-                     id(s.value) if s.kind == "value" else s.index) for s in slots)
-        inputs = [(i, s.index) for i, s in enumerate(slots) if s.kind == "input"]
-        scalars = [(i, s.value) for i, s in enumerate(slots) if is_scalar(s)]
-        outputs = {i: s.index for i, s in enumerate(slots)
-                   if s.kind == "buffer" and s.index in self.output_buffers}
-        shared = [i for i, s in enumerate(slots) if s.kind != "input" and not is_scalar(s)]
-        moving = [i for i in [i for i, _ in inputs] + list(outputs) if i < num_args]
-        return key, inputs, scalars, outputs, shared, moving, num_args
+class PlannedCall:
+    """The launches and outputs of one call at fixed dims (see the module docstring)."""
 
-    def _buffer_side(self, slot: Slot, side: int) -> int:
-        return side if slot.index in self.output_buffers else 0
+    def __init__(self, at: ProgramAt, output_storages: frozenset[int], pool: BufferPool):
+        self.at = at
+        self.launches = at.launches
+        self.output_storages = output_storages
+        for index, nbytes in enumerate(at.storage_bytes):
+            pool.reserve(index, nbytes, sides=2 if index in output_storages else 1)
+        self._placed: dict[int, tuple[int, list[LaunchArgs], list, dict]] = {}  # per side
 
-    def _view(self, slot: Slot, pool: BufferPool, side: int):
-        return pool.view(slot.index, slot.shape, slot.dtype, self._buffer_side(slot, side))
+    @property
+    def guarded(self) -> bool:
+        return self.at.guarded
 
-    def _materialize(self, pool: BufferPool, side: int, addresses_only: bool) -> None:
-        # Made once per pool generation and side, not per call. A backend that reads only
-        # addresses gets them for the buffers no caller sees; outputs are always views.
-        def fixed(slot: Slot, returned: bool = False):
-            if slot.kind != "buffer":
-                return slot.value
-            if addresses_only and not returned:
-                return pool.address(slot.index, self._buffer_side(slot, side))
-            if returned:
-                return pool.shared(("view", slot.index, self._buffer_side(slot, side),
-                                    slot.shape, slot.dtype),
-                                   lambda: self._view(slot, pool, side))
-            return self._view(slot, pool, side)
+    def recorded(self, backend) -> bool:
+        """Whether the backend holds a recording of every launch (one may be evicted)."""
+        return all(backend.has(launch.region, launch.shape) for launch in self.launches)
 
-        def region_values(slots: list[Slot], shared: list[int]) -> list[Any]:
-            values = [None] * len(slots)
-            for i in shared:
-                values[i] = fixed(slots[i])
-            return values
+    def _output_storage(self, index: int) -> int | None:
+        """The storage output ``index`` alone is a view of (at offset 0), else None."""
+        arg = self.at.outputs[index]
+        if arg.kind != "view" or self.at.views[arg.index][0] != "storage" or \
+                self.at.views[arg.index][2] != 0:
+            return None
+        storage = self.at.views[arg.index][1]
+        sharing = [a for a in self.at.outputs
+                   if a.kind == "view" and self.at.views[a.index][:2] == ("storage", storage)]
+        return storage if len(sharing) == 1 else None
 
-        args = []
-        for (region, shape, slots, expects), layout in zip(self.regions, self._layouts):
-            key, inputs, scalars, outputs, shared, moving, num_args = layout
-            if addresses_only:  # the same list for plans of any dims: share it
-                values = pool.shared(("args", region, side, key),
-                                     lambda slots=slots, shared=shared: region_values(slots, shared))
-            else:
-                values = region_values(slots, shared)
-            # Calls of any dims whose region arguments sit in the same pool buffers share
-            # this key: between them only the inputs and the output side move.
-            caller = (pool.generation, region, key)
-            args.append((region, shape, values, inputs, scalars, outputs, moving, caller,
-                         num_args, expects))
-        self._args[side] = args
-        self._outs[side] = [None if s.kind == "input" else fixed(s, returned=True)
-                            for s in self.outputs]
-        self._described[side] = {id(view): (view, slot.shape, slot.dtype, side)
-                                 for slot, view in zip(self.outputs, self._outs[side])
-                                 if view is not None and slot.kind == "buffer"}
-        self._generation[side] = pool.generation
+    def output_spec(self, index: int) -> tuple[tuple, str] | None:
+        """(shape, dtype) of output ``index`` if a caller's tensor can stand in for its
+        storage (``out=``), else None."""
+        if self._output_storage(index) is None:
+            return None
+        view = self.at.views[self.at.outputs[index].index]
+        return view[3], view[4]
 
-    def described(self, side: int) -> dict[int, tuple]:
-        """The output views a call on ``side`` returns, by ``id``: (view, shape, dtype, side).
+    def redirect(self, out: dict[int, Any]) -> dict[int, Any]:
+        """``out`` (output index -> tensor) by the storage each stands in for."""
+        return {self._output_storage(i): target for i, target in out.items()}
 
-        The plan holds the views, so an ``id`` names one of them for as long as it is here:
-        an executor given one back as an input knows its shape and dtype without asking TVM
-        (reading a TVM tensor's dtype builds an FFI object, and a decode step passes dozens).
-        """
-        return self._described.get(side, {})
+    # -- placing on the pool ---------------------------------------------------------------
+    def placed(self, pool: BufferPool, side: int, addresses_only: bool
+               ) -> tuple[list[LaunchArgs], list, dict]:
+        """The launch arguments, the outputs and ``described`` (see ``described``) on
+        ``side``: made once per pool generation and side."""
+        found = self._placed.get(side)
+        if found is None or found[0] != pool.generation:
+            found = self._placed[side] = (pool.generation, *self._place(pool, side, addresses_only))
+        return found[1], found[2], found[3]
 
-    def calls(self, inputs: Sequence[Any], pool: BufferPool, side: int
-              ) -> tuple[list[tuple[str, tuple, list[Any]]], list[Any]]:
-        """Each region's call on ``inputs`` as tensors (pool views, inputs, values), and
-        the outputs: what a caller re-issuing the call itself needs (a device loop's body)."""
-        def value(slot: Slot):
-            if slot.kind == "input":
-                return inputs[slot.index]
-            return self._view(slot, pool, side) if slot.kind == "buffer" else slot.value
+    def _side(self, storage: int, side: int) -> int:
+        return side if storage in self.output_storages else 0
 
-        if self.guarded:
-            raise NotImplementedError("this call has data-dependent branches (conditional "
-                                      "regions): it cannot be re-issued region by region")
-        regions = [(region, shape, [value(s) for s in slots])
-                   for region, shape, slots, _ in self.regions]
-        return regions, [value(s) for s in self.outputs]
+    def _pool_value(self, arg: Arg, pool: BufferPool, side: int, addresses_only: bool):
+        base, index, offset, shape, dtype = self.at.views[arg.index]
+        side = self._side(index, side)
+        if addresses_only:
+            return pool.address(index, offset, side)
+        return pool.shared(("view", index, offset, side, shape, dtype),
+                           lambda: pool.view(index, offset, shape, dtype, side))
 
-    def run(self, inputs: Sequence[Any], pool: BufferPool, backend, side: int = 0,
-            out: dict[int, Any] | None = None) -> list[Any] | None:
-        """Launch every region; None (nothing launched) if one lost its recording.
+    def _place(self, pool: BufferPool, side: int, addresses_only: bool):
+        launches = []
+        for launch in self.launches:
+            values, inputs, input_views, outputs, layout = [], [], [], [], []
+            for position, arg in enumerate(launch.args):
+                value, what = self._value(arg, position, pool, side, addresses_only,
+                                          inputs, input_views, outputs)
+                values.append(value)
+                layout.append(what)
+            guards, guard_inputs = [], []
+            for g, (condition, expect) in enumerate(launch.guards):
+                if condition.kind == "input" or self.at.views[condition.index][0] == "input":
+                    index = condition.index if condition.kind == "input" else \
+                        self.at.views[condition.index][1]
+                    guard_inputs.append((g, index))
+                    guards.append((None, expect))
+                else:
+                    guards.append((self._pool_value(condition, pool, side, addresses_only),
+                                   expect))
+            moving = tuple(p for p, _ in inputs) + tuple(p for p, *_ in input_views) + \
+                tuple(p for p, *_ in outputs)
+            launches.append(LaunchArgs(launch, values, tuple(inputs), tuple(input_views),
+                                       tuple(outputs), moving,
+                                       (pool.generation, launch.region, tuple(layout)),
+                                       guards, tuple(guard_inputs)))
+        outputs = [None if a.kind == "input" else
+                   tvm_ffi.Shape(a.value) if a.kind == "shape" else
+                   a.value if a.kind == "value" else
+                   self._output_view(a, pool, side) for a in self.at.outputs]
+        described = {id(view): (view, self.at.views[a.index][3], self.at.views[a.index][4], side)
+                     for a, view in zip(self.at.outputs, outputs)
+                     if a.kind == "view" and self.at.views[a.index][0] == "storage"}
+        return launches, outputs, described
 
-        ``out`` maps an output's index to a tensor of the caller's that the graphs write
-        into directly, in place of the pool's buffer.
-        """
-        if not all(backend.has(region, shape) for region, shape, *_ in self.regions):
-            return None  # evicted by a bounded per-shape cache: the VM records it again
-        if self._generation.get(side) != pool.generation:
-            self._materialize(pool, side, getattr(backend, "addresses_only", False))
-        redirect = {self.outputs[i].index: t for i, t in (out or {}).items()}
-        for (region, shape, values, from_inputs, scalars, outputs, moving, caller, num_args,
-             expects) in self._args[side]:
-            args = list(values)
-            for position, index in from_inputs:
-                args[position] = inputs[index]
-            for position, value in scalars:
-                args[position] = value
-            for position, index in outputs.items():
-                if index in redirect:
-                    args[position] = redirect[index]
-            guards = list(zip(args[num_args:], expects)) if expects else ()
-            backend.replay(region, shape, args[:num_args] if expects else args, caller, moving,
-                           guards)
+    def _value(self, arg: Arg, position: int, pool, side, addresses_only,
+               inputs: list, input_views: list, outputs: list) -> tuple[Any, Any]:
+        """An argument's value on the pool, and what it is (the launch's caller key)."""
+        if arg.kind == "input":
+            inputs.append((position, arg.index))
+            return None, "input"
+        if arg.kind == "value":
+            return arg.value, "scalar"  # a dim by value: no address, differs between dims
+        if arg.kind == "shape":
+            return tvm_ffi.Shape(arg.value), "shape"
+        base, index, offset, shape, dtype = self.at.views[arg.index]
+        if base == "input":
+            input_views.append((position, index, shape, dtype))
+            return None, "input"
+        value = self._pool_value(arg, pool, side, addresses_only)
+        if index in self.output_storages:
+            outputs.append((position, index, value, offset, shape, dtype))
+            return value, ("output", index, offset)
+        return value, ("buffer", index, offset)
+
+    def _output_view(self, arg: Arg, pool: BufferPool, side: int):
+        base, index, offset, shape, dtype = self.at.views[arg.index]
+        if base == "input":
+            return None  # filled per call
+        side = self._side(index, side)
+        return pool.shared(("view", index, offset, side, shape, dtype),
+                           lambda: pool.view(index, offset, shape, dtype, side))
+
+    # -- one call --------------------------------------------------------------------------
+    def fill(self, launch: LaunchArgs, inputs: Sequence[Any], redirect: dict[int, Any] | None,
+             addresses_only: bool) -> None:
+        """Put this call's inputs (and ``out=`` targets, by output storage) into ``launch``."""
+        values = launch.values
+        for position, index in launch.inputs:
+            values[position] = inputs[index]
+        for position, index, shape, dtype in launch.input_views:
+            source = inputs[index]
+            values[position] = Address(source.data_ptr()) if addresses_only else \
+                source._create_view(tvm_ffi.Shape(shape), dtype)
+        if redirect or launch.redirected:
+            for position, storage, pool_value, offset, shape, dtype in launch.outputs:
+                target = redirect.get(storage) if redirect else None
+                values[position] = pool_value if target is None else \
+                    Address(target.data_ptr() + offset) if addresses_only else \
+                    target._create_view(tvm_ffi.Shape(shape), dtype, offset)
+            launch.redirected = bool(redirect)
+        for g, index in launch.guard_inputs:
+            launch.guards[g] = (inputs[index], launch.guards[g][1])
+
+    def outputs(self, placed: list, inputs: Sequence[Any], out: dict[int, Any] | None) -> list:
+        """The call's outputs: pool views, inputs passed through, the caller's ``out=``."""
         results = []
-        for i, (slot, held) in enumerate(zip(self.outputs, self._outs[side])):
+        for i, (arg, held) in enumerate(zip(self.at.outputs, placed)):
             if out and i in out:
                 results.append(out[i])
+            elif arg.kind == "input":
+                results.append(inputs[arg.index])
+            elif held is None:  # a view of an input
+                _, index, _, shape, dtype = self.at.views[arg.index]
+                results.append(inputs[index]._create_view(tvm_ffi.Shape(shape), dtype))
             else:
-                results.append(inputs[slot.index] if slot.kind == "input" else held)
+                results.append(held)
         return results
 
-
-def guarded_calls(branches: dict, name: str, shape: tuple, args: Sequence[Any],
-                  guards: tuple = ()) -> list[tuple[str, tuple, list, tuple]] | None:
-    """The region calls of conditional region ``name`` called with ``args`` at ``shape``:
-    ``(region, shape, arguments, guards)`` for both branches, a guard being ``(condition,
-    expect)``; a nested conditional adds its own. None if a conditional is not described
-    (``branches``, from ``DescribeConditionals``) or a region would need more than
-    ``MAX_GUARDS`` guards."""
-    described = branches.get(name)
-    if described is None or len(guards) >= MAX_GUARDS:
-        return None
-    condition = args[described["condition"]]
-    calls = []
-    for expect, side in zip((True, False), described["branches"]):
-        inner = guards + ((condition, expect),)
-        for call in side:
-            call_args = [args[i] for i in call["args"]]
-            call_shape = tuple(shape[i] for i in call["dims"])
-            if call["kind"] == "conditional":
-                nested = guarded_calls(branches, call["callee"], call_shape, call_args, inner)
-                if nested is None:
-                    return None
-                calls += nested
+    def tensors(self, launch: Launch, inputs: Sequence[Any], pool: BufferPool, side: int,
+                redirect: dict[int, Any] | None = None) -> list:
+        """``launch``'s arguments as tensors (pool views, inputs, ``redirect``'s out=
+        tensors) and values: what TVM's VM takes to issue the region function (recording,
+        a device loop's body)."""
+        args = []
+        for arg in launch.args:
+            if arg.kind == "input":
+                args.append(inputs[arg.index])
+            elif arg.kind == "value":
+                args.append(arg.value)
+            elif arg.kind == "shape":
+                args.append(tvm_ffi.Shape(arg.value))
             else:
-                calls.append((call["callee"], call_shape, call_args, inner))
-    return calls
+                base, index, offset, shape, dtype = self.at.views[arg.index]
+                if base == "input":
+                    args.append(inputs[index]._create_view(tvm_ffi.Shape(shape), dtype))
+                elif redirect and index in redirect:
+                    args.append(redirect[index]._create_view(tvm_ffi.Shape(shape), dtype, offset))
+                else:
+                    args.append(pool.view(index, offset, shape, dtype, self._side(index, side)))
+        return args
 
+    def guards_as_tensors(self, launch: Launch, inputs: Sequence[Any], pool: BufferPool,
+                          side: int) -> list[tuple[Any, bool]]:
+        """``launch``'s guards with their conditions as tensors or addresses."""
+        def condition(arg: Arg):
+            if arg.kind == "input":
+                return inputs[arg.index]
+            base, index = self.at.views[arg.index][:2]
+            return inputs[index] if base == "input" else \
+                self._pool_value(arg, pool, side, addresses_only=False)
 
-class CallPlanRecorder:
-    """Watches one VM call's region calls and turns them into a ``CallPlan``, if it can.
-
-    Inputs listed in ``fixed`` (bound once, such as weights) are kept as values: they do
-    not move from call to call, so a replay need not look at their addresses.
-    """
-
-    def __init__(self, inputs: Sequence[Any], fixed: Sequence[int] = ()):
-        self.inputs = list(inputs)
-        self.fixed = set(fixed)
-        # (region, shape, arguments then guard conditions, what each guard expects)
-        self.calls: list[tuple[str, tuple, list[Any], tuple[bool, ...]]] = []
-        self._depth = 0  # inside a conditional region's call: its regions are planned already
-        self.unplannable = ""  # why no plan can be made, if so
-
-    def on_region(self, region: str, shape: tuple, args: Sequence[Any]) -> None:
-        if self._depth == 0:
-            self.calls.append((region, shape, list(args), ()))
-
-    def on_conditional(self, name: str, calls: list | None) -> None:
-        """A conditional region's call: ``calls`` (``guarded_calls``), the regions of both
-        its branches, each guarded by the condition (and by those it is nested in)."""
-        if self._depth == 0:
-            if calls is None:  # not described, or nested too deep: no plan, the VM runs it
-                self.unplannable = f"conditional region {name} cannot be planned"
-            else:
-                self.calls += [(region, region_shape, region_args + [c for c, _ in guards],
-                                tuple(e for _, e in guards))
-                               for region, region_shape, region_args, guards in calls]
-        self._depth += 1
-
-    def end_conditional(self) -> None:
-        self._depth -= 1
-
-    def finish(self, outputs: Sequence[Any], pool: BufferPool,
-               buffer_of: dict[tuple, int]) -> CallPlan | None:
-        """The plan, or None when the call's memory cannot be re-created buffer by buffer.
-
-        A tensor is named by where it first appears (region call, argument): the same name
-        at every shape, so ``buffer_of`` (shared by all plans of an executor) gives it the
-        same pool buffer at every shape, sized for the largest.
-        """
-        if self.unplannable:
-            return None
-        seen: dict[int, tuple[int, int]] = {}  # address -> (slot, nbytes)
-        position = [0, 0]
-
-        def slot(t) -> Slot | None:
-            if not isinstance(t, tvm.runtime.Tensor):
-                return Slot("value", value=t)
-            for i, x in enumerate(self.inputs):
-                if x.data_ptr() == t.data_ptr() and tuple(x.shape) == tuple(t.shape):
-                    return Slot("value", value=x) if i in self.fixed else Slot("input", i)
-            address, size_here = t.data_ptr(), nbytes(t)
-            for other, (_, size) in seen.items():
-                if other != address and other < address + size_here and address < other + size:
-                    return None  # overlapping views of one storage: keep the VM
-            if address in seen:
-                index = seen[address][0]
-            else:
-                index = buffer_of.setdefault(tuple(position), len(buffer_of))
-            seen[address] = (index, max(size_here, seen.get(address, (0, 0))[1]))
-            return Slot("buffer", index, tuple(t.shape), str(t.dtype))
-
-        regions = []
-        for call, (region, shape, args, expects) in enumerate(self.calls):
-            slots = []
-            for arg, value in enumerate(args):
-                position[:] = [call, arg]
-                slots.append(slot(value))
-            if any(s is None for s in slots):
-                return None
-            regions.append((region, shape, slots, expects))
-        out_slots = []
-        for i, value in enumerate(outputs):
-            position[:] = [-1, i]
-            out_slots.append(slot(value))
-        if any(s is None or s.kind == "value" for s in out_slots):
-            return None
-        outputs = {s.index for s in out_slots if s.kind == "buffer"}
-        for index, size in seen.values():
-            pool.reserve(index, size, sides=2 if index in outputs else 1)
-        return CallPlan(regions, out_slots)
+        return [(condition(c), e) for c, e in launch.guards]

@@ -8,6 +8,7 @@ group keeps the kernels once; a shape is a row of its argument table.
 from __future__ import annotations
 
 import contextlib
+import time
 from typing import Any, Sequence
 
 import tvm
@@ -78,6 +79,7 @@ class CpuReplayBackend:
     """
 
     name = "cpu-replay"
+    addresses_only = False  # the kernels take tensors
     # Recording runs the kernels (the VM calls them, the recorder watches): to record a
     # region without its effects the executor must skip them. A capture runs nothing.
     records_by_running = True
@@ -85,6 +87,8 @@ class CpuReplayBackend:
     def __init__(self, device: tvm.runtime.Device, max_shapes: int | None = None):
         self.device = device
         self.max_shapes = max_shapes
+        self.launches = 0
+        self.driver_ns = 0  # time in the replayed kernels themselves
         self._groups: dict[str, TopologyGroups] = {}
         self._kernels: dict[str, list[CpuGroup]] = {}
 
@@ -119,7 +123,10 @@ class CpuReplayBackend:
         if where is None:
             return False
         if all(bool(condition.numpy()) == bool(expect) for condition, expect in guards):
+            start = time.perf_counter_ns()
             self._kernels[region][where[0]].replay(where[1], region_args)
+            self.driver_ns += time.perf_counter_ns() - start
+        self.launches += 1
         return True  # a guard that fails: the call is done, with nothing run
 
     def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> CallRecorder:

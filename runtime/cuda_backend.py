@@ -23,6 +23,7 @@ The backend owns its streams, its context reference, the patch kernel and every 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -60,6 +61,7 @@ class CudaGraphBackend:
 
     name = "cuda-graph"
     addresses_only = True  # replays read region arguments' addresses, nothing else
+    records_by_running = False  # a capture runs nothing
 
     def __init__(self, device: tvm.runtime.Device, mode: str = "topology",
                  max_graphs: int = 4096, arch: str | None = None,
@@ -113,6 +115,7 @@ class CudaGraphBackend:
         self.graphs_captured = 0
         self.graphs_instantiated = 0
         self.launches = 0  # graph launches, for the executor's statistics
+        self.driver_ns = 0  # time in the driver's copy and launch calls of replays
         self.synchronizing_guards = 0  # guards read on the host (per-shape mode): each a sync
         self.graphs_not_kept = 0  # captures run once and dropped (``UnkeptGraph``)
         self.not_kept_reason: str | None = None
@@ -171,7 +174,11 @@ class CudaGraphBackend:
         found = graphs.groups.lookup(shape) if graphs is not None else None
         if found is not None:
             table, row = found
-            graphs.graphs[table].replay(row, region_args, self.stream, caller, moving, guards)
+            graph = graphs.graphs[table]
+            record = graph.launch_record(row, region_args, caller, moving, guards)
+            start = time.perf_counter_ns()
+            graph.launch(record, self.stream)
+            self.driver_ns += time.perf_counter_ns() - start
             self.launches += 1
             return True
         captured = self._per_shape.get((region, shape))
@@ -180,7 +187,9 @@ class CudaGraphBackend:
         self._per_shape.move_to_end((region, shape))
         if guards and not self._guards_hold(guards):
             return True
+        start = time.perf_counter_ns()
         captured.replay(region_args, self.stream)
+        self.driver_ns += time.perf_counter_ns() - start
         self.launches += 1
         return True
 

@@ -1,10 +1,11 @@
-"""``GraphExecutor``: host steps through TVM's VM, regions through recorded graphs."""
+"""``GraphExecutor``: a call as the compiler's call program, regions through recorded graphs."""
 
 from __future__ import annotations
 
 import ctypes
 import itertools
 import threading
+import time
 import weakref
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
@@ -16,7 +17,9 @@ import tvm
 import tvm_ffi
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
-from .call_plan import BufferPool, CallPlan, CallPlanRecorder, guarded_calls
+from .backend import RegionBackend
+from .call_plan import BufferPool, PlannedCall
+from .call_program import CONDITIONAL_PREFIX, REGION_PREFIX, CallProgram, Launch, guarded_calls
 from .progress import Progress
 from .signature import InputError, Signature, nbytes
 
@@ -36,13 +39,19 @@ DEFAULT_MAX_SHAPES = 2048
 VM_POOL_CLEAR_BYTES = {"cpu": 4 << 20, "gpu": 256 << 20}
 VM_POOL_CLEAR_CALLS = 64
 
-REGION_PREFIX = "grape_region_"  # the names LiftGraphRegions gives region functions
-CONDITIONAL_PREFIX = "grape_cond_"  # and BranchesToConditionalRegions, conditional regions
+
+HOST_PHASES = ("checks", "plan", "record", "driver", "vm")
 
 
 @dataclass
 class CallStats:
-    """What the executor did, summed over calls (``last`` holds the last call's figures)."""
+    """What the executor did, summed over calls (``last`` holds the last call's figures).
+
+    ``host_us`` splits the host time of calls by phase: ``checks`` (inputs checked, dims
+    looked up), ``plan`` (the planned call found, the output side chosen, arguments
+    filled), ``record`` (launch records written, recordings made at new shapes), ``driver``
+    (the CUDA driver's copy and launch calls of replays), ``vm`` (calls TVM's VM ran).
+    """
 
     calls: int = 0
     region_replays: int = 0
@@ -58,6 +67,7 @@ class CallStats:
     # Held now (not summed): plans of dims, and (region, shape) recordings of the backend.
     plans_held: int = 0
     shapes_held: int = 0
+    host_us: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOST_PHASES, 0.0))
     last: dict[str, Any] = field(default_factory=dict)
 
     def begin_call(self) -> None:
@@ -68,21 +78,42 @@ class CallStats:
         self.last[key] = self.last.get(key, 0) + value
         setattr(self, key, getattr(self, key) + value)
 
+    def add_host(self, phases: Mapping[str, int]) -> None:
+        """One call's host time per phase, in nanoseconds."""
+        last = {}
+        for phase, ns in phases.items():
+            last[phase] = ns / 1e3
+            self.host_us[phase] += ns / 1e3
+        self.last["host_us"] = last
+
+
+@dataclass
+class _Recording:
+    """A region being recorded: by the VM's own call of it (``run`` by the VM), or issued
+    by the executor (``run`` False: recorded without its effects)."""
+
+    region: str
+    recorder: Any
+    run: bool
+    by_vm: bool = False  # the VM's call of the region: ended when that call returns
+
 
 class GraphExecutor:
     """Run a grape-compiled module on one device.
 
-    The first call at given dims runs the entry function on TVM's VM; each call of a region
-    function is intercepted: at a shape seen before the backend replays it (one graph launch
-    on CUDA) and the VM skips the call; at a new shape the VM runs it while the backend
-    records it. When the entry function has no host step (``plan_calls``), later calls at
-    those dims skip the VM altogether (``CallPlan``) and run on buffers the executor owns.
+    With a call program (``CallProgram``, written by the compiler for a model without host
+    steps) a call runs no VM: the program, evaluated once per dims (``PlannedCall``), gives
+    every region launch and its arguments on buffers the executor owns; the backend replays
+    each region's recording at its shape (one graph launch on CUDA), recording it first at
+    a shape it has not seen, the VM issuing the region function while the backend records.
+    A conditional region's two branches are both launched, each guarded by the condition,
+    which the backend checks on the device: no host read.
 
-    A conditional region (a data-dependent ``if``, ``branches`` from the artifact's plan)
-    launches the regions of both branches, each guarded by the condition, which the
-    backend checks on the device: no host read. Until both are recorded at their shapes
-    the VM runs it instead (reading the condition, counted in ``stats.host_branch_reads``):
-    the branch taken is recorded as it runs, the other one recorded without running.
+    Without a program (host steps, or an executable straight from ``tvm.compile``) the
+    entry function runs on TVM's VM, and each region call is intercepted: replayed if
+    recorded at its shape, else recorded as the VM runs it. A conditional region whose
+    branches are all recorded is launched guarded; else the VM runs it (reading the
+    condition: ``stats.host_branch_reads``).
 
     A recording maps kernel arguments to the call's tensors by address, so a call whose
     inputs share memory (one tensor passed for two inputs, overlapping views) is run by the
@@ -96,46 +127,48 @@ class GraphExecutor:
     """
 
     def __init__(self, executable: tvm.runtime.Module, device: tvm.runtime.Device,
-                 signature: Signature | None = None, backend=None, entry: str = "main",
-                 plan_calls: bool = False, branches: Mapping[str, dict] | None = None,
+                 signature: Signature | None = None, backend: RegionBackend | None = None,
+                 entry: str = "main", program: CallProgram | None = None,
+                 branches: Mapping[str, dict] | None = None,
                  max_shapes: int = DEFAULT_MAX_SHAPES):
         if max_shapes < 1:
             raise ValueError(f"max_shapes must be at least 1, got {max_shapes}")
         self.device = device
-        self.branches = dict(branches or {})
+        self.program = program if signature is not None else None
+        self.branches = dict(branches if branches is not None else
+                             program.conditionals if program is not None else {})
         self.signature = signature
         self.max_shapes = max_shapes
-        self.backend = backend if backend is not None else default_backend(device, max_shapes)
+        self.backend: RegionBackend = backend if backend is not None else \
+            default_backend(device, max_shapes)
         self.entry = entry
         self.stats = CallStats()
         self._vm = VirtualMachine(executable, device)
         # The VM keeps its instrument alive, and the executor its VM: a strong reference
         # back would make a cycle through TVM's FFI that Python's collector cannot see.
         self._vm.set_instrument(_weakly_bound(self._instrument))
-        self._open: tuple[str, Any, bool] | None = None  # (region, recorder, run) while recording
-        self._recording = True  # False during a call whose inputs share memory
+        self._open: _Recording | None = None
+        self._recording = True  # False during a VM call whose inputs share memory
+        # Regions of conditional regions the VM ran during this call (``_on_conditional``).
+        self._branches_to_record: list[tuple[str, tuple, list, tuple]] = []
         self._lock = threading.Lock()
-        # Calls without the VM: only for an entry function with no host step (see call_plan).
-        self._plan_calls = plan_calls and signature is not None
-        # Dims seen, least recently used first: their plan, or None (no plan possible).
-        self._plans: OrderedDict[tuple, CallPlan | None] = OrderedDict()
+        # Dims seen, least recently used first: their planned call, or None (the VM runs it).
+        self._plans: OrderedDict[tuple, PlannedCall | None] = OrderedDict()
         # VM calls at new dims since the VM's memory pool was emptied, and their outputs' bytes.
         self._vm_pool_calls = self._vm_pool_bytes = 0
         self._on_cpu = _on_host(device)
         self._vm_pool_limit = VM_POOL_CLEAR_BYTES["cpu" if self._on_cpu else "gpu"]
-        self._watch: CallPlanRecorder | None = None
         self._pool = BufferPool(device)
-        self._buffer_of: dict[tuple, int] = {}
         self._bound: dict[str, tvm.runtime.Tensor] = {}
         self._bound_dims: dict[str, int] = {}
         self.bound_version = 0  # bumped by bind_inputs: graphs holding bound addresses are stale
         inputs = signature.inputs if signature is not None else ()
         self._position = {t.name: i for i, t in enumerate(inputs)}
         self._template: list[Any] = [None] * len(inputs)  # bound inputs in place
-        self._fixed: list[int] = []  # their positions
         # Fast paths of a call's checks: the last planned call's outputs (an autoregressive
         # caller passes them straight back) and the dims of input shapes seen before.
         self._returned: dict[int, tuple] = {}
+        self._checked: dict[int, tuple] = {}  # the last call's TVM tensors: (tensor, shape, dtype)
         self._dims_of: dict[tuple, tuple] = {}
 
     # -- calls ---------------------------------------------------------------------------
@@ -157,9 +190,8 @@ class GraphExecutor:
             self._bound.update(tensors)
             self._bound_dims.update(dims)
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
-            self._fixed = [i for i, t in enumerate(self._template) if t is not None]
             self._plans.clear()
-            self._returned, self._dims_of = {}, {}
+            self._returned, self._checked, self._dims_of = {}, {}, {}
             self.bound_version += 1
 
     @property
@@ -177,37 +209,40 @@ class GraphExecutor:
         """Run one call; ``inputs`` maps input names to numpy arrays or DLPack tensors.
 
         Device tensors are read where they are: no copy. Returned tensors
-        (``return_numpy=False``) belong to the executor and stay valid until its next call
-        (an output fed back as the next call's input is read in place). ``out`` maps output
-        names to device tensors of the caller's, written directly. Without a signature (an
-        executable straight from ``tvm.compile``) inputs are positional and outputs come
-        back as a list. ``stats`` counts copies and launches.
+        (``return_numpy=False``) belong to the executor and stay valid until a later call
+        writes them: the next call, or the one after it when the next call's inputs are
+        this call's outputs (a decode loop feeding its cache back; see ``BufferPool``).
+        ``out`` maps output names to device tensors of the caller's, written directly.
+        Without a signature (an executable straight from ``tvm.compile``) inputs are
+        positional and outputs come back as a list. ``stats`` counts copies, launches and
+        host time.
         """
         with self._lock:
             self._check_open()
-            self.stats.begin_call()
+            stats = self.stats
+            stats.begin_call()
+            start = time.perf_counter_ns()
             args, key, passed = self._prepare(inputs)
             targets = self._prepare_out(out)
-            launches = self._launches()
+            phases = {"checks": time.perf_counter_ns() - start}
+            launches = self.backend.launches
             try:
-                with self.backend.stream_context():
-                    outputs = self._call(args, key, passed, targets)
-                    if return_numpy:
+                outputs = self._call(args, key, passed, targets, phases)
+                if return_numpy:
+                    with self.backend.stream_context():
                         outputs = _to_numpy(outputs)
-                        self.stats.add("d2h_bytes", _bytes(outputs))
+                    stats.add("d2h_bytes", _bytes(outputs))
             except BaseException:
                 self._abandon_recording()
                 raise
-            self.stats.add("graph_launches", self._launches() - launches)
-            self.stats.calls += 1
-            self.stats.plans_held = len(self._plans)
-            self.stats.shapes_held = self.backend.shapes_held
+            stats.add("graph_launches", self.backend.launches - launches)
+            stats.add_host(phases)
+            stats.calls += 1
+            stats.plans_held = len(self._plans)
+            stats.shapes_held = self.backend.shapes_held
             return outputs
 
     __call__ = run
-
-    def _launches(self) -> int:
-        return getattr(self.backend, "launches", 0)
 
     def _prepare_out(self, out: Mapping[str, Any] | None) -> dict[int, Any]:
         if not out:
@@ -225,69 +260,142 @@ class GraphExecutor:
             targets[names.index(name)] = self._as_tensor(f"out[{name!r}]", value, copy=False)
         return targets
 
-    def _call(self, args: list, key: tuple | None, passed: list, out: dict[int, Any]):
-        plan = self._plans.get(key) if key is not None else None
-        if plan is not None:
-            self._plans.move_to_end(key)
-        side = None
-        if plan is not None:
-            # Our own outputs passed back: their side is known; the rest are looked up.
-            unknown, hit = list(out.values()), set()
-            for t in passed:
-                known = self._returned.get(id(t))
-                if known is None:
-                    unknown.append(t)
-                else:
-                    hit.add(known[3])
-            side = self._pool.side_for(unknown, hit)
-        if plan is not None and side is not None:
-            self._check_out(out, plan)
-            outputs = plan.run(args, self._pool, self.backend, side, out)
-            self._returned = plan.described(side)
-            if outputs is None:
-                # A region lost its recording (a bounded per-shape cache): the VM records
-                # it again, watched, so that a branch it does not take is recorded too.
-                del self._plans[key]
-            else:
-                self.stats.planned_calls += 1
-                self.stats.region_replays += len(plan.regions)
-                self.stats.last["path"] = "planned"
-                return self._name_outputs(outputs)
+    def _call(self, args: list, key: tuple | None, passed: list, out: dict[int, Any],
+              phases: dict[str, int]):
+        start = time.perf_counter_ns()
+        planned = self._planned(key, args)
+        if planned is not None:
+            side = self._output_side(passed, out)
+            if side is not None:
+                self._check_out(out, planned)
+                outputs = self._run_planned(planned, key, args, side, out, phases, start)
+                if outputs is not None:
+                    return self._name_outputs(outputs)
         self._returned = {}
-        values, recorder = self._call_vm(args, key)
-        if recorder is not None:
-            plan = recorder.finish(values, self._pool, self._buffer_of)
-            self._remember(key, plan)
-            if plan is not None and plan.guarded:
-                try:
-                    self._record_branches_not_taken(recorder)
-                except BaseException:
-                    del self._plans[key]  # planned calls would find a branch unrecorded
-                    raise
-        elif key is not None and not self._plan_calls and self._recording:
-            self._remember(key, None)  # dims seen (for the VM's pool), nothing to plan
-        for index, target in out.items():  # the VM allocated its own: copy, and count it
-            _check_like(target, values[index], self.signature.outputs[index].name)
-            target.copyfrom(values[index])
-            self.stats.add("d2d_bytes", nbytes(values[index]))
-            values[index] = target
+        values = self._call_vm(args, key, out)
+        phases["vm"] = time.perf_counter_ns() - start
         return self._name_outputs(values)
 
-    def _call_vm(self, args: list, key: tuple | None) -> tuple[list, CallPlanRecorder | None]:
-        """The entry function on TVM's VM, regions intercepted (``_instrument``); a call at
-        dims without a plan is watched, to make one, unless its inputs share memory."""
+    def _planned(self, key: tuple | None, args: list) -> PlannedCall | None:
+        """The planned call at ``key``'s dims, made from the program the first time."""
+        if self.program is None or key is None:
+            return None
+        if key in self._plans:
+            self._plans.move_to_end(key)
+            return self._plans[key]
+        at = self.program.at(self.program.dims_of([tuple(a.shape) for a in args]))
+        planned = None if at is None else PlannedCall(at, self.program.output_storages, self._pool)
+        self._remember(key, planned)
+        return planned
+
+    def _output_side(self, passed: list, out: dict[int, Any]) -> int | None:
+        """The pool side this call writes its outputs on: our own outputs passed back are
+        known by ``id``, the rest are looked up by address."""
+        unknown, hit = list(out.values()), set()
+        for tensor in passed:
+            known = self._returned.get(id(tensor))
+            if known is None:
+                unknown.append(tensor)
+            else:
+                hit.add(known[3])
+        return self._pool.side_for(unknown, hit)
+
+    def _run_planned(self, planned: PlannedCall, key: tuple, args: list, side: int,
+                     out: dict[int, Any], phases: dict[str, int], start: int) -> list | None:
+        """Launch every region of ``planned``; None if the VM must run this call instead."""
+        backend = self.backend
+        addresses_only = backend.addresses_only
+        if not planned.recorded(backend):
+            if not self._record_guarded(planned, key, args, side):
+                return None
+        placed, held, described = planned.placed(self._pool, side, addresses_only)
+        redirect = planned.redirect(out) if out else None
+        driver = backend.driver_ns
+        launched = time.perf_counter_ns()
+        replays = 0
+        for launch in placed:
+            planned.fill(launch, args, redirect, addresses_only)
+            spec = launch.launch
+            if backend.replay(spec.region, spec.shape, launch.values, launch.caller,
+                              launch.moving, launch.guards):
+                replays += 1
+            else:
+                self._record_launch(planned, spec, args, side, redirect)
+        end = time.perf_counter_ns()
+        phases["plan"] = launched - start
+        phases["driver"] = backend.driver_ns - driver
+        phases["record"] = end - launched - phases["driver"]
+        self._returned = described if not out else {}
+        self.stats.planned_calls += 1
+        self.stats.region_replays += replays
+        self.stats.last["path"] = "planned"
+        return planned.outputs(held, args, out)
+
+    def _record_guarded(self, planned: PlannedCall, key: tuple, args: list, side: int) -> bool:
+        """Record, without running them, the guarded launches not recorded yet (the regions
+        of conditional regions: launched guarded, they must exist before the call). False
+        when they cannot be: the call's inputs share memory, or a recording is not kept;
+        the VM then runs this call (and every call at these dims, for the latter)."""
+        if _share_memory(args):
+            self.stats.unrecorded_calls += 1
+            return False
+        for launch in planned.launches:
+            if not launch.guards or self.backend.has(launch.region, launch.shape):
+                continue
+            self._record_region(launch.region, launch.shape,
+                                planned.tensors(launch, args, self._pool, side), run=False)
+            if not self.backend.has(launch.region, launch.shape):
+                self._plans[key] = None  # a region run once, not kept: the VM reads the if
+                return False
+        return True
+
+    def _record_launch(self, planned: PlannedCall, launch: Launch, args: list, side: int,
+                       redirect: dict[int, Any] | None) -> None:
+        """Record an unrecorded launch at its shape, and run it."""
+        tensors = planned.tensors(launch, args, self._pool, side, redirect)
+        if not launch.guards:
+            self._record_region(launch.region, launch.shape, tensors, run=True)
+            return
+        self._record_region(launch.region, launch.shape, tensors, run=False)
+        guards = planned.guards_as_tensors(launch, args, self._pool, side)
+        if not self.backend.replay(launch.region, launch.shape, tensors, guards=guards):
+            raise RuntimeError(f"{launch.region} at {launch.shape} could not be kept "
+                               f"({self.backend.describe().get('not_kept_reason')}): it is "
+                               "guarded by a data-dependent if and cannot run without its "
+                               "recording")
+
+    def _record_region(self, region: str, shape: tuple, tensors: list, run: bool) -> None:
+        """The VM issues ``region`` at ``shape`` while the backend records it; ``run``: its
+        kernels run too (else recorded without effects)."""
+        recorder = self.backend.begin(region, shape, tensors)
+        self._open = _Recording(region, recorder, run)
+        try:  # on the backend's recording stream (begin), not the call's
+            self._vm[region](*tensors, tvm_ffi.Shape(shape))
+        except BaseException:
+            self._abandon_recording()
+            raise
+        self._open = None
+        self.backend.end(recorder, run=run)
+        self.stats.region_recordings += 1
+
+    def _call_vm(self, args: list, key: tuple | None, out: dict[int, Any]) -> list:
+        """The entry function on TVM's VM, regions intercepted (``_instrument``); recorded
+        as they run unless the inputs share memory."""
         new_dims = key is not None and key not in self._plans
         self._recording = not _share_memory(args)
         if not self._recording:
             self.stats.unrecorded_calls += 1
-        watch = self._plan_calls and new_dims and self._recording
-        self._watch = CallPlanRecorder(args, self._fixed) if watch else None
         try:
-            result = self._vm[self.entry](*args)
+            with self.backend.stream_context():
+                result = self._vm[self.entry](*args)
+            self._record_branches_not_taken()
         finally:
-            recorder, self._watch, self._recording = self._watch, None, True
+            self._recording = True
+            self._branches_to_record = []
         values = _values(result, self.signature)
         if new_dims:
+            if self._recording and self.program is None:
+                self._remember(key, None)  # dims seen: the VM's pool counts new dims only
             self._vm_pool_calls += 1
             self._vm_pool_bytes += sum(nbytes(v) for v in values
                                        if isinstance(v, tvm.runtime.Tensor))
@@ -295,9 +403,23 @@ class GraphExecutor:
                     self._vm_pool_bytes >= self._vm_pool_limit:
                 _clear_vm_memory_pools(trim_host=self._on_cpu)
                 self._vm_pool_calls = self._vm_pool_bytes = 0
-        return values, recorder
+        for index, target in out.items():  # the VM allocated its own: copy, and count it
+            _check_like(target, values[index], self.signature.outputs[index].name)
+            with self.backend.stream_context():
+                target.copyfrom(values[index])
+            self.stats.add("d2d_bytes", nbytes(values[index]))
+            values[index] = target
+        return values
 
-    def _remember(self, key: tuple, plan: CallPlan | None) -> None:
+    def _record_branches_not_taken(self) -> None:
+        """Record, without running them, the regions of conditional regions the VM ran
+        (reading the condition) that are still unrecorded: the branch it did not take. The
+        next call at these dims launches both, guarded, with no host read."""
+        for region, shape, args, _ in self._branches_to_record:
+            if not self.backend.has(region, shape):
+                self._record_region(region, shape, list(args), run=False)
+
+    def _remember(self, key: tuple, plan: PlannedCall | None) -> None:
         """Keep the plan of ``key``'s dims, giving up the least recently used beyond
         ``max_shapes``."""
         self._plans[key] = plan
@@ -306,13 +428,18 @@ class GraphExecutor:
             self._plans.popitem(last=False)
             self.stats.evicted_shapes += 1
 
-    def _check_out(self, out: dict[int, Any], plan: CallPlan) -> None:
+    def _check_out(self, out: dict[int, Any], planned: PlannedCall) -> None:
         for index, target in out.items():
             name = self.signature.outputs[index].name
-            if plan.outputs[index].kind != "buffer":
-                raise InputError(f"output {name!r} is an input passed through: it cannot be "
+            written = planned.output_spec(index)
+            if written is None:
+                raise InputError(f"output {name!r} is not written by a kernel of its own (an "
+                                 "input passed through, or a buffer it shares): it cannot be "
                                  "written to out=")
-            _check_like(target, plan.outputs[index], name)  # a Slot has the output's shape
+            shape, dtype = written
+            if tuple(target.shape) != shape or str(target.dtype) != dtype:
+                raise InputError(f"out[{name!r}] is {target.dtype}{tuple(target.shape)}, this "
+                                 f"call's output is {dtype}{shape}")
 
     def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None, list]:
         """The entry function's arguments, the call's dims key, and the tensors passed."""
@@ -322,18 +449,24 @@ class GraphExecutor:
         if not isinstance(inputs, Mapping):
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
-        tensors, described = {}, []
+        tensors, described, checked = {}, [], {}
         for name, value in inputs.items():
             if name in self._bound:
                 raise InputError(f"input {name!r} is bound (bind_inputs): it cannot also be "
                                  "passed to run(); bind it again to change it")
-            known = self._returned.get(id(value))
-            if known is not None and known[0] is value:  # our own output, checked when made
+            # Our own output, or a tensor the last call checked: a TVM tensor's shape,
+            # dtype, device and layout never change, so it is not checked again.
+            known = self._returned.get(id(value)) or self._checked.get(id(value))
+            if known is not None and known[0] is value:
                 tensors[name] = value
                 described.append((name, known[1], known[2]))
             else:
                 tensor = tensors[name] = self._as_tensor(name, value)
-                described.append((name, tuple(tensor.shape), str(tensor.dtype)))
+                known = (tensor, tuple(tensor.shape), str(tensor.dtype))
+                described.append((name, known[1], known[2]))
+            if value is tensors[name]:
+                checked[id(value)] = known
+        self._checked = checked  # this call's inputs, held until the next call
         described = tuple(described)
         key = self._dims_of.get(described)
         if key is None:
@@ -406,47 +539,36 @@ class GraphExecutor:
     def _abandon_recording(self) -> None:
         # A failed call must leave the executor usable: drop a half-made recording.
         if self._open is not None:
-            self.backend.abort(self._open[1])
+            self.backend.abort(self._open.recorder)
             self._open = None
-
-    def _record_branches_not_taken(self, watched: CallPlanRecorder) -> None:
-        """Record, without running them, the regions of the branches the VM did not take:
-        a planned call launches both (guarded), so both need their recording."""
-        for region, shape, args, expects in watched.calls:
-            if not expects or self.backend.has(region, shape):
-                continue
-            args = args[:len(args) - len(expects)]
-            recorder = self.backend.begin(region, shape, args)
-            self._open = (region, recorder, False)
-            try:
-                self._vm[region](*args, tvm_ffi.Shape(shape))
-            except BaseException:
-                self._abandon_recording()
-                raise
-            self._open = None
-            self.backend.end(recorder, run=False)
-            self.stats.region_recordings += 1
 
     def trace(self, inputs: Mapping[str, Any]) -> tuple[list[tuple[str, tuple, list]], list]:
         """The region calls (name, shape, arguments) and outputs of a call on ``inputs``,
         without running it: for a caller that issues them itself (``DeviceLoop``).
 
-        Needs a plan at these dims (``plan_calls`` and a call made before at them); the
-        arguments are the given input tensors, bound inputs and the executor's buffers.
+        Needs a planned call at these dims (a call program, and a call made before at
+        them); the arguments are the given input tensors, bound inputs and the executor's
+        buffers.
         """
         with self._lock:
             self._check_open()
             args, key, passed = self._prepare(inputs)
-            plan = self._plans.get(key)
-            if plan is None:
-                raise RuntimeError(f"no call plan at dims {dict(key or ())}: run the model once "
-                                   "at these dims first (an entry function with host steps has "
-                                   "none)")
+            planned = self._plans.get(key)
+            if planned is None:
+                raise RuntimeError(f"no planned call at dims {dict(key or ())}: run the model "
+                                   "once at these dims first (a model with host steps has no "
+                                   "call program)")
+            if planned.guarded:
+                raise NotImplementedError("this call has data-dependent branches (conditional "
+                                          "regions): it cannot be re-issued region by region")
             side = self._pool.side_for(passed)
             if side is None:
                 raise InputError("the inputs live in the executor's own buffers: pass tensors "
                                  "of your own")
-            return plan.calls(args, self._pool, side)
+            calls = [(launch.region, launch.shape, planned.tensors(launch, args, self._pool, side))
+                     for launch in planned.launches]
+            held = planned.placed(self._pool, side, self.backend.addresses_only)[1]
+            return calls, planned.outputs(held, args, None)
 
     # -- region interception -------------------------------------------------------------
     def _instrument(self, func, symbol: str, before_run: bool, _ret, *args) -> int:
@@ -456,51 +578,45 @@ class GraphExecutor:
             return self._on_conditional(symbol, before_run, args)
         if before_run and symbol.startswith(REGION_PREFIX):
             shape = tuple(int(v) for v in args[-1])
-            if self._watch is not None:
-                self._watch.on_region(symbol, shape, args[:-1])
             if self.backend.replay(symbol, shape, args[:-1]):
                 self.stats.region_replays += 1
                 return VMInstrumentReturnKind.SKIP_RUN
             if self._recording:
-                self._open = (symbol, self.backend.begin(symbol, shape, args[:-1]), True)
+                self._open = _Recording(symbol, self.backend.begin(symbol, shape, args[:-1]),
+                                        run=True, by_vm=True)
         return VMInstrumentReturnKind.NO_OP
 
     def _on_conditional(self, symbol: str, before_run: bool, args) -> int:
         """A conditional region called by the VM. When every region of both its branches
         is recorded at these dims, they are launched here, each guarded by the condition,
         and the VM skips the call: no host read, on the VM path too. Otherwise the VM runs
-        it (reading the condition, recording the branch it takes) and the plan, if one is
-        being made, gets both branches."""
+        it (reading the condition, recording the branch it takes)."""
         if not before_run:  # the VM ran it (a skipped call has no "after")
-            if self._watch is not None:
-                self._watch.end_conditional()
             return VMInstrumentReturnKind.NO_OP
         calls = guarded_calls(self.branches, symbol, tuple(int(v) for v in args[-1]), args[:-1])
-        if self._watch is not None:
-            self._watch.on_conditional(symbol, calls)
         if not calls or not all(self.backend.has(region, s) for region, s, _, _ in calls):
             self.stats.add("host_branch_reads", 1)
+            if calls and self._recording:  # the branch not taken: recorded after the call
+                self._branches_to_record += calls
             return VMInstrumentReturnKind.NO_OP
         for region, region_shape, region_args, guards in calls:
             self.backend.replay(region, region_shape, region_args, guards=guards)
         self.stats.region_replays += len(calls)
-        if self._watch is not None:
-            self._watch.end_conditional()  # no "after" for a skipped call
         return VMInstrumentReturnKind.SKIP_RUN
 
     def _while_recording(self, func, symbol: str, before_run: bool, args) -> int:
-        region, recorder, run = self._open
-        if symbol == region:
-            if run and not before_run:
+        recording = self._open
+        if symbol == recording.region:
+            if recording.by_vm and not before_run:  # the VM's own call of it returned
                 self._open = None
-                self.backend.end(recorder)
+                self.backend.end(recording.recorder)
                 self.stats.region_recordings += 1
             return VMInstrumentReturnKind.NO_OP
         if before_run:
-            recorder.on_call(func, symbol, args)
+            recording.recorder.on_call(func, symbol, args)
             # Recorded, not run (no side effect): the kernels, not the host's shape
             # bookkeeping (VM builtins, VMShapeLower's shape functions) they depend on.
-            if not run and getattr(self.backend, "records_by_running", False) and \
+            if not recording.run and self.backend.records_by_running and \
                     not symbol.startswith(("vm.builtin.", "shape_func")):
                 return VMInstrumentReturnKind.SKIP_RUN
         return VMInstrumentReturnKind.NO_OP
@@ -549,10 +665,9 @@ class GraphExecutor:
             self._vm = None
             self._plans.clear()
             self._pool.close()
-            self._buffer_of.clear()
             self._bound.clear()
             self._template = [None] * len(self._template)
-            self._returned, self._dims_of = {}, {}
+            self._returned, self._checked, self._dims_of = {}, {}, {}
             self.stats.plans_held = self.stats.shapes_held = 0
 
     def _check_open(self) -> None:
@@ -614,7 +729,7 @@ def _to_numpy(outputs):
     return [_numpy(v) for v in outputs]
 
 
-def default_backend(device: tvm.runtime.Device, max_shapes: int | None = None):
+def default_backend(device: tvm.runtime.Device, max_shapes: int | None = None) -> RegionBackend:
     """CUDA graphs on a CUDA device, CPU replay on the CPU."""
     if device.dlpack_device_type() == tvm.cuda(0).dlpack_device_type():
         from .cuda_backend import CudaGraphBackend  # pylint: disable=import-outside-toplevel

@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .argument_table import ArgumentTable
-from .call_plan import MAX_GUARDS  # guards per launch: how deep a region may nest in ifs
+from .call_program import MAX_GUARDS  # guards per launch: how deep a region may nest in ifs
 from .cuda_compile import CubinStore, RuntimeKernel
 from .cuda_driver import check, driver
 from .cuda_graph import OwnedGraph
@@ -353,10 +353,11 @@ class TopologyGraph(OwnedGraph):
         self.upload(self.stream)  # device-updatable nodes: again after a host-side change
 
     # -- calls -------------------------------------------------------------------------
-    def replay(self, row: int, region_args: Sequence[Any], stream,
-               caller: Any = None, moving: Sequence[int] | None = None,
-               guards: Sequence[tuple[Any, Any]] = ()) -> None:
-        """Launch at ``row``. A ``caller`` that launched this graph last, with the same
+    def launch_record(self, row: int, region_args: Sequence[Any], caller: Any = None,
+                      moving: Sequence[int] | None = None,
+                      guards: Sequence[tuple[Any, Any]] = ()) -> bytes | None:
+        """The launch record for a launch at ``row``, if it differs from what the device
+        holds (else None). A ``caller`` that launched this graph last, with the same
         buffers, names in ``moving`` the only arguments whose address may have changed.
 
         ``guards``: ``(tensor or device address, expect)`` pairs, at most ``MAX_GUARDS``;
@@ -371,14 +372,23 @@ class TopologyGraph(OwnedGraph):
         for i in (moving if same_caller else range(min(len(region_args), self.num_args))):
             arg = region_args[i]
             record.set_arg(i, arg.data_ptr() if hasattr(arg, "data_ptr") else 0)
-        data = record.pending()
-        if data is not None:
+        return record.pending()
+
+    def launch(self, record: bytes | None, stream) -> None:
+        """Queue the record's copy (if any) and the graph's launch."""
+        if record is not None:
             # From pageable memory: the driver stages the bytes before it returns, so the
             # record can be rewritten for the next call at once; the copy itself is ordered
             # before the launch on the stream, whatever runs before it.
-            check(driver.cuMemcpyHtoDAsync(self.buffers["launch"].address, data, len(data),
+            check(driver.cuMemcpyHtoDAsync(self.buffers["launch"].address, record, len(record),
                                            stream), "cuMemcpyHtoDAsync(launch)")
         check(driver.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
+
+    def replay(self, row: int, region_args: Sequence[Any], stream, caller: Any = None,
+               moving: Sequence[int] | None = None,
+               guards: Sequence[tuple[Any, Any]] = ()) -> None:
+        """Launch at ``row`` (``launch_record``, then ``launch``)."""
+        self.launch(self.launch_record(row, region_args, caller, moving, guards), stream)
 
     def device_bytes(self) -> int:
         return sum(b.nbytes for b in self.buffers.values())

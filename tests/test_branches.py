@@ -24,6 +24,7 @@ from grape_tvm.passes import (CONDITIONAL_ATTR, BranchesToConditionalRegions, Co
 from grape_tvm.passes.branch_fusion import BRANCH_FUNC_ATTR
 from grape_tvm.passes.branch_regions import HOST_BRANCHES_ATTR
 from grape_tvm.pipeline import grape_pipeline
+from grape_tvm.runtime import GraphExecutor
 from test_passes import _Branchy as Branchy  # x @ w, then relu or square on cond, then + x
 
 LLVM = tvm.target.Target({"kind": "llvm"})
@@ -311,9 +312,10 @@ def test_both_branches_equal_the_vm_across_shapes(tmp_path):
         x = rng.standard_normal((n, 16)).astype(np.float32)
         _check(executor, vm, {"x": x, "w": w, "cond": np.array(cond)}, ["x", "w", "cond"])
         paths.append(executor.stats.last["path"])
-    # The first call at new dims runs on the VM; after it both branches are recorded, so
-    # a call taking the other branch is planned too: no host read of the condition.
-    assert paths == ["vm", "planned", "planned", "vm", "planned", "vm", "planned"]
+    # Every call runs from the call program, the first at new dims too (both branches are
+    # recorded before it launches them, guarded): never a host read of the condition.
+    assert paths == ["planned"] * 7
+    assert executor.stats.host_branch_reads == 0
 
 
 def test_nested_branches_take_all_three_paths(tmp_path):
@@ -519,7 +521,7 @@ def test_onnx_if_keeps_fusion_around_the_branch(tmp_path):
             np.testing.assert_allclose(executor.run({"x": x})["y"], want, rtol=1e-5, atol=1e-5)
             taken.add(bool((x @ w + b).mean() > 0))
             paths.add(executor.stats.last["path"])
-    assert taken == {True, False} and paths == {"vm", "planned"}
+    assert taken == {True, False} and paths == {"planned"}
 
 
 def test_conditional_the_runtime_cannot_issue_is_a_host_step():
@@ -543,7 +545,7 @@ def test_nested_conditional_the_runtime_cannot_issue_is_a_host_step():
 
 def test_a_lost_branch_recording_is_made_again(tmp_path):
     """A region of the branch not taken that loses its recording (a bounded per-shape
-    cache evicts it) sends the call back to the VM, which records the branch again."""
+    cache evicts it) is recorded again before the call launches it."""
     executor = load(_artifact(ResultIsOutput, tmp_path, select_ops=0), "cpu")
     vm = _vm(ResultIsOutput)
     x = np.random.default_rng(12).standard_normal((5, 16)).astype(np.float32)
@@ -553,11 +555,13 @@ def test_a_lost_branch_recording_is_made_again(tmp_path):
     (conditional,) = executor.manifest["plan"]["conditionals"]
     (else_region,) = conditional["else_calls"]
     executor.backend._groups[else_region].where.pop((5,))  # pylint: disable=protected-access
+    recordings = executor.stats.region_recordings
     paths = []
     for cond in (True, False, True):
         _check(executor, vm, {"x": x, "cond": np.array(cond)}, ["x", "cond"])
         paths.append(executor.stats.last["path"])
-    assert paths == ["vm", "planned", "planned"]
+    assert paths == ["planned"] * 3
+    assert executor.stats.region_recordings == recordings + 1
 
 
 def test_early_exit_example_runs(tmp_path):
@@ -570,7 +574,8 @@ def test_early_exit_example_runs(tmp_path):
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "1 conditional region(s), 0 host step(s)" in proc.stdout
-    assert "7 of 10 calls without the VM" in proc.stdout
+    assert "10 of 10 calls without the VM" in proc.stdout
+    assert "read on the host 0 time(s)" in proc.stdout
 
 
 def test_record_all_records_both_branches_at_every_size(tmp_path):
@@ -607,10 +612,12 @@ class StaticBranch:
 
 
 def test_recorded_branches_are_issued_without_a_host_read_at_new_dims(tmp_path):
-    """The branches work on (1, 16) whatever n is: once recorded, a call at a new n (on the
-    VM, which runs main there) launches both, guarded, instead of letting the VM read the
-    condition."""
-    executor = load(_artifact(StaticBranch, tmp_path, select_ops=0), "cpu")
+    """Without a call program (as for a model with host steps) the VM runs main. The
+    branches work on (1, 16) whatever n is: once recorded, a call at a new n launches both,
+    guarded, from the VM's call, instead of letting the VM read the condition."""
+    module = build(fresh(StaticBranch), DIMS, "llvm", select_ops=0)
+    executor = GraphExecutor(module.executable, tvm.cpu(), module.signature,
+                             branches=module.plan["branches"])
     vm = _vm(StaticBranch)
     rng = np.random.default_rng(14)
     w = rng.standard_normal((16, 16)).astype(np.float32)
@@ -622,3 +629,17 @@ def test_recorded_branches_are_issued_without_a_host_read_at_new_dims(tmp_path):
     # Only the very first call reads it: then both branches are recorded at (1, 16).
     assert reads == [1, 0, 0, 0, 0, 0]
     assert executor.stats.host_branch_reads == 1
+
+
+def test_the_call_program_never_reads_the_condition_on_the_host(tmp_path):
+    """From the call program, the first call at new dims records both branches before it
+    launches them, guarded: no call reads the condition, at any dims."""
+    executor = load(_artifact(StaticBranch, tmp_path, select_ops=0), "cpu")
+    vm = _vm(StaticBranch)
+    rng = np.random.default_rng(15)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    for n, cond in [(3, True), (3, False), (5, False), (7, True), (9, False), (9, True)]:
+        x = rng.standard_normal((n, 16)).astype(np.float32)
+        _check(executor, vm, {"x": x, "w": w, "cond": np.array(cond)}, ["x", "w", "cond"])
+        assert executor.stats.last["path"] == "planned"
+    assert executor.stats.host_branch_reads == 0

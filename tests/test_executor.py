@@ -37,7 +37,8 @@ def test_replay_equals_vm_for_many_shapes_in_random_order(blocks_artifact):
 
 
 def test_a_seen_shape_runs_without_the_vm(blocks_artifact):
-    """No host step in this model: a call at a recorded shape is planned, VM untouched."""
+    """No host step in this model: every call is planned from the call program; at a
+    recorded shape the VM is not touched at all."""
     executor = load(blocks_artifact, "cpu")
     x = np.ones((5, 64), np.float32)
     first = executor.run({"x": x})["y"]
@@ -48,7 +49,7 @@ def test_a_seen_shape_runs_without_the_vm(blocks_artifact):
         lambda f, sym, before, ret, *a: seen.append(sym) or executor._instrument(f, sym, before, ret, *a))
     np.testing.assert_array_equal(executor.run({"x": x * 2})["y"],
                                   load(blocks_artifact, "cpu").run({"x": x * 2})["y"])
-    assert seen == [] and executor.stats.planned_calls == 1
+    assert seen == [] and executor.stats.planned_calls == 2
     assert not np.array_equal(first, executor.run({"x": x * 3})["y"])
 
 
@@ -80,16 +81,17 @@ def test_out_buffers_are_written_directly(blocks_artifact):
     executor = load(blocks_artifact, "cpu")
     x = np.random.default_rng(1).standard_normal((7, 64)).astype(np.float32)
     want = load(blocks_artifact, "cpu").run({"x": x})["y"]
-    first = tvm.runtime.empty((7, 64), "float32", tvm.cpu())
-    executor.run({"x": x}, out={"y": first}, return_numpy=False)  # VM path: copied, counted
-    assert executor.stats.last["d2d_bytes"] == 7 * 64 * 4
-    np.testing.assert_allclose(first.numpy(), want, rtol=1e-6, atol=1e-6)
-    target = tvm.runtime.empty((7, 64), "float32", tvm.cpu())
-    got = executor.run({"x": x}, out={"y": target}, return_numpy=False)["y"]
-    assert executor.stats.last == {"h2d_bytes": x.nbytes, "d2h_bytes": 0, "d2d_bytes": 0,
-                                   "graph_launches": 0, "path": "planned"}
-    assert got.data_ptr() == target.data_ptr()
-    np.testing.assert_allclose(target.numpy(), want, rtol=1e-6, atol=1e-6)
+    for _ in range(2):  # the first call records the region into out=, the second replays
+        target = tvm.runtime.empty((7, 64), "float32", tvm.cpu())
+        got = executor.run({"x": x}, out={"y": target}, return_numpy=False)["y"]
+        last = executor.stats.last
+        assert (last["h2d_bytes"], last["d2h_bytes"], last["d2d_bytes"], last["path"]) == \
+            (x.nbytes, 0, 0, "planned")
+        assert got.data_ptr() == target.data_ptr()
+        np.testing.assert_allclose(target.numpy(), want, rtol=1e-6, atol=1e-6)
+    y = executor.run({"x": x}, return_numpy=False)["y"]  # the pool's buffer again
+    assert y.data_ptr() != target.data_ptr()
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-6, atol=1e-6)
     with pytest.raises(InputError, match=r"out\['y'\] is float32\(8, 64\), this call's output is float32\(7, 64\)"):
         executor.run({"x": x}, out={"y": tvm.runtime.empty((8, 64), "float32", tvm.cpu())})
     with pytest.raises(InputError, match="unknown output"):
@@ -165,7 +167,7 @@ def test_a_growing_cache_fed_back_copies_nothing(tmp_path):
     rng = np.random.default_rng(0)
     xs = [tvm.runtime.tensor(rng.standard_normal((1, 8)).astype(np.float32)) for _ in range(39)]
     start = tvm.runtime.tensor(rng.standard_normal((1, 8)).astype(np.float32))
-    for _ in range(2):  # first pass records every length, the second runs planned
+    for _ in range(2):  # first pass records every length, the second replays them
         cache, want = start, start.numpy()
         before = (executor.stats.h2d_bytes, executor.stats.d2d_bytes, executor.stats.d2h_bytes)
         for x in xs:
@@ -175,15 +177,16 @@ def test_a_growing_cache_fed_back_copies_nothing(tmp_path):
         np.testing.assert_array_equal(cache.numpy(), want)
         np.testing.assert_array_equal(out["y"].numpy(), want * 2)
     assert (executor.stats.h2d_bytes, executor.stats.d2d_bytes, executor.stats.d2h_bytes) == before
-    assert executor.stats.planned_calls == len(xs)
+    assert executor.stats.planned_calls == 2 * len(xs)
+    assert executor.stats.region_replays == executor.stats.region_recordings == len(xs)
 
 
 def test_planned_decode_steps_share_their_address_lists(tmp_path):
     """What a CUDA graph backend (``addresses_only``) gets from planned calls of a growing
     cache fed back: executor buffers as addresses, one argument list for every past length
     (only inputs, outputs' side and dims passed by value differ), one ``caller`` key, and
-    outputs alternating between two sides. The stub records planned replays and runs the
-    CPU replay for the VM's recordings."""
+    outputs alternating between two sides. The stub records the replays of recorded shapes
+    (without running them: it gets addresses) and lets the CPU replay record new ones."""
     from grape_tvm.runtime.call_plan import Address  # pylint: disable=import-outside-toplevel
     from grape_tvm.runtime.cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
 
@@ -195,8 +198,8 @@ def test_planned_decode_steps_share_their_address_lists(tmp_path):
             self.planned = []
 
         def replay(self, region, shape, region_args, caller=None, moving=None, guards=()):
-            if caller is None:  # the VM's own call, during a recorded run
-                return super().replay(region, shape, region_args)
+            if not self.has(region, shape):
+                return False  # the executor records it (the VM issues it, on tensors)
             self.planned.append((shape, list(region_args), caller, list(moving)))
             return True
 
@@ -204,15 +207,15 @@ def test_planned_decode_steps_share_their_address_lists(tmp_path):
     module = grape_tvm.build(Step, {"past": (1, 20)}, "llvm", output_names=["cache", "y"])
     backend = AddressesOnly(tvm.cpu())
     executor = GraphExecutor(module.executable, tvm.cpu(), module.signature, backend,
-                             plan_calls=True)
+                             program=module.program)
     x = tvm.runtime.tensor(np.ones((1, 8), np.float32))
     start = tvm.runtime.tensor(np.ones((1, 8), np.float32))
-    for _ in range(2):  # the first pass records every length, the second is planned
+    for _ in range(2):  # the first pass records every length, the second replays
         cache, sides = start, []
         for _ in range(19):
             cache = executor.run({"cache": cache, "x": x}, return_numpy=False)["cache"]
             sides.append(cache.data_ptr())
-    assert executor.stats.planned_calls == len(backend.planned) == 19
+    assert executor.stats.planned_calls == 2 * len(backend.planned) == 38
     assert len(set(sides)) == 2 and sides[0::2] == [sides[0]] * 10  # two sides, alternating
     assert len({caller for _, _, caller, _ in backend.planned}) == 1
     # The executor's own buffers, as addresses: the same for every past length on a side.
@@ -305,6 +308,6 @@ def test_bound_inputs_are_checked_once_and_left_out_of_calls(tmp_path):
         x = rng.standard_normal((n, 32)).astype(np.float32)
         np.testing.assert_allclose(executor.run({"x": x})["y"], blocks_numpy(x, weights, 2),
                                    rtol=1e-4, atol=1e-4)
-    assert executor.stats.planned_calls == 2
+    assert executor.stats.planned_calls == 5 and executor.stats.region_replays == 2
     with pytest.raises(InputError, match="missing input"):
         executor.run({})

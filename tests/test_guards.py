@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from grape_tvm.runtime.call_plan import MAX_GUARDS
+from grape_tvm.runtime.call_program import MAX_GUARDS
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE, LaunchRecord
 
@@ -92,7 +92,7 @@ def test_the_patch_kernel_compiles():
 
 def test_the_launch_buffer_holds_as_many_guards_as_a_plan_gives():
     """The record's capacity (what the device buffer is allocated with) holds the most
-    guards a plan gives a region (``call_plan.MAX_GUARDS``)."""
+    guards a plan gives a region (``call_program.MAX_GUARDS``)."""
     for num_args in (0, 1, 5):
         record = LaunchRecord(num_args)
         record.set_guards([(64 * (g + 1), g % 2) for g in range(MAX_GUARDS)])

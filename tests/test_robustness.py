@@ -71,7 +71,7 @@ def test_a_call_that_fails_while_recording_leaves_the_executor_usable(blocks):
     executor = load(path, "cpu")
     real_end = executor.backend.end
 
-    def failing_end(recorder):
+    def failing_end(recorder, run=True):
         executor.backend.end = real_end
         raise RuntimeError("injected failure while recording")
 

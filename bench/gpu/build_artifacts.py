@@ -406,6 +406,7 @@ STEPS = {
     "demo": (build_example,),
     "inspect": (build_example,),
     "argument_tables": (build_bench,),
+    "host_path": (build_bench,),
     "zero_copy": (build_decode,),
     "decode_loop": (build_loop,),
     "branches": (build_branches,),

@@ -1,0 +1,192 @@
+"""The call program: written by DescribeCallProgram, evaluated and run by the executor."""
+
+from __future__ import annotations
+
+import json
+import tracemalloc
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
+
+import grape_tvm
+from grape_tvm.artifact import Artifact, ArtifactError
+from grape_tvm.passes.call_program import describe_call_program
+from grape_tvm.pipeline import grape_pipeline
+from grape_tvm.runtime.call_program import (FORMAT_VERSION, PROGRAM_ATTR, CallProgram,
+                                            ProgramError, evaluate)
+from grape_tvm.runtime.signature import ShapeRange
+
+
+@I.ir_module
+class TwoLayers:
+    @R.function
+    def main(x: R.Tensor(("n", 16), "float32"), w: R.Tensor((16, 16), "float32")):
+        with R.dataflow():
+            h = R.nn.relu(R.matmul(x, w))
+            y = R.add(R.matmul(h, w), x)
+            R.output(y)
+        return y
+
+
+@I.ir_module
+class Concat:  # a cache growing by one row: the output's size follows the dim
+    @R.function
+    def main(cache: R.Tensor(("past", 8), "float32"), x: R.Tensor((1, 8), "float32")):
+        with R.dataflow():
+            grown = R.concat([cache, x], axis=0)
+            y = R.multiply(grown, R.const(2.0, "float32"))
+            R.output(grown, y)
+        return grown, y
+
+
+def _lowered(mod, dims):
+    ranges = {k: ShapeRange(*v) for k, v in dims.items()}
+    return grape_pipeline(tvm.target.Target("llvm"), ranges)(mod)
+
+
+def test_describe_call_program_on_a_tiny_module():
+    """Storages at their planned size, the output's storage sized by the dim, one region
+    call with the dims it is recorded under, the output a view of the output storage."""
+    lowered = _lowered(TwoLayers, {"n": (1, 32)})
+    described = json.loads(str(lowered["main"].attrs[PROGRAM_ATTR]))
+    assert described["version"] == FORMAT_VERSION
+    assert described["dims"] == {"n": [0, 0]}
+    program = CallProgram.from_json(described)
+    (step,) = program.steps
+    assert step.call == "region" and step.callee.startswith("grape_region_")
+    assert step.dims == ("n",)
+    assert [a.kind for a in step.args][:2] == ["input", "input"]
+    (output,) = program.outputs
+    assert output.kind == "view"
+    view = program.views[output.index]
+    assert view.shape == ("n", 16) and view.dtype == "float32"
+    assert program.output_storages == {view.index}
+    for n in (1, 7, 32):
+        at = program.at({"n": n})
+        assert at.storage_bytes[view.index] == n * 16 * 4  # the output: exactly this call's
+        assert all(size >= n * 16 * 4 for size in at.storage_bytes)  # planned at n = 32
+        assert at.launches[0].shape == (n,)
+    assert CallProgram.from_json(program.to_json()).to_json() == program.to_json()
+
+
+def test_a_host_step_gives_no_program():
+    """A function with a binding that is not a storage, view or region call: an error that
+    names it, and the executor runs such a model on TVM's VM."""
+    lowered = _lowered(TwoLayers, {"n": (1, 32)})
+    main = lowered["main"]
+    bb = relax.BlockBuilder()
+    x = main.params[0]
+    with bb.function("main", list(main.params)):
+        printed = bb.emit(relax.Call(relax.ExternFunc("vm.builtin.print"), [x]))
+        bb.emit_func_output(printed)
+    described = describe_call_program(bb.get()["main"], lowered)
+    assert "error" in described and "vm.builtin.print" in described["error"]
+
+
+def test_program_evaluation_and_format_errors():
+    program = CallProgram.from_json({
+        "version": FORMAT_VERSION, "dims": {"n": [0, 1]}, "derived": [["m", ["//", "n", 2]]],
+        "storages": [{"bytes": ["*", 4, ["max", "m", 1]], "output": True}],
+        "views": [{"storage": 0, "offset": 0, "shape": [["max", "m", 1]], "dtype": "float32"}],
+        "steps": [{"call": "region", "callee": "r", "args": [{"input": 0}, {"view": 0},
+                                                               {"value": ["-", "n", 1]}],
+                   "dims": ["n", "m"]}],
+        "outputs": [{"view": 0}, {"shape": ["m", 3]}], "conditionals": {}})
+    dims = program.dims_of([(1, 9)])
+    assert dims == {"n": 9, "m": 4}
+    at = program.at(dims)
+    assert at.storage_bytes == (16,)
+    assert at.launches[0].shape == (9, 4) and at.launches[0].args[2].value == 8
+    assert at.outputs[1].value == (4, 3)
+    assert evaluate(["%", ["+", "n", 3], 5], {"n": 9}) == 2
+    with pytest.raises(ProgramError, match="version 0.*compile the model again"):
+        CallProgram.from_json({**program.to_json(), "version": 0})
+    broken = program.to_json()
+    broken["views"][0]["shape"] = ["k"]
+    with pytest.raises(ProgramError, match="dim 'k' is not defined"):
+        CallProgram.from_json(broken)
+    broken = program.to_json()
+    broken["steps"][0]["args"][1] = {"view": 3}
+    with pytest.raises(ProgramError, match="view 3"):
+        CallProgram.from_json(broken)
+
+
+def test_growing_output_equals_the_vm_at_every_length(tmp_path):
+    """The output storage's size follows ``past``: grown as the dims grow, every call
+    planned, results equal to TVM's VM."""
+    module = grape_tvm.build(Concat, {"past": (1, 40)}, "llvm", output_names=["cache", "y"])
+    assert module.program is not None
+    executor = grape_tvm.load(module.export(tmp_path / "c.grape"), "cpu")
+    vm = relax.VirtualMachine(tvm.compile(Concat, "llvm"), tvm.cpu())
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal((1, 8)).astype(np.float32)
+    for past in range(1, 40):
+        x = rng.standard_normal((1, 8)).astype(np.float32)
+        got = executor.run({"cache": cache, "x": x})
+        want = vm["main"](tvm.runtime.tensor(cache), tvm.runtime.tensor(x))
+        np.testing.assert_array_equal(got["cache"], want[0].numpy())
+        np.testing.assert_array_equal(got["y"], want[1].numpy())
+        assert executor.stats.last["path"] == "planned"
+        cache = got["cache"]
+    assert executor.stats.planned_calls == 39
+
+
+def test_an_artifact_without_a_program_runs_on_the_vm(tmp_path):
+    """Artifacts written before call programs existed: loaded, run by the VM (regions still
+    replayed), results unchanged."""
+    module = grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm", output_names=["y"])
+    path = module.export(tmp_path / "new.grape")
+    artifact = Artifact.load(path)
+    del artifact.manifest["plan"]["call_program"]
+    old = artifact.save(tmp_path / "old.grape")
+    rng = np.random.default_rng(1)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    with grape_tvm.load(path) as new_ex, grape_tvm.load(old) as old_ex:
+        assert old_ex.program is None and new_ex.program is not None
+        for n in (3, 3, 32, 1):
+            x = rng.standard_normal((n, 16)).astype(np.float32)
+            np.testing.assert_array_equal(old_ex.run({"x": x, "w": w})["y"],
+                                          new_ex.run({"x": x, "w": w})["y"])
+            assert old_ex.stats.last["path"] == "vm"
+        assert old_ex.stats.region_replays == 1
+
+
+def test_a_malformed_program_is_refused_naming_the_artifact(tmp_path):
+    module = grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm", output_names=["y"])
+    artifact = Artifact.load(module.export(tmp_path / "m.grape"))
+    artifact.manifest["plan"]["call_program"]["version"] = FORMAT_VERSION + 1
+    bad = artifact.save(tmp_path / "bad.grape")
+    with pytest.raises(ArtifactError, match="bad.grape.*call program version"):
+        grape_tvm.load(bad)
+
+
+def test_planned_calls_keep_no_memory(tmp_path):
+    """The hot path retains nothing per call: 4000 planned calls on device-resident
+    inputs leave the traced memory where it was (outputs dropped each time). Traced from
+    a warm start: the allocator's first blocks for the call's temporaries are not kept
+    per call."""
+    module = grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm", output_names=["y"])
+    executor = grape_tvm.load(module.export(tmp_path / "m.grape"))
+    rng = np.random.default_rng(2)
+    executor.bind_inputs({"w": rng.standard_normal((16, 16)).astype(np.float32)})
+    xs = [tvm.runtime.tensor(rng.standard_normal((n, 16)).astype(np.float32)) for n in (4, 9)]
+    for x in xs * 3:  # record, plan, place both sides
+        executor.run({"x": x}, return_numpy=False)
+    tracemalloc.start()
+    try:
+        for i in range(2000):
+            executor.run({"x": xs[i % 2]}, return_numpy=False)
+        before = tracemalloc.take_snapshot()
+        for i in range(4000):
+            executor.run({"x": xs[i % 2]}, return_numpy=False)
+        after = tracemalloc.take_snapshot()
+    finally:
+        tracemalloc.stop()
+    kept = sum(stat.size_diff for stat in after.compare_to(before, "filename")
+               if stat.traceback[0].filename != tracemalloc.__file__)
+    assert executor.stats.last["path"] == "planned"
+    assert kept < 4096, f"{kept} bytes kept over 4000 calls"

@@ -24,15 +24,19 @@ __all__ = ["build", "compile_onnx", "compile_loop", "load", "load_loop", "load_o
 
 
 def __getattr__(name):
-    if name in ("build", "compile_onnx", "GrapeModule"):
+    if name in ("build", "compile_loop", "GrapeModule"):
         from grape_tvm import compiler  # pylint: disable=import-outside-toplevel
 
         return getattr(compiler, name)
+    if name == "compile_onnx":
+        from grape_tvm.onnx_compiler import compile_onnx  # pylint: disable=import-outside-toplevel
+
+        return compile_onnx
     if name == "grape_pipeline":
         from grape_tvm.pipeline import grape_pipeline  # pylint: disable=import-outside-toplevel
 
         return grape_pipeline
-    if name in ("compile_loop", "load_loop", "load_onnx_loop"):
+    if name in ("load_loop", "load_onnx_loop"):
         from grape_tvm import loop  # pylint: disable=import-outside-toplevel
 
         return getattr(loop, name)

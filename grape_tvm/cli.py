@@ -18,8 +18,11 @@ from pathlib import Path
 import numpy as np
 
 from grape_tvm.artifact import Artifact, write_atomically
+from grape_tvm.loader import load
+from grape_tvm.loop import load_onnx_loop
 from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX
 from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
+from grape_tvm.runtime.onnx_loop import is_onnx_loop
 
 
 def _parse_dims(items: list[str]) -> dict[str, str]:
@@ -45,7 +48,8 @@ def _check_output(path: Path, option: str) -> None:
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
-    from grape_tvm.compiler import compile_onnx  # pylint: disable=import-outside-toplevel
+    # Here, not above: run and inspect work where neither onnx nor TVM's compiler is installed.
+    from grape_tvm.onnx_compiler import compile_onnx  # pylint: disable=import-outside-toplevel
 
     _check_output(args.output, "-o")
     dims = _parse_dims(args.dim)
@@ -96,8 +100,6 @@ def _write_outputs(path: Path, outputs: dict, note: str = "") -> None:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
-
     _check_output(args.outputs, "--outputs")
     inputs = _read_inputs(args.inputs)
     if _is_onnx_loop(args.model):
@@ -112,14 +114,10 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def _is_onnx_loop(path: Path) -> bool:
-    from grape_tvm.runtime.onnx_loop import is_onnx_loop  # pylint: disable=import-outside-toplevel
-
     return is_onnx_loop(Artifact.load(path).manifest)
 
 
 def _run_onnx_loop(args: argparse.Namespace, inputs: dict) -> int:
-    from grape_tvm.loop import load_onnx_loop  # pylint: disable=import-outside-toplevel
-
     with load_onnx_loop(args.model, args.device) as loop:
         outputs = loop.run(inputs)
     _write_outputs(args.outputs, outputs, f" after {loop.steps} loop step(s) ({loop.mode})")
@@ -261,8 +259,6 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _record(args: argparse.Namespace) -> dict:
     """Record every shape of the declared ranges on a device: what the graphs then hold."""
-    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
-
     executor = load(args.model, device=args.device)
     try:
         seconds = executor.record_all(progress=not args.json)

@@ -1,26 +1,27 @@
-"""Compile a Relax IRModule or an ONNX model into a grape module and its artifact."""
+"""Compile a Relax IRModule into a grape module and its artifact: ``build`` (a model),
+``compile_loop`` (a loop's step). ONNX models are ``grape_tvm.onnx_compiler``'s."""
 
 from __future__ import annotations
 
 import tempfile
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import tvm
 from tvm import relax
+from tvm_ffi.structural import structural_equal
 
 import grape_tvm
 from grape_tvm.artifact import Artifact
-from grape_tvm.frontend import import_onnx, load_onnx, onnx_signature, with_identifier_dims
 from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.passes.planned_memory import planned_bytes
 from grape_tvm.pipeline import grape_pipeline, is_gpu, matmul_implementation
 from grape_tvm.runtime.call_program import CallProgram
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
-from grape_tvm.runtime.device_loop import LOOP_SOURCE
+from grape_tvm.runtime.device_loop import LOOP_SOURCE, STOP_DTYPES, LoopSpec
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 from grape_tvm.target import parse_target, target_json
@@ -244,16 +245,38 @@ def package(executable, signature: Signature, target: Any, plan: dict | None = N
     return GrapeModule(executable, signature, plan, info, cubins)
 
 
-def compile_onnx(model: Any, dims: Mapping[str, Any] | None = None, target: Any = "llvm",
-                 **kwargs) -> GrapeModule:
-    """Import an ONNX model (path or ``ModelProto``) and ``build`` it. A graph whose
-    computing node is a ``Loop`` becomes a loop module (``grape_tvm.onnx_loop``)."""
-    from grape_tvm.onnx_loop import compile_onnx_loop, find_loop  # pylint: disable=import-outside-toplevel
+def _check_step(main: relax.Function, carried: Sequence[str], stop: str) -> None:
+    params = {p.name: p for p in main.params}
+    unknown = [n for n in carried if n not in params]
+    if unknown:
+        raise ValueError(f"carried state {unknown} are not inputs of the step; it takes "
+                         f"{list(params)}")
+    if len(set(carried)) != len(carried) or stop in carried:
+        raise ValueError(f"carried names must be distinct and differ from stop {stop!r}")
+    rets = list(main.ret_ty.fields) if isinstance(main.ret_ty, relax.TupleType) else [main.ret_ty]
+    if len(rets) != len(carried) + 1:
+        raise ValueError(f"the step must return the next value of each carried input "
+                         f"({len(carried)}) and then the stop flag: it returns {len(rets)} values")
+    for name, ret in zip(carried, rets):
+        want = params[name].ty
+        if not structural_equal(want, ret):
+            raise ValueError(f"the step's next {name!r} is {ret}, but {name!r} is {want}: "
+                             "loop state keeps its shape and dtype")
+    if str(rets[-1].dtype) not in STOP_DTYPES:
+        raise ValueError(f"stop {stop!r} has dtype {rets[-1].dtype}; expected one of "
+                         f"{STOP_DTYPES} (the loop stops when any element is non-zero)")
 
-    proto = load_onnx(model)
-    if find_loop(proto) is not None:
-        return compile_onnx_loop(proto, dims, target, **kwargs)
-    signature = onnx_signature(proto, dims or {})
-    proto, ranges, dim_names = with_identifier_dims(proto, signature.dims)
-    mod = import_onnx(proto, ranges)
-    return build(mod, ranges, target, signature=signature, dim_names=dim_names, **kwargs)
+
+def compile_loop(step: tvm.IRModule, carried: Sequence[str], *, max_steps: int,
+                 stop: str = "stop", dims: Mapping[str, Any] | None = None,
+                 target: Any = "llvm", **kwargs) -> GrapeModule:
+    """Compile a step function for ``load_loop`` (``grape_tvm.loop``): a ``GrapeModule``
+    whose manifest says which inputs are the loop state (``carried``, in the order of the
+    step's outputs), the name of the stop output (the step's last output) and the default
+    step limit. ``kwargs`` go to ``build``."""
+    if int(max_steps) < 1:
+        raise ValueError(f"max_steps must be at least 1, got {max_steps}")
+    _check_step(step["main"], carried, stop)
+    module = build(step, dims, target, output_names=[*carried, stop], **kwargs)
+    module.loop = LoopSpec(tuple(carried), stop, int(max_steps)).to_json()
+    return module

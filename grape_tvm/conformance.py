@@ -372,7 +372,7 @@ def _worker(conn, log_path: str, workdir: str) -> None:
     import tvm  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     import tvm.relax.frontend.onnx  # noqa: F401  pylint: disable=import-outside-toplevel
 
-    import grape_tvm.compiler  # noqa: F401  pylint: disable=import-outside-toplevel
+    import grape_tvm.onnx_compiler  # noqa: F401  pylint: disable=import-outside-toplevel
     import grape_tvm.loader  # noqa: F401  pylint: disable=import-outside-toplevel
 
     conn.send(("ready",))

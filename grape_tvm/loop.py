@@ -1,4 +1,5 @@
-"""Loops over a step function: ``compile_loop`` here, ``load_loop`` where it is deployed.
+"""Loops over a step function: ``compile_loop`` (``grape_tvm.compiler``) compiles one,
+``load_loop`` here loads it where it is deployed (the TVM runtime is enough).
 
     step = ...  # IRModule: main(state..., invariants...) -> (next state..., stop)
     m = grape_tvm.compile_loop(step, carried=["token", "pos", "k0", ...], max_steps=256,
@@ -15,55 +16,15 @@ capacity with a position, as in PyTorch's static cache): one graph then serves e
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from tvm_ffi.structural import structural_equal
-
-from grape_tvm.runtime.device_loop import STOP_DTYPES, DeviceLoop, HostLoop, LoopResult, LoopSpec
+from grape_tvm.loader import load, load_library
+from grape_tvm.runtime.device_loop import DeviceLoop, HostLoop, LoopResult, LoopSpec
 from grape_tvm.runtime.onnx_loop import OnnxLoop, is_onnx_loop
 
 MODES = ("auto", "device", "host")
-
-
-def _check_step(main, carried: Sequence[str], stop: str) -> None:
-    from tvm import relax  # pylint: disable=import-outside-toplevel
-
-    params = {p.name: p for p in main.params}
-    unknown = [n for n in carried if n not in params]
-    if unknown:
-        raise ValueError(f"carried state {unknown} are not inputs of the step; it takes "
-                         f"{list(params)}")
-    if len(set(carried)) != len(carried) or stop in carried:
-        raise ValueError(f"carried names must be distinct and differ from stop {stop!r}")
-    rets = list(main.ret_ty.fields) if isinstance(main.ret_ty, relax.TupleType) else [main.ret_ty]
-    if len(rets) != len(carried) + 1:
-        raise ValueError(f"the step must return the next value of each carried input "
-                         f"({len(carried)}) and then the stop flag: it returns {len(rets)} values")
-    for name, ret in zip(carried, rets):
-        want = params[name].ty
-        if not structural_equal(want, ret):
-            raise ValueError(f"the step's next {name!r} is {ret}, but {name!r} is {want}: "
-                             "loop state keeps its shape and dtype")
-    if str(rets[-1].dtype) not in STOP_DTYPES:
-        raise ValueError(f"stop {stop!r} has dtype {rets[-1].dtype}; expected one of "
-                         f"{STOP_DTYPES} (the loop stops when any element is non-zero)")
-
-
-def compile_loop(step: Any, carried: Sequence[str], *, max_steps: int, stop: str = "stop",
-                 dims: Mapping[str, Any] | None = None, target: Any = "llvm", **kwargs):
-    """Compile a step function for ``load_loop``: a ``GrapeModule`` whose manifest says
-    which inputs are the loop state (``carried``, in the order of the step's outputs), the
-    name of the stop output (the step's last output) and the default step limit."""
-    from grape_tvm.compiler import build  # pylint: disable=import-outside-toplevel
-
-    if int(max_steps) < 1:
-        raise ValueError(f"max_steps must be at least 1, got {max_steps}")
-    _check_step(step["main"], carried, stop)
-    module = build(step, dims, target, output_names=[*carried, stop], **kwargs)
-    module.loop = LoopSpec(tuple(carried), stop, int(max_steps)).to_json()
-    return module
 
 
 class GrapeLoop:
@@ -103,8 +64,6 @@ def load_loop(path: str | Path, device: Any = "cpu", *, mode: str = "auto",
     """Load a ``compile_loop`` artifact. ``mode="device"`` (the default on CUDA) runs the
     whole loop as one graph launch; ``"host"`` (the CPU's) one executor call per step.
     A step with data-dependent branches runs as a host loop (``"auto"``) for now."""
-    from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
-
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     executor = load(path, device, **kwargs)

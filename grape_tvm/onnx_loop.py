@@ -41,7 +41,12 @@ import numpy as np
 import onnx
 import onnx.numpy_helper
 from onnx import helper
+from tvm import relax
+from tvm_ffi.structural import structural_equal
 
+from grape_tvm.compiler import GrapeModule, compile_loop
+from grape_tvm.frontend import (import_onnx, load_onnx, normalize_constants, onnx_signature,
+                                with_identifier_dims)
 from grape_tvm.runtime.onnx_loop import COND, ITER, STOP, from_npy_text, npy_text
 
 DEFAULT_MAX_STEPS = 4096  # the step limit of a Loop without a trip count M
@@ -288,9 +293,6 @@ def split_loop(model: onnx.ModelProto) -> LoopModel:
 def _check_fixed_state(mod, plan: LoopModel) -> None:
     """Each carried value's next value must have its shape and dtype: name the one that
     does not."""
-    from tvm import relax  # pylint: disable=import-outside-toplevel
-    from tvm_ffi.structural import structural_equal  # pylint: disable=import-outside-toplevel
-
     main = mod["main"]
     params = {p.name: p.ty for p in main.params}
     rets = list(main.ret_ty.fields) if isinstance(main.ret_ty, relax.TupleType) else [main.ret_ty]
@@ -304,13 +306,9 @@ def _check_fixed_state(mod, plan: LoopModel) -> None:
 
 
 def compile_onnx_loop(model: Any, dims: Mapping[str, Any] | None = None, target: Any = "llvm",
-                      *, max_steps: int = DEFAULT_MAX_STEPS, **kwargs):
+                      *, max_steps: int = DEFAULT_MAX_STEPS, **kwargs) -> GrapeModule:
     """Compile an ONNX graph whose computing node is a ``Loop`` into a ``compile_loop``
     module; ``max_steps`` is the step limit when the Loop has no trip count ``M``."""
-    from grape_tvm.frontend import (  # pylint: disable=import-outside-toplevel
-        import_onnx, load_onnx, normalize_constants, onnx_signature, with_identifier_dims)
-    from grape_tvm.loop import compile_loop  # pylint: disable=import-outside-toplevel
-
     proto = normalize_constants(load_onnx(model))
     signature = onnx_signature(proto, dims or {})
     proto, ranges, dim_names = with_identifier_dims(proto, signature.dims)

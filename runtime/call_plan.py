@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import tvm
 import tvm_ffi
@@ -154,10 +154,14 @@ class LaunchArgs:
 class PlannedCall:
     """The launches and outputs of one call at fixed dims (see the module docstring)."""
 
-    def __init__(self, at: ProgramAt, output_storages: frozenset[int], pool: BufferPool):
+    def __init__(self, at: ProgramAt, output_storages: frozenset[int], pool: BufferPool,
+                 bound: Mapping[int, Any] | None = None, bound_version: int = 0):
         self.at = at
         self.launches = at.launches
         self.output_storages = output_storages
+        # Inputs bound once (weights): placed like the pool's buffers, not filled per call.
+        self.bound = dict(bound or {})
+        self.bound_version = bound_version
         for index, nbytes in enumerate(at.storage_bytes):
             pool.reserve(index, nbytes, sides=2 if index in output_storages else 1)
         self._placed: dict[int, tuple[int, list[LaunchArgs], list, dict]] = {}  # per side
@@ -235,10 +239,10 @@ class PlannedCall:
                                    expect))
             moving = tuple(p for p, _ in inputs) + tuple(p for p, *_ in input_views) + \
                 tuple(p for p, *_ in outputs)
+            caller = (pool.generation, self.bound_version, launch.region, tuple(layout))
             launches.append(LaunchArgs(launch, values, tuple(inputs), tuple(input_views),
-                                       tuple(outputs), moving,
-                                       (pool.generation, launch.region, tuple(layout)),
-                                       guards, tuple(guard_inputs)))
+                                       tuple(outputs), moving, caller, guards,
+                                       tuple(guard_inputs)))
         outputs = [None if a.kind == "input" else
                    tvm_ffi.Shape(a.value) if a.kind == "shape" else
                    a.value if a.kind == "value" else
@@ -251,6 +255,9 @@ class PlannedCall:
     def _value(self, arg: Arg, position: int, pool, side, addresses_only,
                inputs: list, input_views: list, outputs: list) -> tuple[Any, Any]:
         """An argument's value on the pool, and what it is (the launch's caller key)."""
+        if arg.kind == "input" and arg.index in self.bound:
+            tensor = self.bound[arg.index]
+            return (Address(tensor.data_ptr()) if addresses_only else tensor), ("bound", arg.index)
         if arg.kind == "input":
             inputs.append((position, arg.index))
             return None, "input"

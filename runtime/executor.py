@@ -284,7 +284,9 @@ class GraphExecutor:
             self._plans.move_to_end(key)
             return self._plans[key]
         at = self.program.at(self.program.dims_of([tuple(a.shape) for a in args]))
-        planned = None if at is None else PlannedCall(at, self.program.output_storages, self._pool)
+        bound = {i: t for i, t in enumerate(self._template) if t is not None}
+        planned = None if at is None else PlannedCall(at, self.program.output_storages, self._pool,
+                                                      bound, self.bound_version)
         self._remember(key, planned)
         return planned
 

@@ -190,3 +190,41 @@ def test_planned_calls_keep_no_memory(tmp_path):
                if stat.traceback[0].filename != tracemalloc.__file__)
     assert executor.stats.last["path"] == "planned"
     assert kept < 4096, f"{kept} bytes kept over 4000 calls"
+
+
+def test_bound_inputs_are_placed_once_and_a_new_binding_moves_them(tmp_path):
+    """Weights bound with bind_inputs are part of a launch's fixed arguments (not refilled,
+    not in ``moving``); binding new ones gives launches a new ``caller``, so a backend that
+    patches only moving arguments re-points the weights too."""
+    from grape_tvm.runtime.cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
+
+    class Recording(CpuReplayBackend):
+        def __init__(self, device):
+            super().__init__(device)
+            self.launched = []
+
+        def replay(self, region, shape, region_args, caller=None, moving=None, guards=()):
+            if caller is not None and self.has(region, shape):
+                self.launched.append((caller, tuple(moving), list(region_args)))
+            return super().replay(region, shape, region_args, caller, moving, guards)
+
+    module = grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm", output_names=["y"])
+    backend = Recording(tvm.cpu())
+    executor = grape_tvm.runtime.GraphExecutor(module.executable, tvm.cpu(), module.signature,
+                                               backend, program=module.program)
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((5, 16)).astype(np.float32)
+    results = []
+    for _ in range(2):
+        w = rng.standard_normal((16, 16)).astype(np.float32)
+        executor.bind_inputs({"w": w})
+        for _ in range(2):
+            results.append((executor.run({"x": x})["y"], w))
+    (first, moving, args), (second, _, args2) = backend.launched[0], backend.launched[-1]
+    assert first != second  # a new binding: a new caller
+    w_position = [i for i, a in enumerate(args) if a is not None and
+                  tuple(a.shape) == (16, 16)]
+    assert w_position and not set(w_position) & set(moving)
+    for got, w in results:
+        want = np.maximum(x @ w, 0) @ w + x
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)

@@ -80,3 +80,21 @@ def onnxruntime_outputs(path: Path, inputs: dict[str, np.ndarray]) -> list[np.nd
     ort = pytest.importorskip("onnxruntime")
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     return session.run(None, inputs)
+
+
+def affine_loop_inputs(n: int, trip: int, cond: bool = True) -> dict:
+    """Inputs of tests/test_onnx_loop.py's affine loop (its GPU test too: no compiler here)."""
+    rng = np.random.default_rng(n)
+    return {"M": np.array(trip, np.int64), "cond": np.array(cond),
+            "x": rng.random(n).astype(np.float32), "b": rng.random(n).astype(np.float32)}
+
+
+def affine_loop_steps(x, b, trip, a=1.25, thr=500.0) -> int:
+    """The steps ONNX's semantics take (float32, as onnxruntime computes them)."""
+    steps = 0
+    while steps < trip:
+        x = x * np.float32(a) + b
+        steps += 1
+        if not x.sum(dtype=np.float32) <= thr:
+            break
+    return steps

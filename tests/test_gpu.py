@@ -444,7 +444,8 @@ def test_onnx_loop_runs_on_the_device_like_onnxruntime():
     and step counts equal onnxruntime's, one launch per run."""
     import grape_tvm  # pylint: disable=import-outside-toplevel
     from conftest import onnxruntime_outputs  # pylint: disable=import-outside-toplevel
-    from test_onnx_loop import _affine_inputs, _ort_steps  # pylint: disable=import-outside-toplevel
+    from conftest import affine_loop_inputs as _affine_inputs  # pylint: disable=import-outside-toplevel
+    from conftest import affine_loop_steps as _ort_steps  # pylint: disable=import-outside-toplevel
 
     onnx_path = _artifact("affine_loop.onnx")
     with grape_tvm.load_onnx_loop(_artifact("affine_loop.cuda.grape"), "cuda") as loop:

@@ -16,6 +16,8 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 import grape_tvm
+from conftest import affine_loop_inputs as _affine_inputs
+from conftest import affine_loop_steps as _ort_steps
 from conftest import onnxruntime_outputs
 from grape_tvm.cli import main
 from grape_tvm.onnx_loop import OnnxLoopError, compile_onnx_loop, split_loop
@@ -124,23 +126,6 @@ def affine(tmp_path_factory):
 @pytest.fixture(scope="module")
 def counter(tmp_path_factory):
     return _compile(counter_loop(), tmp_path_factory.mktemp("counter"), "counter")
-
-
-def _affine_inputs(n: int, trip: int, cond: bool = True) -> dict:
-    rng = np.random.default_rng(n)
-    return {"M": np.array(trip, np.int64), "cond": np.array(cond),
-            "x": rng.random(n).astype(np.float32), "b": rng.random(n).astype(np.float32)}
-
-
-def _ort_steps(x, b, trip, a=1.25, thr=500.0) -> int:
-    """The steps ONNX's semantics take (float32, as onnxruntime computes them)."""
-    steps = 0
-    while steps < trip:
-        x = x * np.float32(a) + b
-        steps += 1
-        if not x.sum(dtype=np.float32) <= thr:
-            break
-    return steps
 
 
 def _check(onnx_path, loop, inputs, rtol=1e-6, atol=1e-6):

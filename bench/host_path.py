@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -35,7 +36,7 @@ def _executor(args):
     if args.artifact is None:
         module = grape_tvm.build(blocks_relax(args.width, args.depth), {"n": (1, 64)}, "llvm",
                                  output_names=["y"])
-        args.artifact = module.export(args.out / "host_path_blocks.llvm.grape")
+        args.artifact = module.export(Path(tempfile.mkdtemp(prefix="host-path-")) / "blocks.llvm.grape")
     executor = grape_tvm.load(args.artifact, args.device)
     executor.bind_inputs(block_weights(args.width, args.depth))
     return executor

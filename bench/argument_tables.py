@@ -179,7 +179,7 @@ def measure_host_overhead(h: Harness, ns: list[int], calls: int = 200) -> dict:
         t0 = time.perf_counter()
         h.grape.run({"x": x_tvm}, return_numpy=False)
         times.append((time.perf_counter() - t0) * 1e6)
-        for phase, us in h.grape.stats.last["host_us"].items():
+        for phase, us in h.grape.stats.last_host_us.items():
             phases.setdefault(phase, []).append(us)
     h.grape.backend.synchronize()
     _profile_host(h, ns)

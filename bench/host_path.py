@@ -57,7 +57,7 @@ def measure(executor, ns: list[int], calls: int, seed: int) -> dict:
         executor.run({"x": xs[int(n)]}, return_numpy=False)
         totals.append((time.perf_counter() - t0) * 1e6)
         for phase in PHASES:
-            phases[phase].append(executor.stats.last["host_us"].get(phase, 0.0))
+            phases[phase].append(executor.stats.last_host_us.get(phase, 0.0))
         if len(totals) % 32 == 0:
             executor.backend.synchronize()  # bounded queue: the host, not a full queue, is timed
     executor.backend.synchronize()

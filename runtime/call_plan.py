@@ -14,7 +14,7 @@ call writes the same side (see ``BufferPool``), as with PyTorch's graph outputs.
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
 import tvm
@@ -110,6 +110,16 @@ class BufferPool:
 
         return self.shared(("ranges",), make)
 
+    def where(self, tensor: Any) -> int | str | None:
+        """The output side (0 or 1) ``tensor`` lives on, "single" if it lives in a buffer
+        without sides, None if outside the pool."""
+        starts, ends = self._ranges()
+        address = tensor.data_ptr()
+        i = bisect.bisect_right(starts, address) - 1
+        if i >= 0 and address < ends[i][0]:
+            return ends[i][1]
+        return None
+
     def side_for(self, tensors: Sequence[Any], hit: set | None = None) -> int | None:
         """The output side none of ``tensors`` lives on, nor any side in ``hit`` (those of
         tensors known to be output views); None if they live in buffers a call would
@@ -151,6 +161,27 @@ class LaunchArgs:
     redirected: bool = False  # an output position holds a caller's out= tensor
 
 
+class _Caller:
+    """The identity of a launch's argument layout over the pool (``LaunchArgs.caller``)."""
+
+    __slots__ = ()
+
+
+@dataclass(eq=False)
+class _LaunchLayout:
+    """What a launch's arguments are, by position: inputs filled per call, pool buffers and
+    bound inputs (``fixed``), dims by value (``scalars``), and which may move."""
+
+    inputs: list = field(default_factory=list)  # (position, input)
+    input_views: list = field(default_factory=list)  # (position, input, shape, dtype)
+    fixed: list = field(default_factory=list)  # (position, ("bound", i) | ("view", ...))
+    outputs: list = field(default_factory=list)  # (position, storage, offset, shape, dtype)
+    scalars: list = field(default_factory=list)  # (position, value)
+    guard_inputs: list = field(default_factory=list)  # (guard, input)
+    moving: tuple = ()
+    key: tuple = ()
+
+
 class PlannedCall:
     """The launches and outputs of one call at fixed dims (see the module docstring)."""
 
@@ -165,6 +196,12 @@ class PlannedCall:
         for index, nbytes in enumerate(at.storage_bytes):
             pool.reserve(index, nbytes, sides=2 if index in output_storages else 1)
         self._placed: dict[int, tuple[int, list[LaunchArgs], list, dict]] = {}  # per side
+        self._launch_layouts: list[_LaunchLayout] | None = None
+        # The executor's recording count when every launch was last known recorded.
+        self.verified = -1
+        # Outputs that are all pool views: the placed list is the call's outputs as it is.
+        self._outputs_placed_as_is = all(
+            a.kind == "view" and at.views[a.index][0] == "storage" for a in at.outputs)
 
     @property
     def guarded(self) -> bool:
@@ -218,31 +255,89 @@ class PlannedCall:
         return pool.shared(("view", index, offset, side, shape, dtype),
                            lambda: pool.view(index, offset, shape, dtype, side))
 
+    def _layouts(self) -> list[_LaunchLayout]:
+        """What each launch's arguments are, made once per planned call."""
+        if self._launch_layouts is None:
+            self._launch_layouts = [self._layout(launch) for launch in self.launches]
+        return self._launch_layouts
+
+    def _layout(self, launch: Launch) -> _LaunchLayout:
+        layout = _LaunchLayout()
+        key = []
+        for position, arg in enumerate(launch.args):
+            if arg.kind == "input" and arg.index in self.bound:
+                layout.fixed.append((position, ("bound", arg.index)))
+                key.append(("bound", arg.index))
+            elif arg.kind == "input":
+                layout.inputs.append((position, arg.index))
+                key.append("input")
+            elif arg.kind in ("value", "shape"):
+                # A dim by value differs between dims: no address, set per planned call.
+                layout.scalars.append((position, arg.value if arg.kind == "value" else
+                                       tvm_ffi.Shape(arg.value)))
+                key.append(arg.kind)
+            else:
+                base, index, offset, shape, dtype = self.at.views[arg.index]
+                if base == "input":
+                    layout.input_views.append((position, index, shape, dtype))
+                    key.append("input")
+                    continue
+                layout.fixed.append((position, ("view", index, offset, shape, dtype)))
+                if index in self.output_storages:
+                    layout.outputs.append((position, index, offset, shape, dtype))
+                key.append(("output" if index in self.output_storages else "buffer", index, offset))
+        layout.key = tuple(key)
+        for g, (condition, expect) in enumerate(launch.guards):
+            if condition.kind == "input" or self.at.views[condition.index][0] == "input":
+                index = condition.index if condition.kind == "input" else \
+                    self.at.views[condition.index][1]
+                layout.guard_inputs.append((g, index))
+        layout.moving = tuple(p for p, _ in layout.inputs) + \
+            tuple(p for p, *_ in layout.input_views) + tuple(p for p, *_ in layout.outputs)
+        return layout
+
+    def _resolve(self, layout: _LaunchLayout, pool: BufferPool, side: int,
+                 addresses_only: bool, size: int) -> list:
+        """A launch's arguments that live in the pool or are bound, at their places."""
+        values: list[Any] = [None] * size
+        for position, (kind, *what) in layout.fixed:
+            if kind == "bound":
+                tensor = self.bound[what[0]]
+                values[position] = Address(tensor.data_ptr()) if addresses_only else tensor
+                continue
+            index, offset, shape, dtype = what
+            storage_side = self._side(index, side)
+            values[position] = pool.address(index, offset, storage_side) if addresses_only \
+                else pool.shared(("view", index, offset, storage_side, shape, dtype),
+                                 lambda: pool.view(index, offset, shape, dtype, storage_side))
+        return values
+
     def _place(self, pool: BufferPool, side: int, addresses_only: bool):
         launches = []
-        for launch in self.launches:
-            values, inputs, input_views, outputs, layout = [], [], [], [], []
-            for position, arg in enumerate(launch.args):
-                value, what = self._value(arg, position, pool, side, addresses_only,
-                                          inputs, input_views, outputs)
-                values.append(value)
-                layout.append(what)
-            guards, guard_inputs = [], []
-            for g, (condition, expect) in enumerate(launch.guards):
-                if condition.kind == "input" or self.at.views[condition.index][0] == "input":
-                    index = condition.index if condition.kind == "input" else \
-                        self.at.views[condition.index][1]
-                    guard_inputs.append((g, index))
-                    guards.append((None, expect))
-                else:
-                    guards.append((self._pool_value(condition, pool, side, addresses_only),
-                                   expect))
-            moving = tuple(p for p, _ in inputs) + tuple(p for p, *_ in input_views) + \
-                tuple(p for p, *_ in outputs)
-            caller = (pool.generation, self.bound_version, launch.region, tuple(layout))
-            launches.append(LaunchArgs(launch, values, tuple(inputs), tuple(input_views),
-                                       tuple(outputs), moving, caller, guards,
-                                       tuple(guard_inputs)))
+        for launch, layout in zip(self.launches, self._layouts()):
+            size = len(launch.args)
+            if addresses_only:
+                # Addresses do not depend on the dims: one list for every planned call with
+                # this layout (a decode loop meets new dims on every step), copied.
+                values = list(pool.shared(
+                    ("args", launch.region, side, self.bound_version, layout.key),
+                    lambda: self._resolve(layout, pool, side, True, size)))
+            else:
+                values = self._resolve(layout, pool, side, False, size)
+            for position, value in layout.scalars:
+                values[position] = value
+            guards = [(None, expect) if any(g == i for g, _ in layout.guard_inputs) else
+                      (self._pool_value(condition, pool, side, addresses_only), expect)
+                      for i, (condition, expect) in enumerate(launch.guards)]
+            outputs = tuple((position, index, values[position], offset, shape, dtype)
+                            for position, index, offset, shape, dtype in layout.outputs)
+            # One object for every launch of this region over the same buffers: the
+            # backend compares callers by identity, and only ``moving`` differs between them.
+            caller = pool.shared(("caller", launch.region, self.bound_version, layout.key),
+                                 _Caller)
+            launches.append(LaunchArgs(launch, values, tuple(layout.inputs),
+                                       tuple(layout.input_views), outputs, layout.moving,
+                                       caller, guards, tuple(layout.guard_inputs)))
         outputs = [None if a.kind == "input" else
                    tvm_ffi.Shape(a.value) if a.kind == "shape" else
                    a.value if a.kind == "value" else
@@ -251,29 +346,6 @@ class PlannedCall:
                      for a, view in zip(self.at.outputs, outputs)
                      if a.kind == "view" and self.at.views[a.index][0] == "storage"}
         return launches, outputs, described
-
-    def _value(self, arg: Arg, position: int, pool, side, addresses_only,
-               inputs: list, input_views: list, outputs: list) -> tuple[Any, Any]:
-        """An argument's value on the pool, and what it is (the launch's caller key)."""
-        if arg.kind == "input" and arg.index in self.bound:
-            tensor = self.bound[arg.index]
-            return (Address(tensor.data_ptr()) if addresses_only else tensor), ("bound", arg.index)
-        if arg.kind == "input":
-            inputs.append((position, arg.index))
-            return None, "input"
-        if arg.kind == "value":
-            return arg.value, "scalar"  # a dim by value: no address, differs between dims
-        if arg.kind == "shape":
-            return tvm_ffi.Shape(arg.value), "shape"
-        base, index, offset, shape, dtype = self.at.views[arg.index]
-        if base == "input":
-            input_views.append((position, index, shape, dtype))
-            return None, "input"
-        value = self._pool_value(arg, pool, side, addresses_only)
-        if index in self.output_storages:
-            outputs.append((position, index, value, offset, shape, dtype))
-            return value, ("output", index, offset)
-        return value, ("buffer", index, offset)
 
     def _output_view(self, arg: Arg, pool: BufferPool, side: int):
         base, index, offset, shape, dtype = self.at.views[arg.index]
@@ -306,6 +378,8 @@ class PlannedCall:
 
     def outputs(self, placed: list, inputs: Sequence[Any], out: dict[int, Any] | None) -> list:
         """The call's outputs: pool views, inputs passed through, the caller's ``out=``."""
+        if not out and self._outputs_placed_as_is:
+            return placed
         results = []
         for i, (arg, held) in enumerate(zip(self.at.outputs, placed)):
             if out and i in out:

@@ -67,7 +67,7 @@ class CallStats:
     # Held now (not summed): plans of dims, and (region, shape) recordings of the backend.
     plans_held: int = 0
     shapes_held: int = 0
-    host_us: dict[str, float] = field(default_factory=lambda: dict.fromkeys(HOST_PHASES, 0.0))
+    host_ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HOST_PHASES, 0))
     last: dict[str, Any] = field(default_factory=dict)
 
     def begin_call(self) -> None:
@@ -78,13 +78,25 @@ class CallStats:
         self.last[key] = self.last.get(key, 0) + value
         setattr(self, key, getattr(self, key) + value)
 
-    def add_host(self, phases: Mapping[str, int]) -> None:
-        """One call's host time per phase, in nanoseconds."""
-        last = {}
+    def end_call(self, launches: int, phases: dict[str, int]) -> None:
+        """One call's graph launches and host time per phase (nanoseconds)."""
+        self.calls += 1
+        self.graph_launches += launches
+        self.last["graph_launches"] += launches
+        self.last["host_ns"] = phases
+        totals = self.host_ns
         for phase, ns in phases.items():
-            last[phase] = ns / 1e3
-            self.host_us[phase] += ns / 1e3
-        self.last["host_us"] = last
+            totals[phase] += ns
+
+    @property
+    def host_us(self) -> dict[str, float]:
+        """Host time of every call so far, per phase, in microseconds."""
+        return {phase: ns / 1e3 for phase, ns in self.host_ns.items()}
+
+    @property
+    def last_host_us(self) -> dict[str, float]:
+        """The last call's host time per phase, in microseconds."""
+        return {phase: ns / 1e3 for phase, ns in self.last.get("host_ns", {}).items()}
 
 
 @dataclass
@@ -164,11 +176,14 @@ class GraphExecutor:
         self.bound_version = 0  # bumped by bind_inputs: graphs holding bound addresses are stale
         inputs = signature.inputs if signature is not None else ()
         self._position = {t.name: i for i, t in enumerate(inputs)}
+        self._output_names = [t.name for t in signature.outputs] if signature is not None else []
         self._template: list[Any] = [None] * len(inputs)  # bound inputs in place
         # Fast paths of a call's checks: the last planned call's outputs (an autoregressive
         # caller passes them straight back) and the dims of input shapes seen before.
         self._returned: dict[int, tuple] = {}
-        self._checked: dict[int, tuple] = {}  # the last call's TVM tensors: (tensor, shape, dtype)
+        # The last call's TVM tensors: [tensor, shape, dtype, pool generation, pool side].
+        self._checked: dict[int, list] = {}
+        self._last_prepared: tuple | None = None  # the last call's inputs and what they gave
         self._dims_of: dict[tuple, tuple] = {}
 
     # -- calls ---------------------------------------------------------------------------
@@ -192,6 +207,7 @@ class GraphExecutor:
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
             self._plans.clear()
             self._returned, self._checked, self._dims_of = {}, {}, {}
+            self._last_prepared = None
             self.bound_version += 1
 
     @property
@@ -218,12 +234,13 @@ class GraphExecutor:
         host time.
         """
         with self._lock:
-            self._check_open()
+            if self._vm is None:
+                raise RuntimeError("this executor is closed")
             stats = self.stats
             stats.begin_call()
             start = time.perf_counter_ns()
             args, key, passed = self._prepare(inputs)
-            targets = self._prepare_out(out)
+            targets = self._prepare_out(out) if out else _NO_TARGETS
             phases = {"checks": time.perf_counter_ns() - start}
             launches = self.backend.launches
             try:
@@ -235,11 +252,7 @@ class GraphExecutor:
             except BaseException:
                 self._abandon_recording()
                 raise
-            stats.add("graph_launches", self.backend.launches - launches)
-            stats.add_host(phases)
-            stats.calls += 1
-            stats.plans_held = len(self._plans)
-            stats.shapes_held = self.backend.shapes_held
+            stats.end_call(self.backend.launches - launches, phases)
             return outputs
 
     __call__ = run
@@ -291,23 +304,38 @@ class GraphExecutor:
         return planned
 
     def _output_side(self, passed: list, out: dict[int, Any]) -> int | None:
-        """The pool side this call writes its outputs on: our own outputs passed back are
-        known by ``id``, the rest are looked up by address."""
-        unknown, hit = list(out.values()), set()
+        """The pool side this call writes its outputs on, the one no input lives on: our
+        own outputs passed back are known by ``id``; where another tensor lives is looked
+        up by address once per pool generation (``_checked``)."""
+        pool, hit = self._pool, set()
         for tensor in passed:
             known = self._returned.get(id(tensor))
-            if known is None:
-                unknown.append(tensor)
-            else:
+            if known is not None and known[0] is tensor:
                 hit.add(known[3])
-        return self._pool.side_for(unknown, hit)
+                continue
+            checked = self._checked.get(id(tensor))
+            if checked is not None and checked[3] == pool.generation:
+                where = checked[4]
+            else:
+                where = pool.where(tensor)
+                if checked is not None:
+                    checked[3], checked[4] = pool.generation, where
+            if where is not None:
+                hit.add(where)
+        for tensor in out.values():
+            hit.add(pool.where(tensor))
+        hit.discard(None)
+        if "single" in hit:
+            return None  # in a buffer every call writes
+        return 0 if 0 not in hit else 1 if 1 not in hit else None
 
     def _run_planned(self, planned: PlannedCall, key: tuple, args: list, side: int,
                      out: dict[int, Any], phases: dict[str, int], start: int) -> list | None:
         """Launch every region of ``planned``; None if the VM must run this call instead."""
         backend = self.backend
         addresses_only = backend.addresses_only
-        if not planned.recorded(backend):
+        epoch = self.stats.region_recordings
+        if planned.verified != epoch and not planned.recorded(backend):
             if not self._record_guarded(planned, key, args, side):
                 return None
         placed, held, described = planned.placed(self._pool, side, addresses_only)
@@ -324,6 +352,8 @@ class GraphExecutor:
             else:
                 self._record_launch(planned, spec, args, side, redirect)
         end = time.perf_counter_ns()
+        if self.stats.region_recordings == epoch:  # none made now, so none evicted
+            planned.verified = epoch
         phases["plan"] = launched - start
         phases["driver"] = backend.driver_ns - driver
         phases["record"] = end - launched - phases["driver"]
@@ -378,7 +408,7 @@ class GraphExecutor:
             raise
         self._open = None
         self.backend.end(recorder, run=run)
-        self.stats.region_recordings += 1
+        self._recorded()
 
     def _call_vm(self, args: list, key: tuple | None, out: dict[int, Any]) -> list:
         """The entry function on TVM's VM, regions intercepted (``_instrument``); recorded
@@ -429,6 +459,13 @@ class GraphExecutor:
         while len(self._plans) > self.max_shapes:
             self._plans.popitem(last=False)
             self.stats.evicted_shapes += 1
+        self.stats.plans_held = len(self._plans)
+
+    def _recorded(self) -> None:
+        """A recording was kept: it may have evicted another (the backend's bound), so
+        planned calls check theirs again (``region_recordings`` is their epoch)."""
+        self.stats.region_recordings += 1
+        self.stats.shapes_held = self.backend.shapes_held
 
     def _check_out(self, out: dict[int, Any], planned: PlannedCall) -> None:
         for index, target in out.items():
@@ -451,6 +488,10 @@ class GraphExecutor:
         if not isinstance(inputs, Mapping):
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
+        last = self._last_prepared
+        if last is not None and len(inputs) == len(last[0]) and \
+                all(inputs.get(name) is value for name, value in last[0]):
+            return last[1], last[2], last[3]  # the very tensors of the last call
         tensors, described, checked = {}, [], {}
         for name, value in inputs.items():
             if name in self._bound:
@@ -458,17 +499,17 @@ class GraphExecutor:
                                  "passed to run(); bind it again to change it")
             # Our own output, or a tensor the last call checked: a TVM tensor's shape,
             # dtype, device and layout never change, so it is not checked again.
-            known = self._returned.get(id(value)) or self._checked.get(id(value))
-            if known is not None and known[0] is value:
-                tensors[name] = value
-                described.append((name, known[1], known[2]))
-            else:
-                tensor = tensors[name] = self._as_tensor(name, value)
-                known = (tensor, tuple(tensor.shape), str(tensor.dtype))
-                described.append((name, known[1], known[2]))
-            if value is tensors[name]:
-                checked[id(value)] = known
-        self._checked = checked  # this call's inputs, held until the next call
+            known = self._returned.get(id(value))
+            if known is None or known[0] is not value:
+                known = self._checked.get(id(value))
+                if known is None or known[0] is not value:
+                    tensor = self._as_tensor(name, value)
+                    known = [tensor, tuple(tensor.shape), str(tensor.dtype), None, None]
+                if known[0] is value:
+                    checked[id(value)] = known
+            tensors[name] = known[0]
+            described.append((name, known[1], known[2]))
+        self._checked = checked  # this call's TVM tensors, held until the next call
         described = tuple(described)
         key = self._dims_of.get(described)
         if key is None:
@@ -482,7 +523,12 @@ class GraphExecutor:
         args = list(self._template)
         for name, tensor in tensors.items():
             args[self._position[name]] = tensor
-        return args, key, list(tensors.values())
+        passed = list(tensors.values())
+        # Only TVM tensors read in place can stand for themselves next time: a host array
+        # was copied here, and may have changed since.
+        self._last_prepared = (tuple(inputs.items()), args, key, passed) \
+            if len(checked) == len(inputs) else None
+        return args, key, passed
 
     def _as_tensor(self, name: str, value: Any, copy: bool = True) -> tvm.runtime.Tensor:
         if isinstance(value, tvm.runtime.Tensor):
@@ -533,7 +579,7 @@ class GraphExecutor:
     def _name_outputs(self, values: list) -> dict[str, tvm.runtime.Tensor] | list:
         if self.signature is None:
             return values
-        names = [spec.name for spec in self.signature.outputs]
+        names = self._output_names
         if len(values) != len(names):
             raise RuntimeError(f"the model returned {len(values)} values for outputs {names}")
         return dict(zip(names, values))
@@ -612,7 +658,7 @@ class GraphExecutor:
             if recording.by_vm and not before_run:  # the VM's own call of it returned
                 self._open = None
                 self.backend.end(recording.recorder)
-                self.stats.region_recordings += 1
+                self._recorded()
             return VMInstrumentReturnKind.NO_OP
         if before_run:
             recording.recorder.on_call(func, symbol, args)
@@ -670,6 +716,7 @@ class GraphExecutor:
             self._bound.clear()
             self._template = [None] * len(self._template)
             self._returned, self._checked, self._dims_of = {}, {}, {}
+            self._last_prepared = None
             self.stats.plans_held = self.stats.shapes_held = 0
 
     def _check_open(self) -> None:
@@ -681,6 +728,9 @@ class GraphExecutor:
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+_NO_TARGETS: dict[int, Any] = {}  # run() without out= (never written)
 
 
 def _on_host(device) -> bool:

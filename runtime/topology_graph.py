@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .argument_table import ArgumentTable
+from .call_plan import Address
 from .call_program import MAX_GUARDS  # guards per launch: how deep a region may nest in ifs
 from .cuda_compile import CubinStore, RuntimeKernel
 from .cuda_driver import check, driver
@@ -191,6 +192,7 @@ class LaunchRecord:
 
     ``pending()`` gives the bytes the kernel reads when they differ from those it gave last
     (what the device holds), else None: a call queues a copy only if the record changed.
+    Setters compare with what the record holds and mark it changed only if it did.
     """
 
     def __init__(self, num_args: int):
@@ -199,36 +201,50 @@ class LaunchRecord:
         self.capacity = self.guards_at + GUARD.size * MAX_GUARDS  # bytes the device needs
         self.data = bytearray(self.capacity)
         self.num_guards = 0
-        self._sent: bytes | None = None
+        self._row = 0
+        self._args = [0] * max(num_args, 1)
+        self._guards: tuple = ()
+        self._changed = True  # the device holds nothing yet
 
     def set_row(self, row: int) -> None:
-        struct.pack_into("<I", self.data, 0, row)
+        if row != self._row:
+            self._row = row
+            struct.pack_into("<I", self.data, 0, row)
+            self._changed = True
 
     def set_arg(self, i: int, address: int) -> None:
-        struct.pack_into("<Q", self.data, 8 + 8 * i, address)
+        if address != self._args[i]:
+            self._args[i] = address
+            struct.pack_into("<Q", self.data, 8 + 8 * i, address)
+            self._changed = True
 
     def set_guards(self, guards: Sequence[tuple[Any, Any]]) -> None:
         """``guards``: ``(tensor or address, expect)``; ``expect`` is stored as 0 or 1."""
+        if not guards and not self.num_guards:
+            return
         if len(guards) > MAX_GUARDS:
             raise ValueError(f"{len(guards)} guards: a region nests in at most {MAX_GUARDS} "
                              f"data-dependent ifs (the patch kernel's launch record holds "
                              f"{MAX_GUARDS} guards)")
-        packed = [(guard_address(where), 1 if expect else 0) for where, expect in guards]
-        for g, guard in enumerate(packed):  # all checked first: a refused call changes nothing
+        packed = tuple((guard_address(where), 1 if expect else 0) for where, expect in guards)
+        if packed == self._guards:  # all checked first: a refused call changes nothing
+            return
+        for g, guard in enumerate(packed):
             GUARD.pack_into(self.data, self.guards_at + GUARD.size * g, *guard)
+        self._guards = packed
         self.num_guards = len(packed)
         struct.pack_into("<I", self.data, 4, self.num_guards)
+        self._changed = True
 
     def used(self) -> bytes:
         """The record as the kernel reads it: guards past ``num_guards`` are not read."""
         return bytes(self.data[:self.guards_at + GUARD.size * self.num_guards])
 
     def pending(self) -> bytes | None:
-        used = self.used()
-        if used == self._sent:
+        if not self._changed:
             return None
-        self._sent = used
-        return used
+        self._changed = False
+        return self.used()
 
 
 class TopologyGraph(OwnedGraph):
@@ -369,9 +385,12 @@ class TopologyGraph(OwnedGraph):
         same_caller = caller is not None and caller == self._last_caller
         self._last_caller = caller
         record.set_row(row)
+        set_arg = record.set_arg
         for i in (moving if same_caller else range(min(len(region_args), self.num_args))):
             arg = region_args[i]
-            record.set_arg(i, arg.data_ptr() if hasattr(arg, "data_ptr") else 0)
+            # An executor buffer's Address is its own value; a dim passed by value has none.
+            set_arg(i, int(arg) if type(arg) is Address else
+                    arg.data_ptr() if hasattr(arg, "data_ptr") else 0)
         return record.pending()
 
     def launch(self, record: bytes | None, stream) -> None:

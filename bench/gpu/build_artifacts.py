@@ -412,6 +412,7 @@ STEPS = {
     "branches": (build_branches,),
     "memory": (lambda out: build_example(out, hi=4096),),
     "probe_cublaslt": (),
+    "driver_calls": (),
     "matmul": (build_matmul_bench,),
     "hf_models": (build_hf_models, build_wav2vec2),
     "hf_models_fp16": (lambda out: build_hf_models(out, dtype="float16"),),

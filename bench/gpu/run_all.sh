@@ -22,6 +22,7 @@ want demo && { python3 examples/demo.py --device cuda --artifact build/gpu/block
 want inspect && { python3 -P -m grape_tvm.cli inspect build/gpu/blocks.cuda.grape --record --device cuda || status=1; }
 want argument_tables && { python3 -P bench/argument_tables.py --artifacts build/gpu --out "$out" ${GRAPE_BENCH_ARGS:-} || status=1; }
 want host_path && { python3 -P bench/host_path.py --device cuda --artifact build/gpu/blocks24.grape.cuda.grape --width 768 --out "$out" || status=1; }
+want driver_calls && { python3 -P bench/driver_calls.py --out "$out" || status=1; }
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }

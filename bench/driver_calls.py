@@ -1,0 +1,101 @@
+"""Benchmark: the host cost of the two driver calls a planned call makes, by binding.
+
+A replay is a ``cuMemcpyHtoDAsync`` of the launch record (when it changed) and a
+``cuGraphLaunch``. grape calls them through cuda-python; this measures each through
+cuda-python and through ctypes on ``libcuda`` directly, on a one-node graph (a memset), in
+one process, so that the binding's share of the host path is known.
+
+    python3 bench/driver_calls.py --out OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+CALLS = 20000
+
+
+def _time(call, calls: int, sync) -> float:
+    """Median over 5 rounds of the microseconds per call; the stream synced every 256."""
+    rounds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        for i in range(calls):
+            call()
+            if i % 256 == 255:
+                sync()
+        rounds.append((time.perf_counter() - t0) * 1e6 / calls)
+        sync()
+    return statistics.median(rounds)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    from cuda.bindings import driver  # pylint: disable=import-outside-toplevel
+
+    def check(result):
+        err, *rest = result if isinstance(result, tuple) else (result,)
+        if err != driver.CUresult.CUDA_SUCCESS:
+            raise RuntimeError(f"CUDA error {err}")
+        return rest[0] if len(rest) == 1 else rest
+
+    check(driver.cuInit(0))
+    device = check(driver.cuDeviceGet(0))
+    context = check(driver.cuDevicePrimaryCtxRetain(device))
+    check(driver.cuCtxSetCurrent(context))
+    stream = check(driver.cuStreamCreate(0))
+    buffer = check(driver.cuMemAlloc(1 << 20))
+    graph = check(driver.cuGraphCreate(0))
+    memset = driver.CUDA_MEMSET_NODE_PARAMS()
+    memset.dst, memset.value, memset.elementSize, memset.width, memset.height = buffer, 0, 1, 256, 1
+    check(driver.cuGraphAddMemsetNode(graph, None, 0, memset, context))
+    exec_ = check(driver.cuGraphInstantiate(graph, 0))
+    record = bytes(2400)  # GPT-2 decode's launch record: 624 arguments and a row
+    libcuda = ctypes.CDLL("libcuda.so.1")
+    libcuda.cuGraphLaunch.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
+    libcuda.cuMemcpyHtoDAsync_v2.argtypes = [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t,
+                                             ctypes.c_void_p]
+    raw_exec, raw_stream, raw_dst = int(exec_), int(stream), int(buffer)
+    host = ctypes.create_string_buffer(record, len(record))
+
+    def sync():
+        check(driver.cuStreamSynchronize(stream))
+
+    result = {
+        "machine": "see run.log (nvidia-smi)", "command": "python3 bench/driver_calls.py",
+        "calls": CALLS, "record_bytes": len(record),
+        "us_per_call": {
+            "cuGraphLaunch cuda-python": _time(lambda: check(driver.cuGraphLaunch(exec_, stream)),
+                                               CALLS, sync),
+            "cuGraphLaunch ctypes": _time(lambda: libcuda.cuGraphLaunch(raw_exec, raw_stream),
+                                          CALLS, sync),
+            "cuMemcpyHtoDAsync cuda-python (bytes)": _time(
+                lambda: check(driver.cuMemcpyHtoDAsync(buffer, record, len(record), stream)),
+                CALLS, sync),
+            "cuMemcpyHtoDAsync ctypes": _time(
+                lambda: libcuda.cuMemcpyHtoDAsync_v2(raw_dst, host, len(record), raw_stream),
+                CALLS, sync),
+        },
+    }
+    for name, us in result["us_per_call"].items():
+        print(f"  {name:40s} {us:6.2f} us")
+    driver.cuGraphExecDestroy(exec_)
+    driver.cuGraphDestroy(graph)
+    driver.cuMemFree(buffer)
+    driver.cuStreamDestroy(stream)
+    driver.cuDevicePrimaryCtxRelease(device)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "driver_calls.json").write_text(json.dumps(result, indent=2))
+    print(f"wrote {args.out / 'driver_calls.json'}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -413,6 +413,7 @@ STEPS = {
     "memory": (lambda out: build_example(out, hi=4096),),
     "probe_cublaslt": (),
     "driver_calls": (),
+    "ncu_gpt2": (build_hf_models,),
     "matmul": (build_matmul_bench,),
     "hf_models": (build_hf_models, build_wav2vec2),
     "hf_models_fp16": (lambda out: build_hf_models(out, dtype="float16"),),

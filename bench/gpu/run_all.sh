@@ -23,6 +23,10 @@ want inspect && { python3 -P -m grape_tvm.cli inspect build/gpu/blocks.cuda.grap
 want argument_tables && { python3 -P bench/argument_tables.py --artifacts build/gpu --out "$out" ${GRAPE_BENCH_ARGS:-} || status=1; }
 want host_path && { python3 -P bench/host_path.py --device cuda --artifact build/gpu/blocks24.grape.cuda.grape --width 768 --out "$out" || status=1; }
 want driver_calls && { python3 -P bench/driver_calls.py --out "$out" || status=1; }
+# Every kernel node of GPT-2's decode step (past 256) in grape's graph, timed by ncu (warm
+# caches, clocks as they are; per-shape graphs: ncu cannot profile device-updatable nodes).
+ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
+want ncu_gpt2 && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv --log-file "$out/gpt2_step_ncu.csv" python3 -P bench/kernel_profile.py build/gpu/gpt2_decode.cuda.grape --dim batch=1 --dim past=256 --weights build/gpu/gpt2_decode.weights.json --executor-steps 1 --graph-mode per-shape || status=1; }
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }

@@ -495,7 +495,8 @@ LIBRARY_SHAPE = {"k": 768, "n": 3072}  # GPT-2's MLP: (K, N) of its up projectio
 def library_layer(dtype: str = "float32"):
     """A GPT-2 MLP with its matmuls as cuBLASLt calls on CUDA (``OffloadMatmul``):
     ``h = gelu_tanh(x @ w_up + b_up)`` (bias and GELU in cuBLASLt's epilogue), ``y = h @
-    w_down_t^T + x`` (a weight stored [N, K]; the residual add a TVM kernel). x: (n, 768)."""
+    w_down_t^T + x`` (a weight stored [N, K]; the residual added by cuBLASLt as its C).
+    x: (n, 768)."""
     from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
 
     k, n_up = LIBRARY_SHAPE["k"], LIBRARY_SHAPE["n"]

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass
+
+import tvm
 from tvm import relax, tirx
 from tvm.ir import IRModule
 from tvm.ir.transform import PassContext
-from tvm.relax.dpl import is_op, wildcard
-from tvm.relax.dpl import rewrite_call
+from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
 from tvm.relax.transform import function_pass
 
 from grape_tvm.runtime.cublaslt import EPILOGUES, MatmulFunction
@@ -45,16 +48,28 @@ def _is_activation_product(x: relax.Expr, w: relax.Expr) -> bool:
 
 
 class _Match:
-    """What a matched pattern binds: x, the weight, and the bias and activation if any."""
+    """What a matched pattern binds: x, the weight, the bias, the residual and the reshape's
+    shape if any, and the activation (by op or as its formula, ``_Pattern``)."""
 
-    def __init__(self, matched: dict, root_pattern):
+    def __init__(self, matched: dict, pattern: "_Pattern", root):
         self.x = matched[_X]
         self.w = matched[_W]
         self.bias = matched.get(_B)
-        self.activation = None
-        root = matched[root_pattern]
+        self.residual = matched.get(_R)
+        self.product = matched[pattern.product]  # the matmul's value, before any reshape
+        self.activation = pattern.activation
         if isinstance(root, relax.Call) and root.op.name in _ACTIVATIONS:
             self.activation = _ACTIVATIONS[root.op.name]
+        self.constants_hold = all(_near(matched[c], v) for c, v in _GELU_CONSTANTS.items()
+                                  if c in matched)
+
+
+def _near(expr: relax.Expr, value: float) -> bool:
+    """A scalar constant of ``value`` (to float32's precision)."""
+    if not isinstance(expr, tvm.ir.GenericConst) or expr.value.numpy().size != 1:
+        return False
+    got = float(expr.value.numpy().reshape(()))
+    return abs(got - value) <= 1e-6 * max(1.0, abs(value))
 
 
 def _rewrite_batched(root, x: relax.Expr, w: relax.Expr) -> relax.Expr:
@@ -78,13 +93,16 @@ def _rewrite_batched(root, x: relax.Expr, w: relax.Expr) -> relax.Expr:
                                     relax.TensorType(out_ty.shape, dtype))
 
 
-def _rewrite(root, matched: dict, root_pattern) -> relax.Expr:
-    match = _Match(matched, root_pattern)
-    x_ty, out_ty = match.x.ty, root.ty
-    dtype = str(out_ty.dtype)
-    if root_pattern is _MATMUL and _is_activation_product(match.x, match.w):
+def _rewrite(root, matched: dict, pattern: "_Pattern") -> relax.Expr:
+    match = _Match(matched, pattern, root)
+    if pattern.plain and _is_activation_product(match.x, match.w):
         return _rewrite_batched(root, match.x, match.w)
-    if dtype not in LIBRARY_DTYPES or str(x_ty.dtype) != dtype:
+    if not match.constants_hold:
+        return root
+    product_ty, out_ty = match.product.ty, root.ty
+    x_ty, dtype = match.x.ty, str(out_ty.dtype)
+    if dtype not in LIBRARY_DTYPES or str(x_ty.dtype) != dtype or \
+            str(product_ty.dtype) != dtype:
         return root
     stored, transposed = _stored(match.w)
     w_dims = _static_dims(stored.ty)
@@ -94,35 +112,99 @@ def _rewrite(root, matched: dict, root_pattern) -> relax.Expr:
     if x_ty.ndim < 2 or not isinstance(x_ty.shape.values[-1], tirx.IntImm) or \
             int(x_ty.shape.values[-1]) != k:
         return root
-    args = [match.x, stored]
-    epilogue = ""
+    args, epilogue, residual = [match.x, stored], "", False
     if match.bias is not None:
-        if _static_dims(match.bias.ty) != [n] or str(match.bias.ty.dtype) != dtype:
+        if _static_dims(match.bias.ty) == [n] and str(match.bias.ty.dtype) == dtype:
+            args.append(match.bias)
+            epilogue = "bias"
+        elif pattern.residual_or_bias and _same_shape(match.bias.ty, product_ty):
+            args.append(match.bias)  # matmul(x, w) + r, r of the product's shape
+            residual = True
+        else:
             return root
-        args.append(match.bias)
-        epilogue = "bias"
+    if match.residual is not None:
+        if not _same_shape(match.residual.ty, out_ty) or str(match.residual.ty.dtype) != dtype:
+            return root
+        # Added in the product's shape: a reshape of a dense tensor is a view.
+        args.append(relax.op.reshape(match.residual, product_ty.shape)
+                    if not _same_shape(out_ty, product_ty) else match.residual)
+        residual = True
     if match.activation:
         epilogue = f"{epilogue}_{match.activation}" if epilogue else match.activation
     assert epilogue in EPILOGUES
-    function = MatmulFunction(epilogue, transposed)
-    return relax.op.call_dps_packed(function.name, relax.Tuple(args),
-                                    relax.TensorType(out_ty.shape, dtype))
+    function = MatmulFunction(epilogue, transposed, residual=residual)
+    call = relax.op.call_dps_packed(function.name, relax.Tuple(args),
+                                    relax.TensorType(product_ty.shape, dtype))
+    return call if _same_shape(out_ty, product_ty) else relax.op.reshape(call, out_ty.shape)
 
 
-_X, _W, _B = wildcard(), wildcard(), wildcard()
-_MATMUL = is_op("relax.matmul")(_X, _W)
-_BIASED = is_op("relax.add")(_MATMUL, _B) | is_op("relax.add")(_B, _MATMUL)
-# Largest first: an epilogue is fused only where the whole chain matches.
-PATTERNS = [is_op(op)(_BIASED) for op in _ACTIVATIONS] + [_BIASED] + \
-    [is_op(op)(_MATMUL) for op in _ACTIVATIONS] + [_MATMUL]
+def _same_shape(a, b) -> bool:
+    return isinstance(a, relax.TensorType) and isinstance(b, relax.TensorType) and \
+        a.shape is not None and b.shape is not None and \
+        same_dims(a.shape.values, b.shape.values)
+
+
+def _commutative(op: str, a, b):
+    return is_op(op)(a, b) | is_op(op)(b, a)
+
+
+_X, _W, _B, _R, _S = wildcard(), wildcard(), wildcard(), wildcard(), wildcard()
+_C05, _C3, _C044, _C079, _C1 = (is_const() for _ in range(5))
+# tanh-GELU as exporters write it: 0.5 * v * (1 + tanh(sqrt(2 / pi) * (v + 0.044715 * v^3)))
+_GELU_CONSTANTS = {_C05: 0.5, _C3: 3.0, _C044: 0.044715, _C079: math.sqrt(2 / math.pi),
+                   _C1: 1.0}
+
+
+def _tanh_gelu(v):
+    cubed = _commutative("relax.multiply", is_op("relax.power")(v, _C3), _C044)
+    inner = _commutative("relax.multiply", _commutative("relax.add", v, cubed), _C079)
+    one_plus = _commutative("relax.add", is_op("relax.tanh")(inner), _C1)
+    return _commutative("relax.multiply", _commutative("relax.multiply", v, _C05), one_plus)
+
+
+@dataclass(frozen=True, eq=False)
+class _Pattern:
+    """A pattern and what it means: ``product`` is its node of the matmul's value (the
+    reshape's input where there is one); ``activation`` one written as its formula;
+    ``residual_or_bias``: the added tensor may be either (told apart by its shape);
+    ``plain``: a matmul alone, which may also be a product of two activations."""
+
+    pattern: object
+    product: object
+    activation: str | None = None
+    residual_or_bias: bool = False
+    plain: bool = False
+
+
+def _patterns() -> list[_Pattern]:
+    """Largest first: an epilogue is fused only where the whole chain matches."""
+    matmul = is_op("relax.matmul")(_X, _W)
+    biased = _commutative("relax.add", matmul, _B)
+    found = []
+    for product in (biased, matmul):
+        for value in (is_op("relax.reshape")(product, _S), product):
+            found.append(_Pattern(_tanh_gelu(value), product, activation="gelu"))
+            found += [_Pattern(is_op(op)(value), product) for op in _ACTIVATIONS]
+    for value, product in ((is_op("relax.reshape")(biased, _S), biased), (biased, biased),
+                           (is_op("relax.reshape")(matmul, _S), matmul)):
+        found.append(_Pattern(_commutative("relax.add", value, _R), product))
+    found.append(_Pattern(biased, biased, residual_or_bias=True))
+    found.append(_Pattern(matmul, matmul, plain=True))
+    return found
+
+
+PATTERNS = _patterns()
 
 
 @function_pass(opt_level=0, name="OffloadMatmul")
 class OffloadMatmul:
     """Rewrite ``matmul(x, w)`` (w a 2-D weight of static shape, stored [K, N] or used
     transposed from [N, K]; x of any rank, its rows symbolic), with a bias add and a
-    tanh-GELU after it where present, into one call of a cuBLASLt function of grape's
-    runtime (``runtime/cublaslt.py``: the function's name says its epilogue). The call is a
+    tanh-GELU after it where present, or a bias and a residual (a tensor of the output's
+    shape, added as cuBLASLt's C), into one call of a cuBLASLt function of grape's runtime
+    (``runtime/cublaslt.py``: the function's name says its epilogue). A reshape between the
+    matmul and the rest (ONNX exports of 3-D activations) is kept after the call; a GELU
+    written out as its tanh formula is recognized (its constants checked). The call is a
     kernel launch for ``LiftGraphRegions``: captured into the region's graph.
 
     A product of two batches of matrices with the same batch dims (attention's scores,
@@ -141,6 +223,10 @@ class OffloadMatmul:
         y = R.call_dps_packed("grape.cublaslt.matmul_bias_gelu", (x, w, b),
                               out_ty=R.Tensor((n, 3072), "float32"))
 
+    and ``y = R.add(r, R.reshape(R.add(R.matmul(h, w2), b2), R.shape([m, 1, 768])))`` with
+    h: (m, 3072) becomes ``R.reshape(R.call_dps_packed("grape.cublaslt.matmul_bias_residual",
+    (h, w2, b2, R.reshape(r, R.shape([m, 768]))), ...), R.shape([m, 1, 768]))``.
+
     and ``s = R.matmul(q, R.permute_dims(k, [0, 1, 3, 2]))`` with q: (b, 12, 1, 64), k:
     (b, 12, p, 64) becomes ``R.call_dps_packed("grape.cublaslt.batched_matmul_nt", (q, k),
     out_ty=R.Tensor((b, 12, 1, p), "float32"))``.
@@ -149,6 +235,6 @@ class OffloadMatmul:
     def transform_function(self, func: relax.Function, mod: IRModule,
                            ctx: PassContext) -> relax.Function:
         for pattern in PATTERNS:
-            func = rewrite_call(pattern, lambda root, matched, p=pattern: _rewrite(root, matched, p),
-                                func)
+            func = rewrite_call(pattern.pattern,
+                                lambda root, matched, p=pattern: _rewrite(root, matched, p), func)
         return func

@@ -63,18 +63,22 @@ class CublasLtError(RuntimeError):
 
 @dataclass(frozen=True)
 class MatmulFunction:
-    """What one packed function does: its epilogue, whether ``w`` comes as [N, K], and
-    whether both operands are batches of matrices (``batched``: attention's products of two
-    activations, [..., M, K] by [..., K, N], the same batch dims on both)."""
+    """What one packed function does: its epilogue, whether ``w`` comes as [N, K], whether
+    both operands are batches of matrices (``batched``: attention's products of two
+    activations, [..., M, K] by [..., K, N], the same batch dims on both), and whether a
+    tensor of the output's shape is added (``residual``: cuBLASLt's C with beta = 1, before
+    the epilogue, so only where the epilogue has no activation)."""
 
     epilogue: str  # a key of EPILOGUES
     transposed_weight: bool
     batched: bool = False
+    residual: bool = False
 
     @property
     def name(self) -> str:
         suffix = "_".join(p for p in ("batched" if self.batched else "", "matmul",
-                                      self.epilogue, "nt" if self.transposed_weight else "")
+                                      self.epilogue, "residual" if self.residual else "",
+                                      "nt" if self.transposed_weight else "")
                           if p)
         return FUNCTION_PREFIX + suffix
 
@@ -85,6 +89,8 @@ class MatmulFunction:
 
 MATMUL_FUNCTIONS = {f.name: f for f in [MatmulFunction(e, t) for e in EPILOGUES
                                          for t in (False, True)] +
+                    [MatmulFunction(e, t, residual=True) for e in ("", "bias")
+                     for t in (False, True)] +
                     [MatmulFunction("", t, batched=True) for t in (False, True)]}
 
 
@@ -187,10 +193,12 @@ class CublasLt:
         self.chosen: dict[str, dict] = {}  # for inspect: the algorithm of each bucket
 
     # -- the packed functions' work --------------------------------------------------------
-    def matmul(self, function: MatmulFunction, x, w, out, bias, stream: int) -> None:
-        """``out = epilogue(x @ w (+ bias))`` on ``stream``; x: [..., K], w: [K, N] or
-        [N, K] (``transposed_weight``), out: [..., N], all of one dtype. ``batched``: x
-        [..., M, K], w [..., K, N] or [..., N, K], out [..., M, N], one product per batch."""
+    def matmul(self, function: MatmulFunction, x, w, out, bias, stream: int,
+               residual=None) -> None:
+        """``out = epilogue(x @ w (+ residual) (+ bias))`` on ``stream``; x: [..., K], w:
+        [K, N] or [N, K] (``transposed_weight``), out and residual: [..., N], all of one
+        dtype. ``batched``: x [..., M, K], w [..., K, N] or [..., N, K], out [..., M, N],
+        one product per batch."""
         dtype = str(out.dtype)
         problem = _Problem.of(function, x, out)
         if problem.m == 0 or problem.batch == 0 or problem.n == 0:
@@ -202,7 +210,13 @@ class CublasLt:
                   "cuMemsetD8Async")
             return
         plan = self._plan(function, dtype, problem, bias)
-        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        if residual is not None and (nbytes(residual) != nbytes(out) or
+                                     str(residual.dtype) != dtype):
+            raise CublasLtError(f"{function.name}: the residual is {residual.dtype}"
+                                f"{tuple(residual.shape)}, the output {dtype}{tuple(out.shape)}")
+        alpha = ctypes.c_float(1.0)
+        beta = ctypes.c_float(1.0 if residual is not None else 0.0)
+        source = out if residual is None else residual  # cuBLASLt's C
         a, b, c = self._layouts_of(function, dtype, problem)
         m, k, n = problem.m, problem.k, problem.n
         if bias is not None:
@@ -212,7 +226,7 @@ class CublasLt:
                 "cublasLtMatmulDescSetAttribute(bias)")
         _ok(self.lib.cublasLtMatmul(
             self.handle, plan.desc, ctypes.addressof(alpha), w.data_ptr(), a, x.data_ptr(), b,
-            ctypes.addressof(beta), out.data_ptr(), c, out.data_ptr(), c,
+            ctypes.addressof(beta), source.data_ptr(), c, out.data_ptr(), c,
             ctypes.addressof(plan.algo.algo), int(self.workspace), WORKSPACE_BYTES, stream),
             f"cublasLtMatmul({function.name}, {dtype}, batch={problem.batch}, M={m}, K={k}, "
             f"N={n})")
@@ -419,12 +433,12 @@ def _packed(function: MatmulFunction):
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
     def call(*args: Any) -> None:
-        *_, out = args
+        x, w, *rest, out = args
         instance = _instance(out.device.index)
-        x, w, *rest = args
-        bias, out = (rest[0], rest[1]) if function.has_bias else (None, rest[0])
+        bias = rest.pop(0) if function.has_bias else None
+        residual = rest.pop(0) if function.residual else None
         stream = tvm_ffi.get_raw_stream(out.device)
-        instance.matmul(function, x, w, out, bias, int(stream or 0))
+        instance.matmul(function, x, w, out, bias, int(stream or 0), residual)
 
     return call
 

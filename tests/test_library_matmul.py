@@ -13,6 +13,7 @@ import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
 import grape_tvm
 from grape_tvm.passes.library_matmul import OffloadMatmul
@@ -30,7 +31,7 @@ class Layer:
         with R.dataflow():
             h = R.nn.gelu_tanh(R.add(R.matmul(x, w), b))     # bias and GELU epilogue
             h = R.nn.relu(h)                                 # NaN kept: TVM's kernel
-            y = R.add(R.matmul(h, R.permute_dims(wt)), r)    # transposed weight; a residual
+            y = R.add(R.matmul(h, R.permute_dims(wt)), r)    # transposed weight; residual
             s = R.matmul(y, R.permute_dims(y))               # two activations: TVM's
             R.output(y, s)
         return (y, s)
@@ -54,11 +55,67 @@ def _calls(mod) -> list[str]:
 def test_offload_rewrites_weight_matmuls_with_their_epilogues():
     calls = _calls(OffloadMatmul()(Layer))
     assert "grape.cublaslt.matmul_bias_gelu" in calls
-    assert "grape.cublaslt.matmul_nt" in calls
+    assert "grape.cublaslt.matmul_residual_nt" in calls  # r of the output's shape: C, beta 1
     assert calls.count("relax.matmul") == 1  # y @ y^T: no weight, stays TVM's
-    assert "relax.add" in calls  # the residual: not a bias of shape (N,)
+    assert "relax.add" not in calls  # the bias and the residual are both in the calls
     assert "relax.nn.gelu_tanh" not in calls  # fused into the first call
     assert "relax.nn.relu" in calls  # cuBLASLt's ReLU drops NaN: not fused
+
+
+@I.ir_module
+class ExportedMlp:
+    """A GPT-2 block's MLP as its ONNX export imports: 2-D matmuls reshaped back to
+    (b, 1, N), tanh-GELU written out, the residual added after the reshape."""
+
+    @R.function
+    def main(x: R.Tensor(("m", 1, 64), "float32"), w: R.Tensor((64, 256), "float32"),
+             b: R.Tensor((256,), "float32"), w2: R.Tensor((256, 64), "float32"),
+             b2: R.Tensor((64,), "float32")):
+        m = T.int64()
+        with R.dataflow():
+            x2 = R.reshape(x, R.shape([m, 64]))
+            v = R.reshape(R.add(R.matmul(x2, w), b), R.shape([m, 1, 256]))
+            inner = R.multiply(R.add(v, R.multiply(R.power(v, R.const(3.0, "float32")),
+                                                   R.const(0.044715, "float32"))),
+                               R.const(0.7978845608, "float32"))
+            g = R.multiply(R.multiply(v, R.const(0.5, "float32")),
+                           R.add(R.tanh(inner), R.const(1.0, "float32")))
+            g2 = R.reshape(g, R.shape([m, 256]))
+            y = R.add(x, R.reshape(R.add(R.matmul(g2, w2), b2), R.shape([m, 1, 64])))
+            R.output(y)
+        return y
+
+
+def test_offload_fuses_an_exported_tanh_gelu_and_residual_through_reshapes():
+    calls = _calls(OffloadMatmul()(ExportedMlp))
+    assert calls.count("grape.cublaslt.matmul_bias_gelu") == 1
+    assert calls.count("grape.cublaslt.matmul_bias_residual") == 1
+    assert not {"relax.tanh", "relax.power", "relax.add", "relax.matmul"} & set(calls)
+
+
+def test_a_formula_that_is_not_tanh_gelu_stays_tvms():
+    """The same chain with 0.6 for 0.5 (or any other constant off) is not GELU."""
+    text = ExportedMlp.script().replace("0.5", "0.6")
+    calls = _calls(OffloadMatmul()(tvm.script.from_source(text)))
+    assert "grape.cublaslt.matmul_bias_gelu" not in calls
+    assert "grape.cublaslt.matmul_bias" in calls and "relax.tanh" in calls
+
+
+@I.ir_module
+class BroadcastAdd:
+    @R.function
+    def main(x: R.Tensor(("n", 64), "float32"), w: R.Tensor((64, 32), "float32"),
+             r: R.Tensor((1, 32), "float32")):
+        with R.dataflow():
+            y = R.add(R.matmul(x, w), r)  # broadcast: neither a bias (N,) nor a residual
+            R.output(y)
+        return y
+
+
+def test_an_add_that_broadcasts_is_not_a_residual():
+    calls = _calls(OffloadMatmul()(BroadcastAdd))
+    assert "grape.cublaslt.matmul" in calls and "relax.add" in calls
+    assert not any("residual" in c for c in calls)
 
 
 @I.ir_module
@@ -109,7 +166,8 @@ def test_library_calls_join_a_graph_region_and_the_plan_names_the_library():
     module = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
                              prebuild_cubin=False, matmul="cublaslt")
     kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
-    assert "grape.cublaslt.matmul_bias_gelu" in kernels and "grape.cublaslt.matmul_nt" in kernels
+    assert "grape.cublaslt.matmul_bias_gelu" in kernels
+    assert "grape.cublaslt.matmul_residual_nt" in kernels
     assert module.plan["libraries"] == ["cublaslt"] and module.plan["matmul"] == "cublaslt"
     assert not module.plan["host_steps"]
     default = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],

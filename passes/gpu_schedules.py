@@ -8,6 +8,7 @@ from tvm.s_tir import dlight as dl
 from tvm.s_tir.dlight.base import ScheduleRule
 from tvm.s_tir.schedule.schedule import ScheduleError
 
+from .injective_schedule import RowsOfStaticWidth
 from .reduction_schedules import FullReduction
 
 
@@ -69,13 +70,16 @@ def default_gpu_rules(decode_gemv: bool = True) -> list[ScheduleRule]:
     ``Matmul`` is ``CudaCoreMatmul``: see there. grape's ``FullReduction``
     (passes/reduction_schedules.py) comes before ``GeneralReduction``, which leaves the loops
     of a reduction to one element on the host; after ``Reduction``, whose schedules of sums
-    to one element it keeps. ``decode_gemv=False``: no ``DecodeGemv``."""
+    to one element it keeps. grape's ``RowsOfStaticWidth`` (passes/injective_schedule.py)
+    takes the element-wise kernels over a symbolic number of rows of static width before
+    ``Fallback``. ``decode_gemv=False``: no ``DecodeGemv``."""
     from .gemv_schedule import DecodeGemv  # pylint: disable=import-outside-toplevel
 
     ours = (DecodeGemv(),) if decode_gemv else ()
     return [TolerantRule(rule) for rule in (*ours, CudaCoreMatmul(), dl.gpu.GEMV(),
                                             dl.gpu.Reduction(), FullReduction(),
-                                            dl.gpu.GeneralReduction())] + [dl.gpu.Fallback()]
+                                            dl.gpu.GeneralReduction(), RowsOfStaticWidth())] + \
+        [dl.gpu.Fallback()]
 
 
 def gpu_legalize_passes(legalize_map: dict | None = None,

@@ -97,14 +97,16 @@ def make_model(kind: str, config: dict[str, Any], seed: int = 0, dtype: str = "f
     return model.to(getattr(torch, dtype))
 
 
+def presents(cache) -> list:
+    """A transformers ``DynamicCache``'s keys and values, layer by layer (``present_{i}_*``)."""
+    return [t for layer in cache.layers for t in (layer.keys, layer.values)]
+
+
 def causal_lm_wrappers(model):
     """Prefill and decode-step modules around a transformers causal LM (GPT-2, Llama):
     explicit key and value tensors in and out, ``past_{i}_*`` in, ``present_{i}_*`` out."""
     import torch  # pylint: disable=import-outside-toplevel
     from transformers.cache_utils import DynamicCache  # pylint: disable=import-outside-toplevel
-
-    def presents(cache) -> list:
-        return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
     class Prefill(torch.nn.Module):
         """input_ids -> logits and the layers' keys and values."""
@@ -132,6 +134,36 @@ def causal_lm_wrappers(model):
             return (out.logits, *presents(out.cache))
 
     return Prefill().eval(), Decode().eval()
+
+
+def seq2seq_decode_wrapper(model, encoder_attention_mask: bool = True):
+    """The decode step of a transformers encoder-decoder (BART, Whisper) as a module:
+    ``input_ids [batch, 1]``, the encoder's ``encoder_hidden_states``, its
+    ``encoder_attention_mask`` (when ``encoder_attention_mask``; Whisper's forward takes
+    none) and the self-attention cache ``past_{i}_*`` in; ``logits`` and the self-attention
+    ``present_{i}_*`` out. The cross-attention keys and values are computed from the
+    encoder states, as the model does on its first step (an empty cross-attention cache)."""
+    import torch  # pylint: disable=import-outside-toplevel
+    from transformers.cache_utils import (  # pylint: disable=import-outside-toplevel
+        DynamicCache, EncoderDecoderCache)
+
+    class Decode(torch.nn.Module):
+        """One token per sequence, attending to the encoder states and ``past`` positions."""
+
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, encoder_hidden_states, *rest):
+            mask, past = (rest[0], rest[1:]) if encoder_attention_mask else (None, rest)
+            cache = EncoderDecoderCache(DynamicCache(list(zip(past[0::2], past[1::2]))),
+                                        DynamicCache())
+            kwargs = {} if mask is None else {"attention_mask": mask}
+            out = self.model(encoder_outputs=(encoder_hidden_states,), decoder_input_ids=input_ids,
+                             cache=cache, use_cache=True, **kwargs)
+            return (out.logits, *presents(out.cache.self_attention_cache))
+
+    return Decode().eval()
 
 
 def kv_names(prefix: str, layers: int) -> list[str]:

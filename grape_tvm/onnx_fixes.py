@@ -80,7 +80,68 @@ def from_onnx(model: onnx.ModelProto, dims: Mapping[str, tuple[int, int]] | None
     if model.ir_version < 3:
         raise ValueError(f"ONNX IR version {model.ir_version} is too old: 3 or later is needed")
     importer = GrapeOnnxImporter(dims, keep_params_in_input=keep_params_in_input)
-    return importer.from_onnx(model.graph, default_opset(model))
+    return importer.from_onnx(tile_repeats_through_cast(model).graph, default_opset(model))
+
+
+def tile_repeats_through_cast(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every ``Tile`` whose repeats are computed (not an initializer or a ``Constant``) given
+    them through ``Cast(to=INT64)``, a no-op on ONNX's int64 repeats; on a copy, subgraphs
+    included, or ``model`` itself when there is none.
+
+    TVM's importer keeps values computed from shapes as shape expressions and refuses any op
+    outside its short list of shape-compatible ones that receives one ("Node ... cannot
+    handle ShapeExpr inputs"), before any converter sees the node: Whisper's decode step
+    tiles its position ids by ``[batch, 1]``, a shape expression. ``Cast`` is on the list
+    and turns one into a tensor (``shape_to_tensor``, or a constant when every dim is
+    known), from which ``onnx_fixes.Tile`` reads the repeats back.
+    """
+    if not any(_computed_tile_repeats(g) for g in _subgraphs(model.graph)):
+        return model
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for graph in _subgraphs(model.graph):
+        computed = _computed_tile_repeats(graph)
+        if not computed:
+            continue
+        taken = {o for n in graph.node for o in n.output} | {v.name for v in graph.input} | \
+            {i.name for i in graph.initializer}
+        nodes = []
+        for node in graph.node:
+            if node in computed:
+                name = _fresh(f"{node.input[1]}_as_tensor", taken)
+                nodes.append(onnx.helper.make_node("Cast", [node.input[1]], [name],
+                                                   name=name, to=onnx.TensorProto.INT64))
+                node.input[1] = name
+            nodes.append(node)
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return model
+
+
+def _subgraphs(graph: onnx.GraphProto):
+    """``graph`` and every graph nested in its nodes' attributes (If branches, Loop bodies)."""
+    yield graph
+    for node in graph.node:
+        for attr in node.attribute:
+            if attr.type == onnx.AttributeProto.GRAPH:
+                yield from _subgraphs(attr.g)
+            for sub in attr.graphs:
+                yield from _subgraphs(sub)
+
+
+def _computed_tile_repeats(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    constants = {i.name for i in graph.initializer} | \
+        {o for n in graph.node if n.op_type == "Constant" for o in n.output}
+    return [n for n in graph.node if n.op_type == "Tile" and n.domain in ("", "ai.onnx")
+            and len(n.input) > 1 and n.input[1] and n.input[1] not in constants]
+
+
+def _fresh(name: str, taken: set[str]) -> str:
+    fresh, k = name, 0
+    while fresh in taken:
+        k += 1
+        fresh = f"{name}_{k}"
+    taken.add(fresh)
+    return fresh
 
 
 def _int_scalar(value, params) -> tirx.PrimExpr | None:
@@ -494,6 +555,71 @@ class Expand(tvm_onnx.Expand):
         return super()._impl_v13(bb, [data, shape], attr, params)
 
 
+class Tile(tvm_onnx.Tile):
+    """``Tile`` by repeats computed from shapes: the output's shape a shape expression.
+
+    With repeats that are not a constant, TVM tiles with ``dyn_tile`` into a shape of fresh
+    variables (``tile_dim_0``...) that nothing relates to the dims the repeats came from:
+    Whisper's position ids tiled by ``[batch, 1]`` are then added to ``[batch, 1, d]``
+    embeddings of unrelated shape. Repeats read back as shape expressions (a
+    ``shape_to_tensor``, which ``tile_repeats_through_cast`` arranges for) give the output
+    shape ``[r0 * d0, r1 * d1, ...]`` itself, computed as ONNX says: element ``i`` of an
+    axis of ``d`` is ``x[i % d]``: one injective kernel, which fuses with its neighbours.
+    Repeats given as constants or graph inputs keep TVM's converter.
+    """
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data, repeats = inputs
+        shape, values = _known_shape(data), _shape_values(bb, repeats)
+        if shape is None or values is None:
+            return super()._impl_v13(bb, inputs, attr, params)
+        rank = max(len(shape), len(values))
+        one = tirx.IntImm("int64", 1)
+        shape = [_int64(d) for d in shape]
+        padded = [one] * (rank - len(shape)) + shape
+        values = [one] * (rank - len(values)) + [_int64(r) for r in values]
+        analyzer = _shape_analyzer(attr["grape_dims"], *padded, *values)
+        out_shape = [analyzer.simplify(r * d) for r, d in zip(values, padded)]
+
+        def tile(x):
+            def element(*index):
+                index = index[rank - len(shape):]
+                return x(*[tirx.IntImm("int64", 0) if isinstance(d, tirx.IntImm) and d.value == 1
+                           else tirx.floormod(i, d) for i, d in zip(index, shape)])
+            return tvm.te.compute(out_shape, element, name="tile")
+
+        return bb.emit_te(tile, data)
+
+
+def _int64(expr: tirx.PrimExpr) -> tirx.PrimExpr:
+    return expr if _scalar_dtype(expr) == "int64" else tirx.Cast("int64", expr)
+
+
+def _shape_values(bb, value) -> list[tirx.PrimExpr] | None:
+    """The elements of a 1-d integer tensor made from a shape expression
+    (``shape_to_tensor``, perhaps through ``astype``), else None."""
+    seen = 0
+    while isinstance(value, relax.Var) and seen < 8:
+        seen += 1
+        bound = bb.lookup_binding(value)
+        if bound is None:
+            return None
+        value = bound
+    if isinstance(value, relax.ShapeExpr):
+        return list(value.values)
+    if isinstance(value, relax.Call) and isinstance(value.op, tvm.ir.Op) and \
+            value.op.name in ("relax.shape_to_tensor", "relax.astype"):
+        arg = value.args[0]
+        if value.op.name == "relax.astype" and "int" not in str(value.ty.dtype):
+            return None
+        ty = getattr(arg, "ty", None)
+        if isinstance(ty, relax.ShapeType) and ty.values is not None:
+            return list(ty.values)
+        return _shape_values(bb, arg)
+    return None
+
+
 class IsInf(tvm_onnx.IsInf):
     """``detect_positive``/``detect_negative``, which TVM ignores (it flags both signs)."""
 
@@ -670,6 +796,7 @@ CONVERTERS: dict[str, type[tvm_onnx.OnnxOpConverter]] = {
     "Slice": Slice,
     "Softplus": Softplus,
     "SpaceToDepth": SpaceToDepth,
+    "Tile": Tile,
 }
 """Every ONNX op whose conversion grape changes: a fix of TVM's converter, or a refusal of
 the configurations it imports into wrong answers (``UnsupportedNode``)."""

@@ -10,7 +10,8 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
-                              DescribeCallProgram, DescribeConditionals, FuseWeightTranspose, HoistBranchStorage,
+                              DescribeCallProgram, DescribeConditionals, FusedScalarsAsDims,
+                              FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
@@ -127,8 +128,13 @@ class GrapePipeline:
                 # they fail on it (passes/gpu_schedules.py).
                 passes += gpu_legalize_passes(numerics, decode_gemv) + [CheckDeviceKernels()]
             else:
-                passes += [relax.transform.LegalizeOps(numerics) if p.info.name == "LegalizeOps"
-                           else p for p in lowering.legalize_passes(target)]
+                for p in lowering.legalize_passes(target):
+                    if p.info.name == "FuseTIR":
+                        # A fused function taking a scalar and a shape: its scalars as dims
+                        # (passes/fused_scalars.py), else TVM's FuseTIR fails on it.
+                        passes.append(FusedScalarsAsDims())
+                    passes.append(relax.transform.LegalizeOps(numerics)
+                                  if p.info.name == "LegalizeOps" else p)
                 # An empty reduction's output gets its identity (passes/reduction_init.py;
                 # dlight schedules GPU reductions itself).
                 passes.append(HoistReductionInit())

@@ -28,6 +28,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   ``HoistReductionInit``: a reduction's init before its loops, so that an empty one
   returns its identity (CPU).
 - ``SliceIntoConvPadding``: a slice dropping a conv's last outputs becomes less padding.
+- ``FusedScalarsAsDims``: a fused function's integer scalar parameters become dims of its
+  shape parameter, before ``FuseTIR`` (which fails on a function taking both).
 
 Passes touch IR only: nothing here launches a kernel or owns a device resource.
 """
@@ -38,6 +40,7 @@ from .branch_fusion import InlineBranches, OutlineBranches
 from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .branch_storage import HoistBranchStorage, after_memory_planning
 from .conv_slice import SliceIntoConvPadding
+from .fused_scalars import FusedScalarsAsDims
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gemv_schedule import DecodeGemv
 from .weight_transpose import FuseWeightTranspose
@@ -63,6 +66,7 @@ __all__ = [
     "DescribeConditionals",
     "FullReduction",
     "FuseWeightTranspose",
+    "FusedScalarsAsDims",
     "GraphPlan",
     "HoistBranchStorage",
     "HoistReductionInit",

@@ -186,3 +186,108 @@ def test_name_derived_dims_names_division_dims_and_bounds_them():
         outs.append(vm["main"](tvm.runtime.tensor(x)).numpy())
     np.testing.assert_allclose(outs[0], outs[1], rtol=1e-6)
     assert outs[1].shape == (4, 9)
+
+
+def make_tile_model() -> onnx.ModelProto:
+    """Tile by repeats computed from shapes: ``x`` ([n, 3]) by ``[2, n]`` and a constant
+    row by ``[n, 1]`` added to ``x`` (transformers' ``position_ids.repeat(batch, 1)``)."""
+    info = helper.make_tensor_value_info
+    nodes = [
+        helper.make_node("Shape", ["x"], ["sx"]),
+        helper.make_node("Gather", ["sx", "zero"], ["n"], axis=0),
+        helper.make_node("Unsqueeze", ["n", "axis0"], ["n1"]),
+        helper.make_node("Concat", ["two1", "n1"], ["reps_x"], axis=0),
+        helper.make_node("Tile", ["x", "reps_x"], ["tiled"]),
+        helper.make_node("Concat", ["n1", "one1"], ["reps_row"], axis=0),
+        helper.make_node("Tile", ["row", "reps_row"], ["rows"]),
+        helper.make_node("Add", ["x", "rows"], ["y"]),
+    ]
+    return _model(nodes, [info("x", TensorProto.FLOAT, ["n", 3])],
+                  [info("tiled", TensorProto.FLOAT, ["m", "k"]), info("y", TensorProto.FLOAT, ["n", 3])],
+                  [_int64("zero", 0), _int64("axis0", [0]), _int64("one1", [1]), _int64("two1", [2]),
+                   numpy_helper.from_array(np.array([[1, 2, 3]], np.float32), "row")])
+
+
+def test_tile_by_shape_values_keeps_its_shape(tmp_path):
+    """TVM refused both Tiles ("cannot handle ShapeExpr inputs"); through a Cast its
+    converter tiles into ``tile_dim_*`` shapes unrelated to ``n``."""
+    model = make_tile_model()
+    mod = import_onnx(model, {"n": (1, 16)})
+    assert "tile_dim" not in mod.script(), mod.script()
+    assert "(n * T.int64(2), n * T.int64(3))" in _out_shape(mod), _out_shape(mod)
+    assert "(n, T.int64(3))" in _out_shape(mod), _out_shape(mod)
+    rng = np.random.default_rng(0)
+    _check(model, tmp_path, {"n": (1, 16)}, [1, 5, 16],
+           lambda n: {"x": rng.standard_normal((n, 3)).astype(np.float32)})
+
+
+def make_tiled_positions_model() -> onnx.ModelProto:
+    """Whisper's decode-step positions: ``arange(1) + past`` tiled to ``[n, 1]`` (``n`` from
+    ``ids``, ``past`` from ``cache``), looked up in a table: ``y = table[positions]``."""
+    info = helper.make_tensor_value_info
+    nodes = [
+        helper.make_node("Shape", ["cache"], ["sc"]),
+        helper.make_node("Gather", ["sc", "zero"], ["past"], axis=0),
+        helper.make_node("Range", ["zero", "one", "one"], ["r"]),
+        helper.make_node("Add", ["r", "past"], ["pos"]),
+        helper.make_node("Unsqueeze", ["pos", "axis0"], ["row"]),
+        helper.make_node("Shape", ["ids"], ["si"]),
+        helper.make_node("Gather", ["si", "zero"], ["n"], axis=0),
+        helper.make_node("Unsqueeze", ["n", "axis0"], ["n1"]),
+        helper.make_node("Concat", ["n1", "one1"], ["reps"], axis=0),
+        helper.make_node("Tile", ["row", "reps"], ["positions"]),
+        helper.make_node("Gather", ["table", "positions"], ["y"], axis=0),
+    ]
+    table = np.arange(128 * 4, dtype=np.float32).reshape(128, 4)
+    return _model(nodes, [info("ids", TensorProto.INT64, ["n", 1]), info("cache", TensorProto.FLOAT, ["past"])],
+                  [info("y", TensorProto.FLOAT, ["n", 1, 4])],
+                  [_int64("zero", 0), _int64("one", 1), _int64("axis0", [0]), _int64("one1", [1]),
+                   numpy_helper.from_array(table, "table")])
+
+
+def test_tiled_positions_fuse_with_a_scalar_dim(tmp_path):
+    """The tiled positions' kernel takes ``past`` as a scalar and ``n`` as a shape: TVM's
+    FuseTIR failed on it ("VarRemapGet(source) == nullptr") before FusedScalarsAsDims."""
+    _check(make_tiled_positions_model(), tmp_path, {"n": (1, 16), "past": (1, 64)},
+           [(1, 1), (5, 7), (16, 64)],
+           lambda s: {"ids": np.zeros((s[0], 1), np.int64), "cache": np.zeros(s[1], np.float32)})
+
+
+def _scalar_and_shape_module() -> tvm.IRModule:
+    """``broadcast_to(x + past, [n])``: fused, one function takes ``past`` as a scalar and
+    ``n`` (no input has it) as a shape."""
+    n, past = tvm.tirx.Var("n", "int64"), tvm.tirx.Var("past", "int64")
+    x = relax.Var("x", relax.TensorType((1,), "int64"))
+    cache = relax.Var("cache", relax.TensorType((past,), "float32"))
+    like = relax.Var("like", relax.TensorType((n,), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, cache, like]):
+        with bb.dataflow():
+            added = bb.emit(relax.op.add(x, relax.prim_value(past)))
+            out = bb.emit_output(relax.op.broadcast_to(added, relax.ShapeExpr([n])))
+        bb.emit_func_output(out)
+    return tvm.transform.Sequential([
+        relax.transform.LegalizeOps(), relax.transform.AnnotateTIROpPattern(),
+        relax.transform.FuseOps()])(bb.get())
+
+
+def test_fused_scalars_as_dims():
+    from grape_tvm.passes import FusedScalarsAsDims  # pylint: disable=import-outside-toplevel
+
+    def fused_params(mod):
+        (func,) = [f for g, f in mod.functions_items() if g.name_hint.startswith("fused_")]
+        return [str(p.ty) for p in func.params]
+
+    fused = _scalar_and_shape_module()
+    assert fused_params(fused) == ['R.Tensor((1,), dtype="int64")', "int64", "R.Shape([n])"]
+    moved = FusedScalarsAsDims()(fused)
+    assert fused_params(moved) == ['R.Tensor((1,), dtype="int64")', "R.Shape([n, past])"]
+    ex = tvm.compile(relax.transform.FuseTIR()(moved), target="llvm")
+    vm = relax.VirtualMachine(ex, tvm.cpu())
+    got = vm["main"](tvm.runtime.tensor(np.array([3], np.int64)),
+                     tvm.runtime.tensor(np.zeros(5, np.float32)),
+                     tvm.runtime.tensor(np.zeros(4, np.float32))).numpy()
+    np.testing.assert_array_equal(got, np.full(4, 8, np.int64))
+    # Nothing to move: the module itself comes back.
+    plain = FusedScalarsAsDims()(moved)
+    assert plain.same_as(moved)

@@ -22,12 +22,17 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from export_hf import causal_lm_wrappers, export_onnx, kv_names, perturb_weights  # noqa: E402  pylint: disable=wrong-import-position
+from export_hf import (  # noqa: E402  pylint: disable=wrong-import-position
+    causal_lm_wrappers, export_onnx, kv_names, perturb_weights, seq2seq_decode_wrapper)
 
 SEED = 0
 VOCAB = 1000
 LLAMA_LAYERS, LLAMA_KV_HEADS, LLAMA_HEAD_DIM = 2, 2, 16  # grouped-query: 4 heads share 2
 IMAGE = 32  # pixels a side: ViT's 4x4 patches of 8, ResNet down to 1x1
+# the encoder-decoders (BART, Whisper): 2 + 2 layers, 4 heads of 16
+SEQ2SEQ_LAYERS, SEQ2SEQ_HEADS, SEQ2SEQ_HEAD_DIM = 2, 4, 16
+SEQ2SEQ_D_MODEL = SEQ2SEQ_HEADS * SEQ2SEQ_HEAD_DIM
+MEL_BINS, WHISPER_FRAMES = 16, 16  # Whisper's encoder: 2 * 16 mel frames in, 16 states out
 
 TOLERANCE = 1e-4  # on relative_error: max |grape - onnxruntime| / max |onnxruntime|, fp32
 Feeds = dict[str, np.ndarray]
@@ -172,6 +177,53 @@ def _resnet(_attn_implementation: str | None):
     return _returning(model, "logits")
 
 
+def _seq2seq_config(family: str, attn_implementation: str | None, **config):
+    """transformers' ``{family}Config`` (Bart, Whisper) at the zoo's tiny encoder-decoder
+    size."""
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    return getattr(transformers, f"{family}Config")(
+        vocab_size=VOCAB, d_model=SEQ2SEQ_D_MODEL, encoder_layers=SEQ2SEQ_LAYERS,
+        decoder_layers=SEQ2SEQ_LAYERS, encoder_attention_heads=SEQ2SEQ_HEADS,
+        decoder_attention_heads=SEQ2SEQ_HEADS, encoder_ffn_dim=128, decoder_ffn_dim=128,
+        pad_token_id=1, bos_token_id=0, eos_token_id=2, decoder_start_token_id=2,
+        **config, **_attn(attn_implementation))
+
+
+def _bart_model(attn_implementation: str | None):
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    cfg = _seq2seq_config("Bart", attn_implementation, max_position_embeddings=128)
+    return _seeded(lambda: transformers.BartForConditionalGeneration(cfg))
+
+
+def _bart_encoder(attn_implementation: str | None):
+    return _returning(_bart_model(attn_implementation).get_encoder(), "last_hidden_state")
+
+
+def _bart_decode(attn_implementation: str | None):
+    return seq2seq_decode_wrapper(_bart_model(attn_implementation))
+
+
+def _whisper_model(attn_implementation: str | None):
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    cfg = _seq2seq_config("Whisper", attn_implementation, num_mel_bins=MEL_BINS,
+                          max_source_positions=WHISPER_FRAMES, max_target_positions=128,
+                          begin_suppress_tokens=None)
+    return _seeded(lambda: transformers.WhisperForConditionalGeneration(cfg))
+
+
+def _whisper_encoder(attn_implementation: str | None):
+    return _returning(_whisper_model(attn_implementation).get_encoder(), "last_hidden_state")
+
+
+def _whisper_decode(attn_implementation: str | None):
+    # Whisper's forward takes no encoder attention mask: every frame is attended
+    return seq2seq_decode_wrapper(_whisper_model(attn_implementation),
+                                  encoder_attention_mask=False)
+
+
 def _token_ids(rng: np.random.Generator, shape: dict[str, int]) -> np.ndarray:
     return rng.integers(0, VOCAB, (shape["batch"], shape["seq"])).astype(np.int64)
 
@@ -190,6 +242,36 @@ def _decode_step(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
             **{name: rng.standard_normal(kv_shape).astype(np.float32) for name in _PAST}}
 
 
+def _seq2seq_past(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
+    kv_shape = (shape["batch"], SEQ2SEQ_HEADS, shape["past"], SEQ2SEQ_HEAD_DIM)
+    return {name: rng.standard_normal(kv_shape).astype(np.float32) for name in _SEQ2SEQ_PAST}
+
+
+def _bart_decode_step(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
+    """One new token per sequence after ``past`` cached positions, attending to ``source``
+    encoder states of which the last sequence's are padded from their middle on."""
+    source = _ids_and_padding_mask(rng, {"batch": shape["batch"], "seq": shape["source"]})
+    states = (shape["batch"], shape["source"], SEQ2SEQ_D_MODEL)
+    return {"input_ids": _token_ids(rng, {"batch": shape["batch"], "seq": 1}),
+            "encoder_hidden_states": rng.standard_normal(states).astype(np.float32),
+            "encoder_attention_mask": source["attention_mask"],
+            **_seq2seq_past(rng, shape)}
+
+
+def _whisper_decode_step(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
+    """One new token per sequence after ``past`` cached positions, attending to the
+    encoder's ``WHISPER_FRAMES`` states."""
+    states = (shape["batch"], WHISPER_FRAMES, SEQ2SEQ_D_MODEL)
+    return {"input_ids": _token_ids(rng, {"batch": shape["batch"], "seq": 1}),
+            "encoder_hidden_states": rng.standard_normal(states).astype(np.float32),
+            **_seq2seq_past(rng, shape)}
+
+
+def _log_mel(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
+    return {"input_features": rng.standard_normal((shape["batch"], MEL_BINS, 2 * WHISPER_FRAMES))
+            .astype(np.float32)}
+
+
 def _images(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
     return {"pixel_values": rng.standard_normal((shape["batch"], 3, IMAGE, IMAGE))
             .astype(np.float32)}
@@ -197,6 +279,11 @@ def _images(rng: np.random.Generator, shape: dict[str, int]) -> Feeds:
 
 _BATCH_SEQ = {0: "batch", 1: "seq"}
 _PAST, _PRESENT = kv_names("past", LLAMA_LAYERS), kv_names("present", LLAMA_LAYERS)
+_FOLDED_EAGER = (Export(), Export("eager"), Export("eager", folded_by_onnxruntime=True))
+_SEQ2SEQ_PAST = kv_names("past", SEQ2SEQ_LAYERS)
+_SEQ2SEQ_PRESENT = kv_names("present", SEQ2SEQ_LAYERS)
+_SELF_ATTENTION_CACHE = {**{name: {0: "batch", 2: "past"} for name in _SEQ2SEQ_PAST},
+                         **{name: {0: "batch", 2: "past_plus_1"} for name in _SEQ2SEQ_PRESENT}}
 
 ARCHITECTURES = {a.name: a for a in [
     Architecture(
@@ -226,6 +313,34 @@ ARCHITECTURES = {a.name: a for a in [
         "resnet", _resnet, ("pixel_values",), ("logits",),
         {"pixel_values": {0: "batch"}, "logits": {0: "batch"}},
         {"batch": (1, 8)}, _images),
+    Architecture(
+        "bart_encoder", _bart_encoder, ("input_ids", "attention_mask"), ("last_hidden_state",),
+        {"input_ids": _BATCH_SEQ, "attention_mask": _BATCH_SEQ, "last_hidden_state": _BATCH_SEQ},
+        {"batch": (1, 4), "seq": (1, 64)}, _ids_and_padding_mask,
+        # As BERT's: the mask's scalar ConstantOfShape stops TVM's importer, with either
+        # attention; onnxruntime's constant folding removes it (folded, sdpa's attention
+        # leaves a Concat of shape values TVM's importer refuses)
+        exports=_FOLDED_EAGER),
+    Architecture(
+        "bart_decode", _bart_decode,
+        ("input_ids", "encoder_hidden_states", "encoder_attention_mask", *_SEQ2SEQ_PAST),
+        ("logits", *_SEQ2SEQ_PRESENT),
+        {"input_ids": {0: "batch"}, "logits": {0: "batch"},
+         "encoder_hidden_states": {0: "batch", 1: "source"},
+         "encoder_attention_mask": {0: "batch", 1: "source"}, **_SELF_ATTENTION_CACHE},
+        {"batch": (1, 4), "past": (1, 64), "source": (1, 48)}, _bart_decode_step,
+        # the encoder mask's ConstantOfShape, as the encoder's
+        exports=_FOLDED_EAGER),
+    Architecture(
+        "whisper_encoder", _whisper_encoder, ("input_features",), ("last_hidden_state",),
+        {"input_features": {0: "batch"}, "last_hidden_state": {0: "batch"}},
+        {"batch": (1, 8)}, _log_mel),
+    Architecture(
+        "whisper_decode", _whisper_decode,
+        ("input_ids", "encoder_hidden_states", *_SEQ2SEQ_PAST), ("logits", *_SEQ2SEQ_PRESENT),
+        {"input_ids": {0: "batch"}, "logits": {0: "batch"},
+         "encoder_hidden_states": {0: "batch"}, **_SELF_ATTENTION_CACHE},
+        {"batch": (1, 4), "past": (1, 64)}, _whisper_decode_step),
 ]}
 
 

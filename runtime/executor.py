@@ -283,7 +283,7 @@ class GraphExecutor:
                 self._check_out(out, planned)
                 outputs = self._run_planned(planned, key, args, side, out, phases, start)
                 if outputs is not None:
-                    return self._name_outputs(outputs)
+                    return self._name_outputs(_grouped(outputs, self.signature))
         self._returned = {}
         values = self._call_vm(args, key, out)
         phases["vm"] = time.perf_counter_ns() - start
@@ -470,6 +470,9 @@ class GraphExecutor:
     def _check_out(self, out: dict[int, Any], planned: PlannedCall) -> None:
         for index, target in out.items():
             name = self.signature.outputs[index].name
+            if self.signature.outputs[index].kind == "sequence":
+                raise InputError(f"output {name!r} is a sequence of tensors: it cannot be "
+                                 "written to out=")
             written = planned.output_spec(index)
             if written is None:
                 raise InputError(f"output {name!r} is not written by a kernel of its own (an "
@@ -757,14 +760,18 @@ def _check_host_array(name: str, array: np.ndarray) -> None:
 
 def _values(result, signature: Signature | None = None) -> list:
     """The entry function's outputs: one tensor or shape, or a tuple of them. A shape is a
-    tuple too (``tvm_ffi.Shape``): it is one output, not several; so is the tuple a model
-    with one sequence output returns."""
+    tuple too (``tvm_ffi.Shape``): it is one output, not several."""
     if isinstance(result, (tvm.runtime.Tensor, tvm_ffi.Shape)):
         return [result]
+    return _grouped(list(result), signature)
+
+
+def _grouped(values: list, signature: Signature | None) -> list:
+    """The tuple a model with one sequence output returns is that one output (a list)."""
     if signature is not None and len(signature.outputs) == 1 and \
             signature.outputs[0].kind == "sequence":
-        return [list(result)]
-    return list(result)
+        return [list(values)]
+    return values
 
 
 def _numpy(value):

@@ -228,3 +228,30 @@ def test_bound_inputs_are_placed_once_and_a_new_binding_moves_them(tmp_path):
     for got, w in results:
         want = np.maximum(x @ w, 0) @ w + x
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_sequence_output_is_one_output_on_the_planned_path(tmp_path):
+    """A model whose one output is a sequence (``SplitToSequence``) returns a tuple from its
+    entry function: one output, a list of tensors, as on TVM's VM, first call and later."""
+    import onnx  # pylint: disable=import-outside-toplevel
+    from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
+    from conftest import onnxruntime_outputs  # pylint: disable=import-outside-toplevel
+
+    graph = helper.make_graph(
+        [helper.make_node("SplitToSequence", ["x"], ["seq"], axis=1, keepdims=0)], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 3])],
+        [helper.make_tensor_sequence_value_info("seq", TensorProto.FLOAT, None)])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    path = tmp_path / "seq.onnx"
+    onnx.save(model, str(path))
+    executor = grape_tvm.load(grape_tvm.compile_onnx(path, {"n": (1, 8)})
+                              .export(tmp_path / "seq.grape"))
+    rng = np.random.default_rng(4)
+    for n in (2, 2, 5, 8):
+        x = rng.standard_normal((n, 3)).astype(np.float32)
+        got = executor.run({"x": x})
+        (want,) = onnxruntime_outputs(path, {"x": x})
+        assert list(got) == ["seq"] and len(got["seq"]) == len(want) == 3
+        for value, ref in zip(got["seq"], want):
+            np.testing.assert_array_equal(value, ref)

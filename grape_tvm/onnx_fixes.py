@@ -80,7 +80,43 @@ def from_onnx(model: onnx.ModelProto, dims: Mapping[str, tuple[int, int]] | None
     if model.ir_version < 3:
         raise ValueError(f"ONNX IR version {model.ir_version} is too old: 3 or later is needed")
     importer = GrapeOnnxImporter(dims, keep_params_in_input=keep_params_in_input)
-    return importer.from_onnx(tile_repeats_through_cast(model).graph, default_opset(model))
+    model = shape_values_through_cast(tile_repeats_through_cast(empty_reduce_axes_dropped(model)))
+    return importer.from_onnx(model.graph, default_opset(model))
+
+
+_REDUCE_OPS = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax",
+               "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum", "ReduceSumSquare")
+
+
+def empty_reduce_axes_dropped(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every ``Reduce*`` whose ``axes`` input is a graph input declared empty (shape
+    ``[0]``) given no axes input, which the spec reads the same (reduce every axis, or
+    nothing with ``noop_with_empty_axes``); on a copy, or ``model`` itself when there is
+    none. The main graph's only: grape's runtime checks each of its inputs' shape against
+    the declared one, so the axes fed are empty.
+
+    TVM's importer gives a declared size of 0 a fresh symbolic size (``dim_value`` 0 reads
+    as unset): the axes then look like a run-time tensor of any length, which the
+    ``Reduce*`` converters cannot reduce by ("Only constant axes currently supported").
+    """
+    if not _empty_axes_reductions(model.graph):
+        return model
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for node in _empty_axes_reductions(model.graph):
+        del node.input[1]
+    return model
+
+
+def _empty_axes_reductions(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
+    initializers = {i.name for i in graph.initializer}
+    empty = set()
+    for value in graph.input:
+        dims = value.type.tensor_type.shape.dim if value.type.HasField("tensor_type") else ()
+        if value.name not in initializers and value.type.tensor_type.HasField("shape") and \
+                len(dims) == 1 and dims[0].HasField("dim_value") and dims[0].dim_value == 0:
+            empty.add(value.name)
+    return [n for n in graph.node if n.op_type in _REDUCE_OPS and n.domain in ("", "ai.onnx")
+            and len(n.input) > 1 and n.input[1] in empty]
 
 
 def tile_repeats_through_cast(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -115,6 +151,84 @@ def tile_repeats_through_cast(model: onnx.ModelProto) -> onnx.ModelProto:
         del graph.node[:]
         graph.node.extend(nodes)
     return model
+
+
+_SHAPE_COMPATIBLE = frozenset((
+    "Reshape", "Resize", "ConstantOfShape", "Gather", "Slice", "Shape", "Expand", "Concat",
+    "Equal", "Where", "Cast", "CastLike", "Squeeze"))
+"""The ops TVM 0.27's importer lets take a shape expression (``_construct_nodes``'s
+``shape_compatible_ops``); any other refuses one before its converter runs."""
+
+_SHAPE_CARRIERS = {
+    # op: the inputs whose shape value its output carries (as a shape, dim or int64 tensor)
+    **{op: (0,) for op in ("Gather", "Slice", "Squeeze", "Unsqueeze", "Reshape", "Expand",
+                           "Identity", "Neg", "Abs")},
+    **{op: None for op in ("Concat", "Add", "Sub", "Mul", "Div", "Mod", "Max", "Min")},
+    "Where": (1, 2),
+}
+"""Ops whose output TVM's importer may keep as a shape value (a ``ShapeExpr`` or a dim as
+``PrimValue``) when the given inputs (None: any) are: the ONNX value is then int64."""
+
+
+def shape_values_through_cast(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Every value computed from ``Shape`` given through ``Cast(to=INT64)`` (a no-op on it:
+    ONNX shapes are int64) to each node outside TVM's shape-compatible ops; on a copy,
+    subgraphs included, or ``model`` itself when there is none.
+
+    TVM's importer keeps shapes and the values computed from them (``Gather``, ``Concat``,
+    ``Unsqueeze``...) as shape expressions and refuses them as the input of most ops
+    ("Node ... cannot handle ShapeExpr inputs"): ``Div``/``Sub`` of a head size in the
+    expansions of ``Attention``, ``Size`` of a shape in ``LayerNormalization``'s. ``Cast``
+    turns a shape expression into an int64 tensor (a constant when every dim is known) and
+    passes any other value on unchanged (``Cast``, same type). Which values are shape
+    expressions is only known inside TVM's importer: every value that may be one gets the
+    ``Cast``, and those that are not go through it untouched.
+    """
+    if not any(_shape_value_inputs(g) for g in _subgraphs(model.graph)):
+        return model
+    model = onnx.ModelProto.FromString(model.SerializeToString())
+    for graph in _subgraphs(model.graph):
+        found = _shape_value_inputs(graph)
+        if not found:
+            continue
+        taken = {o for n in graph.node for o in n.output} | {v.name for v in graph.input} | \
+            {i.name for i in graph.initializer}
+        nodes, cast = [], {}
+        for k, node in enumerate(graph.node):
+            for i in found.get(k, ()):
+                value = node.input[i]
+                if value not in cast:
+                    cast[value] = _fresh(f"{value}_as_tensor", taken)
+                    nodes.append(onnx.helper.make_node("Cast", [value], [cast[value]],
+                                                       name=cast[value], to=onnx.TensorProto.INT64))
+                node.input[i] = cast[value]
+            nodes.append(node)
+        del graph.node[:]
+        graph.node.extend(nodes)
+    return model
+
+
+def _shape_value_inputs(graph: onnx.GraphProto) -> dict[int, list[int]]:
+    """For each node outside TVM's shape-compatible ops (by its index), the positions of its
+    inputs that may be shape values: ``Shape``'s outputs and what ``_SHAPE_CARRIERS``
+    computes from them (in this graph)."""
+    shaped: set[str] = set()
+    found: dict[int, list[int]] = {}
+    for k, node in enumerate(graph.node):
+        if node.domain not in ("", "ai.onnx"):
+            continue
+        if node.op_type == "Shape":
+            shaped.update(node.output)
+            continue
+        carried = _SHAPE_CARRIERS.get(node.op_type, ())
+        positions = range(len(node.input)) if carried is None else carried
+        if any(i < len(node.input) and node.input[i] in shaped for i in positions):
+            shaped.update(node.output)
+        if node.op_type not in _SHAPE_COMPATIBLE:
+            inputs = [i for i, name in enumerate(node.input) if name and name in shaped]
+            if inputs:
+                found[k] = inputs
+    return found
 
 
 def _subgraphs(graph: onnx.GraphProto):
@@ -428,7 +542,11 @@ class Cast(tvm_onnx.Cast):
 
     @classmethod
     def _impl_v13(cls, bb, inputs, attr, params):
-        _refuse_float8_cast("Cast", _dtype_of(inputs[0]), str(tvm_onnx.get_type(attr["to"])))
+        target = str(tvm_onnx.get_type(attr["to"]))
+        _refuse_float8_cast("Cast", _dtype_of(inputs[0]), target)
+        ty = getattr(inputs[0], "ty", None)
+        if isinstance(ty, (relax.TensorType, tvm.ir.PrimType)) and str(ty.dtype) == target:
+            return inputs[0]  # the identity; keeps a dim (PrimValue) a dim
         return super()._impl_v13(bb, inputs, attr, params)
 
 
@@ -439,6 +557,39 @@ class CastLike(tvm_onnx.CastLike):
     def _impl_v15(cls, bb, inputs, attr, params):
         _refuse_float8_cast("CastLike", _dtype_of(inputs[0]), _dtype_of(inputs[1]))
         return super()._impl_v15(bb, inputs, attr, params)
+
+
+class Conv(tvm_onnx.Conv):
+    """float16 and bfloat16 ``Conv`` accumulated in float32, rounded once at the end.
+
+    TVM's convolution accumulates in the input type: a float16 depthwise ``Conv`` of onnx's
+    ``CausalConvWithState`` (silu, float16) came out 3 units in the last place from the
+    expected output, beyond its tolerance (onnxruntime: 1 unit). Here the convolution's
+    ``out_dtype`` is float32 and the bias is added in float32 before the one rounding.
+    """
+
+    _OPS = {"relax.nn.conv1d": relax.op.nn.conv1d, "relax.nn.conv2d": relax.op.nn.conv2d,
+            "relax.nn.conv3d": relax.op.nn.conv3d}
+
+    @classmethod
+    def _impl_v11(cls, bb, inputs, attr, params):
+        dtype = _dtype_of(inputs[0])
+        out = super()._impl_v11(bb, inputs, attr, params)
+        if dtype not in ("float16", "bfloat16"):
+            return out
+        conv = out.args[0] if inputs[2] is not None else out
+        if not isinstance(conv, relax.Call) or getattr(conv.op, "name", None) not in cls._OPS:
+            return out
+        a = conv.attrs
+        wide = bb.normalize(cls._OPS[conv.op.name](
+            conv.args[0], conv.args[1], strides=a.strides, padding=a.padding,
+            dilation=a.dilation, groups=a.groups, data_layout=a.data_layout,
+            kernel_layout=a.kernel_layout, out_layout=a.out_layout, out_dtype="float32"))
+        if inputs[2] is not None:
+            bias = relax.op.reshape(bb.normalize(relax.op.astype(inputs[2], "float32")),
+                                    [1, -1] + [1] * (conv.args[0].ty.ndim - 2))
+            wide = bb.normalize(relax.op.add(wide, bias))
+        return relax.op.astype(wide, dtype)
 
 
 class ConvTranspose(tvm_onnx.ConvTranspose):
@@ -724,6 +875,54 @@ class NonMaxSuppression(tvm_onnx.NonMaxSuppression):
         return super()._impl_v10(bb, inputs, attr, params)
 
 
+def _reduce_axes_known(inputs, params, op: str) -> list:
+    """A ``Reduce*`` node's inputs with its ``axes`` input known at import time: a constant
+    or initializer kept (TVM's converter reads it), an empty tensor (its type says so: no
+    axes, the spec's "reduce all" or, with ``noop_with_empty_axes``, no-op) replaced by
+    "absent"; axes computed at run time refused.
+
+    onnx's node tests give the axes as a graph input: TVM's converter asserts "Only
+    constant axes currently supported". Axes decide the output's shape, which grape
+    compiles ahead of time; only their count is in the type.
+    """
+    axes = inputs[1] if len(inputs) > 1 else None
+    if axes is None or isinstance(tvm_onnx.get_constant(axes, params), tvm.ir.GenericConst):
+        return inputs
+    shape = _known_shape(axes)
+    if shape is not None and len(shape) == 1 and isinstance(shape[0], tirx.IntImm) and \
+            shape[0].value == 0:
+        return [inputs[0], None]
+    raise UnsupportedNode(
+        f"{op} with axes computed at run time (a graph input or computed tensor) is not "
+        "supported: the axes decide the output's shape; give them as an initializer or a "
+        "Constant")
+
+
+def _reduce_with_known_axes(base: type[tvm_onnx.OnnxOpConverter], version: int):
+    """``base`` (one of TVM's ``Reduce*`` converters) with ``_reduce_axes_known`` applied to
+    its axes-input version (``_impl_v{version}``)."""
+    name = f"_impl_v{version}"
+
+    def impl(cls, bb, inputs, attr, params):
+        inputs = _reduce_axes_known(inputs, params, base.__name__)
+        return getattr(super(converter, cls), name)(bb, inputs, attr, params)
+
+    doc = (f"``{base.__name__}`` with its ``axes`` input (opset {version} on) known at import "
+           "time or refused: ``_reduce_axes_known``.")
+    converter = type(base.__name__, (base,), {name: classmethod(impl), "__doc__": doc,
+                                              "__module__": __name__})
+    return converter
+
+
+REDUCE_CONVERTERS = {
+    op.__name__: op for op in (
+        _reduce_with_known_axes(tvm_onnx.ReduceSum, 13),
+        *(_reduce_with_known_axes(getattr(tvm_onnx, name), 18) for name in (
+            "ReduceMax", "ReduceMin", "ReduceMean", "ReduceProd", "ReduceLogSumExp",
+            "ReduceLogSum", "ReduceSumSquare", "ReduceL1", "ReduceL2")))}
+"""Every ``Reduce*`` op whose axes are an input: ReduceSum from opset 13, the others 18."""
+
+
 class RoiAlign(tvm_onnx.RoiAlign):
     """Refused: ``mode="max"``. TVM takes the maximum over the bilinear samples; onnx and
     onnxruntime take, for each sample, the maximum of its four weighted neighbours (71 of
@@ -781,6 +980,7 @@ CONVERTERS: dict[str, type[tvm_onnx.OnnxOpConverter]] = {
     "Cast": Cast,
     "CastLike": CastLike,
     "Clip": Clip,
+    "Conv": Conv,
     "ConvTranspose": ConvTranspose,
     "Dropout": Dropout,
     "Expand": Expand,
@@ -797,6 +997,7 @@ CONVERTERS: dict[str, type[tvm_onnx.OnnxOpConverter]] = {
     "Softplus": Softplus,
     "SpaceToDepth": SpaceToDepth,
     "Tile": Tile,
+    **REDUCE_CONVERTERS,
 }
 """Every ONNX op whose conversion grape changes: a fix of TVM's converter, or a refusal of
 the configurations it imports into wrong answers (``UnsupportedNode``)."""

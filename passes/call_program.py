@@ -116,8 +116,11 @@ class _Builder:
         if isinstance(value, relax.Var) and value in self.value_of:
             self.value_of[var] = self.value_of[value]
             return
-        if kind == "bookkeeping" and isinstance(value, relax.ShapeExpr):
-            return  # a shape no region reads: NameDerivedDims' casts go through match_cast
+        if isinstance(value, relax.ShapeExpr):
+            # A shape bound to a variable (NameDerivedDims' derived dims, cast by a match_cast
+            # after it): its values, for what reads it.
+            self.value_of[var] = Arg("shape", value=[prim_expr(v) for v in value.values])
+            return
         raise NotAProgram(f"{var.name} = {op}: {reason or kind} (a host step)")
 
     def shape(self, shape: relax.Expr, var: relax.Var) -> tuple:

@@ -13,7 +13,7 @@ import onnx.numpy_helper
 import tvm
 from tvm import relax
 
-from grape_tvm.onnx_fixes import UnsupportedNode, default_opset, from_onnx
+from grape_tvm.onnx_fixes import UnsupportedNode, default_opset, from_onnx, subgraphs
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 
 _ONNX_DTYPES = {
@@ -152,27 +152,16 @@ def normalize_constants(model: onnx.ModelProto) -> onnx.ModelProto:
     others use the typed forms. Works on a copy, subgraphs included.
     """
     model = onnx.ModelProto.FromString(model.SerializeToString())
-    for graph in _graphs(model.graph):
+    for graph in subgraphs(model.graph):
         for node in graph.node:
             if node.op_type == "Constant" and node.domain in ("", "ai.onnx"):
                 _constant_as_tensor(node)
     return model
 
 
-def _graphs(graph: onnx.GraphProto):
-    """``graph`` and every graph nested in its nodes' attributes (If branches, Loop bodies)."""
-    yield graph
-    for node in graph.node:
-        for attr in node.attribute:
-            if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _graphs(attr.g)
-            for sub in attr.graphs:
-                yield from _graphs(sub)
-
-
 def _dim_params(model: onnx.ModelProto):
     """Every named axis of every value of the model, subgraphs included."""
-    for graph in _graphs(model.graph):
+    for graph in subgraphs(model.graph):
         for value in (*graph.input, *graph.output, *graph.value_info):
             for tensor in _tensor_types(value.type):
                 yield from (d for d in tensor.shape.dim if d.HasField("dim_param"))

@@ -131,15 +131,14 @@ def tile_repeats_through_cast(model: onnx.ModelProto) -> onnx.ModelProto:
     and turns one into a tensor (``shape_to_tensor``, or a constant when every dim is
     known), from which ``onnx_fixes.Tile`` reads the repeats back.
     """
-    if not any(_computed_tile_repeats(g) for g in _subgraphs(model.graph)):
+    if not any(_computed_tile_repeats(g) for g in subgraphs(model.graph)):
         return model
     model = onnx.ModelProto.FromString(model.SerializeToString())
-    for graph in _subgraphs(model.graph):
+    for graph in subgraphs(model.graph):
         computed = _computed_tile_repeats(graph)
         if not computed:
             continue
-        taken = {o for n in graph.node for o in n.output} | {v.name for v in graph.input} | \
-            {i.name for i in graph.initializer}
+        taken = _names_in(graph)
         nodes = []
         for node in graph.node:
             if node in computed:
@@ -184,15 +183,14 @@ def shape_values_through_cast(model: onnx.ModelProto) -> onnx.ModelProto:
     expressions is only known inside TVM's importer: every value that may be one gets the
     ``Cast``, and those that are not go through it untouched.
     """
-    if not any(_shape_value_inputs(g) for g in _subgraphs(model.graph)):
+    if not any(_shape_value_inputs(g) for g in subgraphs(model.graph)):
         return model
     model = onnx.ModelProto.FromString(model.SerializeToString())
-    for graph in _subgraphs(model.graph):
+    for graph in subgraphs(model.graph):
         found = _shape_value_inputs(graph)
         if not found:
             continue
-        taken = {o for n in graph.node for o in n.output} | {v.name for v in graph.input} | \
-            {i.name for i in graph.initializer}
+        taken = _names_in(graph)
         nodes, cast = [], {}
         for k, node in enumerate(graph.node):
             for i in found.get(k, ()):
@@ -231,15 +229,21 @@ def _shape_value_inputs(graph: onnx.GraphProto) -> dict[int, list[int]]:
     return found
 
 
-def _subgraphs(graph: onnx.GraphProto):
+def _names_in(graph: onnx.GraphProto) -> set[str]:
+    """Every value name ``graph`` defines: node outputs, inputs, initializers."""
+    return {o for n in graph.node for o in n.output} | {v.name for v in graph.input} | \
+        {i.name for i in graph.initializer}
+
+
+def subgraphs(graph: onnx.GraphProto):
     """``graph`` and every graph nested in its nodes' attributes (If branches, Loop bodies)."""
     yield graph
     for node in graph.node:
         for attr in node.attribute:
             if attr.type == onnx.AttributeProto.GRAPH:
-                yield from _subgraphs(attr.g)
+                yield from subgraphs(attr.g)
             for sub in attr.graphs:
-                yield from _subgraphs(sub)
+                yield from subgraphs(sub)
 
 
 def _computed_tile_repeats(graph: onnx.GraphProto) -> list[onnx.NodeProto]:

@@ -5,14 +5,12 @@ test whose model concatenates a cache, and GPT-2 in bench/hf_models.py)."""
 
 from __future__ import annotations
 
-import tvm
 from tvm import relax, tirx
 from tvm.s_tir import dlight as dl
 from tvm_ffi.structural import structural_walk
 
-from grape_tvm.passes import numerics_legalize_map
 from grape_tvm.passes.injective_schedule import RowsOfStaticWidth
-from test_passes import CUDA
+from test_passes import CUDA, fused_kernel
 
 
 def _kernel(make, *types) -> tirx.PrimFunc:
@@ -23,13 +21,7 @@ def _kernel(make, *types) -> tirx.PrimFunc:
         with bb.dataflow():
             out = bb.emit_output(make(*params))
         bb.emit_func_output(out)
-    t = relax.transform
-    with CUDA:
-        mod = tvm.transform.Sequential([t.LegalizeOps(numerics_legalize_map()),
-                                        t.AnnotateTIROpPattern(), t.FuseOps(),
-                                        t.FuseTIR()])(bb.get())
-    (func,) = [f for f in mod.functions.values() if isinstance(f, tirx.PrimFunc)]
-    return func
+    return fused_kernel(bb.get())
 
 
 def _symbolic_divisions(func: tirx.PrimFunc) -> list:

@@ -472,8 +472,6 @@ def test_kernel_check_refuses_a_kernel_launched_from_a_host_loop():
 def legalized_kernel(shape, make, epilogue=None) -> tvm.tirx.PrimFunc:
     """The one PrimFunc of ``make(x)`` (then ``epilogue``) on a float32 ``x`` of ``shape``
     ("n" a symbolic dim), legalized as grape does it and fused, before any schedule."""
-    from grape_tvm.passes import numerics_legalize_map  # pylint: disable=import-outside-toplevel
-
     n = tvm.tirx.Var("n", "int64")
     x = relax.Var("x", relax.TensorType([n if d == "n" else d for d in shape], "float32"))
     bb = relax.BlockBuilder()
@@ -482,11 +480,18 @@ def legalized_kernel(shape, make, epilogue=None) -> tvm.tirx.PrimFunc:
             y = make(x)
             out = bb.emit_output(epilogue(y) if epilogue else y)
         bb.emit_func_output(out)
+    return fused_kernel(bb.get())
+
+
+def fused_kernel(mod: tvm.IRModule) -> tvm.tirx.PrimFunc:
+    """The one PrimFunc of ``mod``'s ``main``, legalized as grape does it and fused."""
+    from grape_tvm.passes import numerics_legalize_map  # pylint: disable=import-outside-toplevel
+
     t = relax.transform
     with CUDA:
         mod = tvm.transform.Sequential([t.LegalizeOps(numerics_legalize_map()),
                                         t.AnnotateTIROpPattern(), t.FuseOps(),
-                                        t.FuseTIR()])(bb.get())
+                                        t.FuseTIR()])(mod)
     (func,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     return func
 

@@ -231,7 +231,8 @@ class GraphExecutor:
         ``out`` maps output names to device tensors of the caller's, written directly.
         Without a signature (an executable straight from ``tvm.compile``) inputs are
         positional and outputs come back as a list. ``stats`` counts copies, launches and
-        host time.
+        host time. The executor keeps a reference to the call's TVM tensors until its next
+        call: passed again, they are not checked again.
         """
         with self._lock:
             if self._vm is None:

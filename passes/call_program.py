@@ -57,7 +57,7 @@ class _Builder:
                 if isinstance(value, tirx.Var):
                     self.dims.setdefault(value.name, (i, axis))
         self.derived: list[tuple[str, object]] = []
-        self.storages: list[tuple[object, bool]] = []
+        self.storages: list[object] = []  # sizes in bytes
         self.views: list[View] = []
         self.steps: list[Step] = []
         self.storage_of: dict[relax.Var, int] = {}
@@ -70,14 +70,8 @@ class _Builder:
     def build(self, func: relax.Function, mod: IRModule) -> CallProgram:
         for binding in seq_bindings(func.body):
             self.bind(binding, mod)
-        outputs = self.outputs(func.body.body)
-        storages = [(size, False) for size, _ in self.storages]
-        program = CallProgram(self.dims, self.derived, storages, self.views, self.steps, outputs,
-                              self.conditionals)
-        # Storages holding an output: the runtime gives them two sides (see executor).
-        return CallProgram(self.dims, self.derived,
-                           [(size, i in program.output_storages) for i, (size, _) in enumerate(storages)],
-                           self.views, self.steps, outputs, self.conditionals)
+        return CallProgram(self.dims, self.derived, self.storages, self.views, self.steps,
+                           self.outputs(func.body.body), self.conditionals)
 
     def bind(self, binding: relax.Binding, mod: IRModule) -> None:
         var, value = binding.var, binding.value
@@ -95,7 +89,7 @@ class _Builder:
             if not isinstance(size, relax.ShapeExpr) or len(size.values) != 1:
                 raise NotAProgram(f"{var.name}: a storage of size {size}")
             self.storage_of[var] = len(self.storages)
-            self.storages.append((prim_expr(size.values[0]), False))
+            self.storages.append(prim_expr(size.values[0]))
             return
         if isinstance(value, relax.Call) and op == _ALLOC_TENSOR:
             storage, offset, shape = value.args[:3]
@@ -248,8 +242,7 @@ class DescribeCallProgram:
     After: the same function, with the attribute (JSON)::
 
         {"version": 1, "dims": {"n": [0, 0]}, "derived": [],
-         "storages": [{"bytes": 262144, "output": false},
-                      {"bytes": ["*", ["*", 4, "n"], 64], "output": true}],
+         "storages": [{"bytes": 262144}, {"bytes": ["*", ["*", 4, "n"], 64]}],
          "views": [{"storage": 0, "offset": 0, "shape": ["n", 64], "dtype": "float32"},
                    {"storage": 1, "offset": 0, "shape": ["n", 64], "dtype": "float32"}],
          "steps": [{"call": "region", "callee": "grape_region_0",

@@ -20,7 +20,7 @@ from typing import Any, Mapping, Sequence
 import tvm
 import tvm_ffi
 
-from .call_program import Arg, Launch, ProgramAt
+from .call_program import Arg, Launch, ProgramAt, ViewAt
 
 MEMO_LIMIT = 1 << 16  # entries of the pool's shared caches before they start over
 
@@ -95,6 +95,14 @@ class BufferPool:
         return self.shared(("address", index, offset, side),
                            lambda: Address(self._buffer(index, side).data_ptr() + offset))
 
+    def value(self, view: ViewAt, side: int, addresses_only: bool):
+        """``view`` of a buffer on ``side``: its address (``addresses_only``) or a tensor
+        view, made once per generation."""
+        if addresses_only:
+            return self.address(view.index, view.offset, side)
+        return self.shared(("view", view, side),
+                           lambda: self.view(view.index, view.offset, view.shape, view.dtype, side))
+
     def _buffer(self, index: int, side: int):
         held = self.buffers[index]
         return held[side if side < len(held) else 0]
@@ -120,21 +128,18 @@ class BufferPool:
             return ends[i][1]
         return None
 
-    def side_for(self, tensors: Sequence[Any], hit: set | None = None) -> int | None:
-        """The output side none of ``tensors`` lives on, nor any side in ``hit`` (those of
-        tensors known to be output views); None if they live in buffers a call would
-        overwrite whichever side it takes."""
-        starts, ends = self._ranges()
-        hit = set(hit or ())
-        for t in tensors:
-            address = t.data_ptr()
-            i = bisect.bisect_right(starts, address) - 1
-            if i >= 0 and address < ends[i][0]:
-                if ends[i][1] == "single":
-                    return None
-                hit.add(ends[i][1])
-        free = [side for side in (0, 1) if side not in hit]
-        return free[0] if free else None
+    def side_for(self, tensors: Sequence[Any]) -> int | None:
+        """The output side none of ``tensors`` lives on (``free_side``)."""
+        return free_side({self.where(t) for t in tensors})
+
+
+def free_side(taken: set) -> int | None:
+    """The output side not in ``taken`` (what ``BufferPool.where`` says of a call's
+    inputs); None if an input lives in a buffer without sides, or on both sides: a call
+    would overwrite it whichever side it takes."""
+    if "single" in taken:
+        return None
+    return 0 if 0 not in taken else 1 if 1 not in taken else None
 
 
 @dataclass(eq=False)
@@ -152,13 +157,25 @@ class LaunchArgs:
     values: list
     inputs: tuple[tuple[int, int], ...]  # (position, input index)
     input_views: tuple[tuple[int, int, tuple, str], ...]  # (position, input, shape, dtype)
-    outputs: tuple[tuple[int, int, Any, int, tuple, str], ...]  # (position, output storage,
-    # the pool's value, offset, shape, dtype)
+    outputs: tuple[tuple[int, ViewAt, Any], ...]  # (position, the view, the pool's value)
     moving: tuple[int, ...]
     caller: tuple
     guards: list  # (condition, expect); a condition read from an input is filled per call
     guard_inputs: tuple[tuple[int, int], ...]  # (guard index, input index)
     redirected: bool = False  # an output position holds a caller's out= tensor
+
+
+@dataclass(eq=False)
+class Placement:
+    """A planned call placed on one side of the pool, for one pool generation: its launches'
+    arguments, its outputs (pool views; None where an input is passed through), and
+    ``described``: those views by ``id``, with shape, dtype and side, so that an output
+    given back as an input is known without asking TVM."""
+
+    generation: int
+    launches: list[LaunchArgs]
+    outputs: list
+    described: dict[int, tuple]
 
 
 class _Caller:
@@ -174,8 +191,8 @@ class _LaunchLayout:
 
     inputs: list = field(default_factory=list)  # (position, input)
     input_views: list = field(default_factory=list)  # (position, input, shape, dtype)
-    fixed: list = field(default_factory=list)  # (position, ("bound", i) | ("view", ...))
-    outputs: list = field(default_factory=list)  # (position, storage, offset, shape, dtype)
+    fixed: list = field(default_factory=list)  # (position, a bound input's index or a ViewAt)
+    outputs: list = field(default_factory=list)  # (position, ViewAt) on an output storage
     scalars: list = field(default_factory=list)  # (position, value)
     guard_inputs: list = field(default_factory=list)  # (guard, input)
     moving: tuple = ()
@@ -195,13 +212,13 @@ class PlannedCall:
         self.bound_version = bound_version
         for index, nbytes in enumerate(at.storage_bytes):
             pool.reserve(index, nbytes, sides=2 if index in output_storages else 1)
-        self._placed: dict[int, tuple[int, list[LaunchArgs], list, dict]] = {}  # per side
-        self._launch_layouts: list[_LaunchLayout] | None = None
+        self._placed: dict[int, Placement] = {}  # per side
+        self._layouts = [self._layout(launch) for launch in self.launches]
         # The executor's recording count when every launch was last known recorded.
         self.verified = -1
         # Outputs that are all pool views: the placed list is the call's outputs as it is.
         self._outputs_placed_as_is = all(
-            a.kind == "view" and at.views[a.index][0] == "storage" for a in at.outputs)
+            a.kind == "view" and at.views[a.index].base == "storage" for a in at.outputs)
 
     @property
     def guarded(self) -> bool:
@@ -214,13 +231,14 @@ class PlannedCall:
     def _output_storage(self, index: int) -> int | None:
         """The storage output ``index`` alone is a view of (at offset 0), else None."""
         arg = self.at.outputs[index]
-        if arg.kind != "view" or self.at.views[arg.index][0] != "storage" or \
-                self.at.views[arg.index][2] != 0:
+        if arg.kind != "view":
             return None
-        storage = self.at.views[arg.index][1]
-        sharing = [a for a in self.at.outputs
-                   if a.kind == "view" and self.at.views[a.index][:2] == ("storage", storage)]
-        return storage if len(sharing) == 1 else None
+        view = self.at.views[arg.index]
+        if view.base != "storage" or view.offset != 0:
+            return None
+        sharing = [a for a in self.at.outputs if a.kind == "view" and
+                   self.at.views[a.index][:2] == ("storage", view.index)]
+        return view.index if len(sharing) == 1 else None
 
     def output_spec(self, index: int) -> tuple[tuple, str] | None:
         """(shape, dtype) of output ``index`` if a caller's tensor can stand in for its
@@ -228,45 +246,32 @@ class PlannedCall:
         if self._output_storage(index) is None:
             return None
         view = self.at.views[self.at.outputs[index].index]
-        return view[3], view[4]
+        return view.shape, view.dtype
 
     def redirect(self, out: dict[int, Any]) -> dict[int, Any]:
         """``out`` (output index -> tensor) by the storage each stands in for."""
         return {self._output_storage(i): target for i, target in out.items()}
 
     # -- placing on the pool ---------------------------------------------------------------
-    def placed(self, pool: BufferPool, side: int, addresses_only: bool
-               ) -> tuple[list[LaunchArgs], list, dict]:
-        """The launch arguments, the outputs and ``described`` (see ``described``) on
-        ``side``: made once per pool generation and side."""
+    def placed(self, pool: BufferPool, side: int, addresses_only: bool) -> Placement:
+        """This call on ``side``: made once per pool generation and side."""
         found = self._placed.get(side)
-        if found is None or found[0] != pool.generation:
-            found = self._placed[side] = (pool.generation, *self._place(pool, side, addresses_only))
-        return found[1], found[2], found[3]
+        if found is None or found.generation != pool.generation:
+            found = self._placed[side] = self._place(pool, side, addresses_only)
+        return found
 
     def _side(self, storage: int, side: int) -> int:
         return side if storage in self.output_storages else 0
 
-    def _pool_value(self, arg: Arg, pool: BufferPool, side: int, addresses_only: bool):
-        base, index, offset, shape, dtype = self.at.views[arg.index]
-        side = self._side(index, side)
-        if addresses_only:
-            return pool.address(index, offset, side)
-        return pool.shared(("view", index, offset, side, shape, dtype),
-                           lambda: pool.view(index, offset, shape, dtype, side))
-
-    def _layouts(self) -> list[_LaunchLayout]:
-        """What each launch's arguments are, made once per planned call."""
-        if self._launch_layouts is None:
-            self._launch_layouts = [self._layout(launch) for launch in self.launches]
-        return self._launch_layouts
+    def _pool_value(self, view: ViewAt, pool: BufferPool, side: int, addresses_only: bool):
+        return pool.value(view, self._side(view.index, side), addresses_only)
 
     def _layout(self, launch: Launch) -> _LaunchLayout:
         layout = _LaunchLayout()
         key = []
         for position, arg in enumerate(launch.args):
             if arg.kind == "input" and arg.index in self.bound:
-                layout.fixed.append((position, ("bound", arg.index)))
+                layout.fixed.append((position, arg.index))
                 key.append(("bound", arg.index))
             elif arg.kind == "input":
                 layout.inputs.append((position, arg.index))
@@ -277,20 +282,21 @@ class PlannedCall:
                                        tvm_ffi.Shape(arg.value)))
                 key.append(arg.kind)
             else:
-                base, index, offset, shape, dtype = self.at.views[arg.index]
-                if base == "input":
-                    layout.input_views.append((position, index, shape, dtype))
+                view = self.at.views[arg.index]
+                if view.base == "input":
+                    layout.input_views.append((position, view.index, view.shape, view.dtype))
                     key.append("input")
                     continue
-                layout.fixed.append((position, ("view", index, offset, shape, dtype)))
-                if index in self.output_storages:
-                    layout.outputs.append((position, index, offset, shape, dtype))
-                key.append(("output" if index in self.output_storages else "buffer", index, offset))
+                layout.fixed.append((position, view))
+                output = view.index in self.output_storages
+                if output:
+                    layout.outputs.append((position, view))
+                key.append(("output" if output else "buffer", view.index, view.offset))
         layout.key = tuple(key)
         for g, (condition, expect) in enumerate(launch.guards):
-            if condition.kind == "input" or self.at.views[condition.index][0] == "input":
+            if condition.kind == "input" or self.at.views[condition.index].base == "input":
                 index = condition.index if condition.kind == "input" else \
-                    self.at.views[condition.index][1]
+                    self.at.views[condition.index].index
                 layout.guard_inputs.append((g, index))
         layout.moving = tuple(p for p, _ in layout.inputs) + \
             tuple(p for p, *_ in layout.input_views) + tuple(p for p, *_ in layout.outputs)
@@ -300,21 +306,17 @@ class PlannedCall:
                  addresses_only: bool, size: int) -> list:
         """A launch's arguments that live in the pool or are bound, at their places."""
         values: list[Any] = [None] * size
-        for position, (kind, *what) in layout.fixed:
-            if kind == "bound":
-                tensor = self.bound[what[0]]
+        for position, fixed in layout.fixed:
+            if isinstance(fixed, ViewAt):
+                values[position] = self._pool_value(fixed, pool, side, addresses_only)
+            else:  # a bound input's index
+                tensor = self.bound[fixed]
                 values[position] = Address(tensor.data_ptr()) if addresses_only else tensor
-                continue
-            index, offset, shape, dtype = what
-            storage_side = self._side(index, side)
-            values[position] = pool.address(index, offset, storage_side) if addresses_only \
-                else pool.shared(("view", index, offset, storage_side, shape, dtype),
-                                 lambda: pool.view(index, offset, shape, dtype, storage_side))
         return values
 
     def _place(self, pool: BufferPool, side: int, addresses_only: bool):
         launches = []
-        for launch, layout in zip(self.launches, self._layouts()):
+        for launch, layout in zip(self.launches, self._layouts):
             size = len(launch.args)
             if addresses_only:
                 # Addresses do not depend on the dims: one list for every planned call with
@@ -326,11 +328,12 @@ class PlannedCall:
                 values = self._resolve(layout, pool, side, False, size)
             for position, value in layout.scalars:
                 values[position] = value
-            guards = [(None, expect) if any(g == i for g, _ in layout.guard_inputs) else
-                      (self._pool_value(condition, pool, side, addresses_only), expect)
+            from_inputs = {g for g, _ in layout.guard_inputs}
+            guards = [(None, expect) if i in from_inputs else
+                      (self._pool_value(self.at.views[condition.index], pool, side,
+                                        addresses_only), expect)
                       for i, (condition, expect) in enumerate(launch.guards)]
-            outputs = tuple((position, index, values[position], offset, shape, dtype)
-                            for position, index, offset, shape, dtype in layout.outputs)
+            outputs = tuple((position, view, values[position]) for position, view in layout.outputs)
             # One object for every launch of this region over the same buffers: the
             # backend compares callers by identity, and only ``moving`` differs between them.
             caller = pool.shared(("caller", launch.region, self.bound_version, layout.key),
@@ -342,18 +345,16 @@ class PlannedCall:
                    tvm_ffi.Shape(a.value) if a.kind == "shape" else
                    a.value if a.kind == "value" else
                    self._output_view(a, pool, side) for a in self.at.outputs]
-        described = {id(view): (view, self.at.views[a.index][3], self.at.views[a.index][4], side)
-                     for a, view in zip(self.at.outputs, outputs)
-                     if a.kind == "view" and self.at.views[a.index][0] == "storage"}
-        return launches, outputs, described
+        described = {id(held): (held, view.shape, view.dtype, side)
+                     for a, held in zip(self.at.outputs, outputs) if a.kind == "view"
+                     for view in (self.at.views[a.index],) if view.base == "storage"}
+        return Placement(pool.generation, launches, outputs, described)
 
     def _output_view(self, arg: Arg, pool: BufferPool, side: int):
-        base, index, offset, shape, dtype = self.at.views[arg.index]
-        if base == "input":
+        view = self.at.views[arg.index]
+        if view.base == "input":
             return None  # filled per call
-        side = self._side(index, side)
-        return pool.shared(("view", index, offset, side, shape, dtype),
-                           lambda: pool.view(index, offset, shape, dtype, side))
+        return self._pool_value(view, pool, side, addresses_only=False)
 
     # -- one call --------------------------------------------------------------------------
     def fill(self, launch: LaunchArgs, inputs: Sequence[Any], redirect: dict[int, Any] | None,
@@ -367,11 +368,11 @@ class PlannedCall:
             values[position] = Address(source.data_ptr()) if addresses_only else \
                 source._create_view(tvm_ffi.Shape(shape), dtype)
         if redirect or launch.redirected:
-            for position, storage, pool_value, offset, shape, dtype in launch.outputs:
-                target = redirect.get(storage) if redirect else None
+            for position, view, pool_value in launch.outputs:
+                target = redirect.get(view.index) if redirect else None
                 values[position] = pool_value if target is None else \
-                    Address(target.data_ptr() + offset) if addresses_only else \
-                    target._create_view(tvm_ffi.Shape(shape), dtype, offset)
+                    Address(target.data_ptr() + view.offset) if addresses_only else \
+                    target._create_view(tvm_ffi.Shape(view.shape), view.dtype, view.offset)
             launch.redirected = bool(redirect)
         for g, index in launch.guard_inputs:
             launch.guards[g] = (inputs[index], launch.guards[g][1])
@@ -387,8 +388,9 @@ class PlannedCall:
             elif arg.kind == "input":
                 results.append(inputs[arg.index])
             elif held is None:  # a view of an input
-                _, index, _, shape, dtype = self.at.views[arg.index]
-                results.append(inputs[index]._create_view(tvm_ffi.Shape(shape), dtype))
+                view = self.at.views[arg.index]
+                results.append(inputs[view.index]._create_view(tvm_ffi.Shape(view.shape),
+                                                               view.dtype))
             else:
                 results.append(held)
         return results
@@ -407,13 +409,15 @@ class PlannedCall:
             elif arg.kind == "shape":
                 args.append(tvm_ffi.Shape(arg.value))
             else:
-                base, index, offset, shape, dtype = self.at.views[arg.index]
-                if base == "input":
-                    args.append(inputs[index]._create_view(tvm_ffi.Shape(shape), dtype))
-                elif redirect and index in redirect:
-                    args.append(redirect[index]._create_view(tvm_ffi.Shape(shape), dtype, offset))
+                view = self.at.views[arg.index]
+                shape = tvm_ffi.Shape(view.shape)
+                if view.base == "input":
+                    args.append(inputs[view.index]._create_view(shape, view.dtype))
+                elif redirect and view.index in redirect:
+                    args.append(redirect[view.index]._create_view(shape, view.dtype, view.offset))
                 else:
-                    args.append(pool.view(index, offset, shape, dtype, self._side(index, side)))
+                    args.append(pool.view(view.index, view.offset, view.shape, view.dtype,
+                                          self._side(view.index, side)))
         return args
 
     def guards_as_tensors(self, launch: Launch, inputs: Sequence[Any], pool: BufferPool,
@@ -422,8 +426,8 @@ class PlannedCall:
         def condition(arg: Arg):
             if arg.kind == "input":
                 return inputs[arg.index]
-            base, index = self.at.views[arg.index][:2]
-            return inputs[index] if base == "input" else \
-                self._pool_value(arg, pool, side, addresses_only=False)
+            view = self.at.views[arg.index]
+            return inputs[view.index] if view.base == "input" else \
+                self._pool_value(view, pool, side, addresses_only=False)
 
         return [(condition(c), e) for c, e in launch.guards]

@@ -13,7 +13,7 @@ runtime share. JSON (``to_json``/``from_json``, version ``FORMAT_VERSION``)::
     {"version": 1,
      "dims":     {"n": [0, 0]},                  # dim -> [input, axis] it is read from
      "derived":  [["m", ["//", "n", 2]]],        # dims computed from others, in order
-     "storages": [{"bytes": ["*", 256, "n"], "output": true}],
+     "storages": [{"bytes": ["*", 256, "n"]}],
      "views":    [{"storage": 0, "offset": 0, "shape": ["n", 64], "dtype": "float32"},
                   {"input": 0, "offset": 0, "shape": [1, "n", 64], "dtype": "float32"}],
      "steps":    [{"call": "region", "callee": "grape_region_0",
@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence, Union
+from typing import Any, Callable, Mapping, NamedTuple, Sequence, Union
 
 FORMAT_VERSION = 1
 # Names the passes give and the runtime looks for.
@@ -141,13 +141,23 @@ class Launch:
     guards: tuple[tuple[Arg, bool], ...] = ()
 
 
+class ViewAt(NamedTuple):
+    """A view at one call's dims: over storage or input ``index``."""
+
+    base: str  # "storage" or "input"
+    index: int
+    offset: int
+    shape: tuple
+    dtype: str
+
+
 @dataclass(frozen=True)
 class ProgramAt:
     """The program evaluated at one call's dims."""
 
     dims: dict
     storage_bytes: tuple[int, ...]
-    views: tuple[tuple[str, int, int, tuple, str], ...]  # base, index, offset, shape, dtype
+    views: tuple[ViewAt, ...]
     launches: tuple[Launch, ...]
     outputs: tuple[Arg, ...]
 
@@ -160,7 +170,7 @@ class CallProgram:
     """A model's call program (see the module's docstring for the format)."""
 
     def __init__(self, dims: Mapping[str, tuple[int, int]], derived: Sequence[tuple[str, Expr]],
-                 storages: Sequence[tuple[Expr, bool]], views: Sequence[View],
+                 storages: Sequence[Expr], views: Sequence[View],
                  steps: Sequence[Step], outputs: Sequence[Arg],
                  conditionals: Mapping[str, dict] | None = None):
         self.dims = dict(dims)
@@ -182,7 +192,7 @@ class CallProgram:
         return {"version": FORMAT_VERSION,
                 "dims": {name: list(where) for name, where in self.dims.items()},
                 "derived": [[name, expr] for name, expr in self.derived],
-                "storages": [{"bytes": size, "output": output} for size, output in self.storages],
+                "storages": [{"bytes": size} for size in self.storages],
                 "views": views,
                 "steps": [{"call": s.call, "callee": s.callee,
                            "args": [a.to_json() for a in s.args], "dims": list(s.dims)}
@@ -214,7 +224,7 @@ class CallProgram:
                           tuple(s["dims"])) for s in data["steps"]]
             return CallProgram({k: tuple(v) for k, v in data["dims"].items()},
                                [tuple(d) for d in data["derived"]],
-                               [(s["bytes"], bool(s["output"])) for s in data["storages"]],
+                               [s["bytes"] for s in data["storages"]],
                                views, steps, [Arg.from_json(a) for a in data["outputs"]],
                                data.get("conditionals", {}))
         except (KeyError, TypeError) as err:
@@ -226,7 +236,7 @@ class CallProgram:
         for name, expr in self.derived:
             _check_expr(expr, f"derived dim {name!r}", names)
             names.add(name)
-        for i, (size, _) in enumerate(self.storages):
+        for i, size in enumerate(self.storages):
             _check_expr(size, f"storages[{i}].bytes", names)
         for i, view in enumerate(self.views):
             if view.base == "storage" and not 0 <= view.index < len(self.storages):
@@ -277,9 +287,10 @@ class CallProgram:
                 return None
             launches += [Launch(region, region_shape, tuple(region_args), tuple(guards))
                          for region, region_shape, region_args, guards in calls]
-        views = tuple((v.base, v.index, evaluate(v.offset, dims),
-                       tuple(evaluate(e, dims) for e in v.shape), v.dtype) for v in self.views)
-        return ProgramAt(dict(dims), tuple(evaluate(size, dims) for size, _ in self.storages),
+        views = tuple(ViewAt(v.base, v.index, evaluate(v.offset, dims),
+                             tuple(evaluate(e, dims) for e in v.shape), v.dtype)
+                      for v in self.views)
+        return ProgramAt(dict(dims), tuple(evaluate(size, dims) for size in self.storages),
                          views, tuple(launches), tuple(a.at(dims) for a in self.outputs))
 
 

@@ -18,7 +18,7 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
 from .backend import RegionBackend
-from .call_plan import BufferPool, PlannedCall
+from .call_plan import BufferPool, PlannedCall, free_side
 from .call_program import CONDITIONAL_PREFIX, REGION_PREFIX, CallProgram, Launch, guarded_calls
 from .progress import Progress
 from .signature import InputError, Signature, nbytes
@@ -177,6 +177,8 @@ class GraphExecutor:
         inputs = signature.inputs if signature is not None else ()
         self._position = {t.name: i for i, t in enumerate(inputs)}
         self._output_names = [t.name for t in signature.outputs] if signature is not None else []
+        # A model whose one output is a sequence returns it as a tuple: one output.
+        self._one_sequence = _one_sequence(signature)
         self._template: list[Any] = [None] * len(inputs)  # bound inputs in place
         # Fast paths of a call's checks: the last planned call's outputs (an autoregressive
         # caller passes them straight back) and the dims of input shapes seen before.
@@ -284,7 +286,7 @@ class GraphExecutor:
                 self._check_out(out, planned)
                 outputs = self._run_planned(planned, key, args, side, out, phases, start)
                 if outputs is not None:
-                    return self._name_outputs(_grouped(outputs, self.signature))
+                    return self._name_outputs([list(outputs)] if self._one_sequence else outputs)
         self._returned = {}
         values = self._call_vm(args, key, out)
         phases["vm"] = time.perf_counter_ns() - start
@@ -308,27 +310,22 @@ class GraphExecutor:
         """The pool side this call writes its outputs on, the one no input lives on: our
         own outputs passed back are known by ``id``; where another tensor lives is looked
         up by address once per pool generation (``_checked``)."""
-        pool, hit = self._pool, set()
+        pool, taken = self._pool, set()
         for tensor in passed:
             known = self._returned.get(id(tensor))
             if known is not None and known[0] is tensor:
-                hit.add(known[3])
+                taken.add(known[3])
                 continue
             checked = self._checked.get(id(tensor))
-            if checked is not None and checked[3] == pool.generation:
-                where = checked[4]
-            else:
+            if checked is None or checked[3] != pool.generation:
                 where = pool.where(tensor)
                 if checked is not None:
                     checked[3], checked[4] = pool.generation, where
-            if where is not None:
-                hit.add(where)
-        for tensor in out.values():
-            hit.add(pool.where(tensor))
-        hit.discard(None)
-        if "single" in hit:
-            return None  # in a buffer every call writes
-        return 0 if 0 not in hit else 1 if 1 not in hit else None
+            else:
+                where = checked[4]
+            taken.add(where)
+        taken.update(pool.where(tensor) for tensor in out.values())
+        return free_side(taken)
 
     def _run_planned(self, planned: PlannedCall, key: tuple, args: list, side: int,
                      out: dict[int, Any], phases: dict[str, int], start: int) -> list | None:
@@ -339,12 +336,12 @@ class GraphExecutor:
         if planned.verified != epoch and not planned.recorded(backend):
             if not self._record_guarded(planned, key, args, side):
                 return None
-        placed, held, described = planned.placed(self._pool, side, addresses_only)
+        placement = planned.placed(self._pool, side, addresses_only)
         redirect = planned.redirect(out) if out else None
         driver = backend.driver_ns
         launched = time.perf_counter_ns()
         replays = 0
-        for launch in placed:
+        for launch in placement.launches:
             planned.fill(launch, args, redirect, addresses_only)
             spec = launch.launch
             if backend.replay(spec.region, spec.shape, launch.values, launch.caller,
@@ -358,11 +355,11 @@ class GraphExecutor:
         phases["plan"] = launched - start
         phases["driver"] = backend.driver_ns - driver
         phases["record"] = end - launched - phases["driver"]
-        self._returned = described if not out else {}
+        self._returned = placement.described if not out else {}
         self.stats.planned_calls += 1
         self.stats.region_replays += replays
         self.stats.last["path"] = "planned"
-        return planned.outputs(held, args, out)
+        return planned.outputs(placement.outputs, args, out)
 
     def _record_guarded(self, planned: PlannedCall, key: tuple, args: list, side: int) -> bool:
         """Record, without running them, the guarded launches not recorded yet (the regions
@@ -619,7 +616,7 @@ class GraphExecutor:
                                  "of your own")
             calls = [(launch.region, launch.shape, planned.tensors(launch, args, self._pool, side))
                      for launch in planned.launches]
-            held = planned.placed(self._pool, side, self.backend.addresses_only)[1]
+            held = planned.placed(self._pool, side, self.backend.addresses_only).outputs
             return calls, planned.outputs(held, args, None)
 
     # -- region interception -------------------------------------------------------------
@@ -764,15 +761,14 @@ def _values(result, signature: Signature | None = None) -> list:
     tuple too (``tvm_ffi.Shape``): it is one output, not several."""
     if isinstance(result, (tvm.runtime.Tensor, tvm_ffi.Shape)):
         return [result]
-    return _grouped(list(result), signature)
+    return [list(result)] if _one_sequence(signature) else list(result)
 
 
-def _grouped(values: list, signature: Signature | None) -> list:
-    """The tuple a model with one sequence output returns is that one output (a list)."""
-    if signature is not None and len(signature.outputs) == 1 and \
-            signature.outputs[0].kind == "sequence":
-        return [list(values)]
-    return values
+def _one_sequence(signature: Signature | None) -> bool:
+    """Whether the model's one output is a sequence: the tuple its entry function returns
+    is then that one output (a list), not several."""
+    return signature is not None and len(signature.outputs) == 1 and \
+        signature.outputs[0].kind == "sequence"
 
 
 def _numpy(value):

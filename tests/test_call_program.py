@@ -90,7 +90,7 @@ def test_a_host_step_gives_no_program():
 def test_program_evaluation_and_format_errors():
     program = CallProgram.from_json({
         "version": FORMAT_VERSION, "dims": {"n": [0, 1]}, "derived": [["m", ["//", "n", 2]]],
-        "storages": [{"bytes": ["*", 4, ["max", "m", 1]], "output": True}],
+        "storages": [{"bytes": ["*", 4, ["max", "m", 1]]}],
         "views": [{"storage": 0, "offset": 0, "shape": [["max", "m", 1]], "dtype": "float32"}],
         "steps": [{"call": "region", "callee": "r", "args": [{"input": 0}, {"view": 0},
                                                                {"value": ["-", "n", 1]}],

@@ -80,7 +80,7 @@ def from_onnx(model: onnx.ModelProto, dims: Mapping[str, tuple[int, int]] | None
     if model.ir_version < 3:
         raise ValueError(f"ONNX IR version {model.ir_version} is too old: 3 or later is needed")
     importer = GrapeOnnxImporter(dims, keep_params_in_input=keep_params_in_input)
-    model = shape_values_through_cast(tile_repeats_through_cast(empty_reduce_axes_dropped(model)))
+    model = shape_values_through_cast(empty_reduce_axes_dropped(model))
     return importer.from_onnx(model.graph, default_opset(model))
 
 
@@ -117,39 +117,6 @@ def _empty_axes_reductions(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
             empty.add(value.name)
     return [n for n in graph.node if n.op_type in _REDUCE_OPS and n.domain in ("", "ai.onnx")
             and len(n.input) > 1 and n.input[1] in empty]
-
-
-def tile_repeats_through_cast(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Every ``Tile`` whose repeats are computed (not an initializer or a ``Constant``) given
-    them through ``Cast(to=INT64)``, a no-op on ONNX's int64 repeats; on a copy, subgraphs
-    included, or ``model`` itself when there is none.
-
-    TVM's importer keeps values computed from shapes as shape expressions and refuses any op
-    outside its short list of shape-compatible ones that receives one ("Node ... cannot
-    handle ShapeExpr inputs"), before any converter sees the node: Whisper's decode step
-    tiles its position ids by ``[batch, 1]``, a shape expression. ``Cast`` is on the list
-    and turns one into a tensor (``shape_to_tensor``, or a constant when every dim is
-    known), from which ``onnx_fixes.Tile`` reads the repeats back.
-    """
-    if not any(_computed_tile_repeats(g) for g in subgraphs(model.graph)):
-        return model
-    model = onnx.ModelProto.FromString(model.SerializeToString())
-    for graph in subgraphs(model.graph):
-        computed = _computed_tile_repeats(graph)
-        if not computed:
-            continue
-        taken = _names_in(graph)
-        nodes = []
-        for node in graph.node:
-            if node in computed:
-                name = _fresh(f"{node.input[1]}_as_tensor", taken)
-                nodes.append(onnx.helper.make_node("Cast", [node.input[1]], [name],
-                                                   name=name, to=onnx.TensorProto.INT64))
-                node.input[1] = name
-            nodes.append(node)
-        del graph.node[:]
-        graph.node.extend(nodes)
-    return model
 
 
 _SHAPE_COMPATIBLE = frozenset((
@@ -244,13 +211,6 @@ def subgraphs(graph: onnx.GraphProto):
                 yield from subgraphs(attr.g)
             for sub in attr.graphs:
                 yield from subgraphs(sub)
-
-
-def _computed_tile_repeats(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
-    constants = {i.name for i in graph.initializer} | \
-        {o for n in graph.node if n.op_type == "Constant" for o in n.output}
-    return [n for n in graph.node if n.op_type == "Tile" and n.domain in ("", "ai.onnx")
-            and len(n.input) > 1 and n.input[1] and n.input[1] not in constants]
 
 
 def _fresh(name: str, taken: set[str]) -> str:
@@ -717,7 +677,7 @@ class Tile(tvm_onnx.Tile):
     variables (``tile_dim_0``...) that nothing relates to the dims the repeats came from:
     Whisper's position ids tiled by ``[batch, 1]`` are then added to ``[batch, 1, d]``
     embeddings of unrelated shape. Repeats read back as shape expressions (a
-    ``shape_to_tensor``, which ``tile_repeats_through_cast`` arranges for) give the output
+    ``shape_to_tensor``, which ``shape_values_through_cast`` arranges for) give the output
     shape ``[r0 * d0, r1 * d1, ...]`` itself, computed as ONNX says: element ``i`` of an
     axis of ``d`` is ``x[i % d]``: one injective kernel, which fuses with its neighbours.
     Repeats given as constants or graph inputs keep TVM's converter.
@@ -881,9 +841,8 @@ class NonMaxSuppression(tvm_onnx.NonMaxSuppression):
 
 def _reduce_axes_known(inputs, params, op: str) -> list:
     """A ``Reduce*`` node's inputs with its ``axes`` input known at import time: a constant
-    or initializer kept (TVM's converter reads it), an empty tensor (its type says so: no
-    axes, the spec's "reduce all" or, with ``noop_with_empty_axes``, no-op) replaced by
-    "absent"; axes computed at run time refused.
+    or initializer kept (TVM's converter reads it); axes computed at run time refused
+    (axes declared empty were dropped before import: ``empty_reduce_axes_dropped``).
 
     onnx's node tests give the axes as a graph input: TVM's converter asserts "Only
     constant axes currently supported". Axes decide the output's shape, which grape
@@ -892,10 +851,6 @@ def _reduce_axes_known(inputs, params, op: str) -> list:
     axes = inputs[1] if len(inputs) > 1 else None
     if axes is None or isinstance(tvm_onnx.get_constant(axes, params), tvm.ir.GenericConst):
         return inputs
-    shape = _known_shape(axes)
-    if shape is not None and len(shape) == 1 and isinstance(shape[0], tirx.IntImm) and \
-            shape[0].value == 0:
-        return [inputs[0], None]
     raise UnsupportedNode(
         f"{op} with axes computed at run time (a graph input or computed tensor) is not "
         "supported: the axes decide the output's shape; give them as an initializer or a "
@@ -919,11 +874,8 @@ def _reduce_with_known_axes(base: type[tvm_onnx.OnnxOpConverter], version: int):
 
 
 REDUCE_CONVERTERS = {
-    op.__name__: op for op in (
-        _reduce_with_known_axes(tvm_onnx.ReduceSum, 13),
-        *(_reduce_with_known_axes(getattr(tvm_onnx, name), 18) for name in (
-            "ReduceMax", "ReduceMin", "ReduceMean", "ReduceProd", "ReduceLogSumExp",
-            "ReduceLogSum", "ReduceSumSquare", "ReduceL1", "ReduceL2")))}
+    name: _reduce_with_known_axes(getattr(tvm_onnx, name), 13 if name == "ReduceSum" else 18)
+    for name in _REDUCE_OPS}
 """Every ``Reduce*`` op whose axes are an input: ReduceSum from opset 13, the others 18."""
 
 

@@ -10,13 +10,14 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
-                              DescribeCallProgram, DescribeConditionals, FusedScalarsAsDims,
+                              DescribeCallProgram, DescribeConditionals,
                               FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
                               gpu_legalize_passes, numerics_legalize_map)
+from grape_tvm.passes.fused_scalars import before_fuse_tir
 from grape_tvm.passes.library_matmul import OffloadMatmul
 from grape_tvm.runtime.signature import ShapeRange
 
@@ -128,19 +129,16 @@ class GrapePipeline:
                 # they fail on it (passes/gpu_schedules.py).
                 passes += gpu_legalize_passes(numerics, decode_gemv) + [CheckDeviceKernels()]
             else:
-                for p in lowering.legalize_passes(target):
-                    if p.info.name == "FuseTIR":
-                        # A fused function taking a scalar and a shape: its scalars as dims
-                        # (passes/fused_scalars.py), else TVM's FuseTIR fails on it.
-                        passes.append(FusedScalarsAsDims())
-                    passes.append(relax.transform.LegalizeOps(numerics)
-                                  if p.info.name == "LegalizeOps" else p)
+                passes += [relax.transform.LegalizeOps(numerics) if p.info.name == "LegalizeOps"
+                           else p for p in lowering.legalize_passes(target)]
                 # An empty reduction's output gets its identity (passes/reduction_init.py;
                 # dlight schedules GPU reductions itself).
                 passes.append(HoistReductionInit())
             passes.append(InlineBranches())
             passes += lowering.dataflow_lower_passes(target) + _finalize_passes(self.device_branches)
-            return tvm.transform.Sequential(passes)(mod)
+            # A fused function taking a scalar and a shape: its scalars as dims, else TVM's
+            # FuseTIR fails on it (passes/fused_scalars.py).
+            return tvm.transform.Sequential(before_fuse_tir(passes))(mod)
 
 
 def matmul_implementation(target: tvm.target.Target, asked: str | None) -> str:

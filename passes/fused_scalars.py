@@ -126,3 +126,14 @@ class FusedScalarsAsDims:
         out = mutator.builder_.get()
         return IRModule({g: f for g, f in out.functions_items() if g not in rewritten},
                         out.attrs, out.global_infos)
+
+
+def before_fuse_tir(passes) -> list:
+    """``passes`` with ``FusedScalarsAsDims`` before each ``FuseTIR``: where every grape
+    pipeline (CPU and GPU) needs it."""
+    out = []
+    for p in passes:
+        if p.info.name == "FuseTIR":
+            out.append(FusedScalarsAsDims())
+        out.append(p)
+    return out

@@ -88,11 +88,10 @@ def gpu_legalize_passes(legalize_map: dict | None = None,
     ``legalize_map``: more legalizations of grape's (``numerics_legalize_map``);
     ``decode_gemv``: with grape's GEMV rule (``default_gpu_rules``)."""
     from .name_derived_dims import keep_renaming_reshape  # pylint: disable=import-outside-toplevel
-    from .fused_scalars import FusedScalarsAsDims  # pylint: disable=import-outside-toplevel
 
     t = relax.transform
     # A reshape that only names a derived dim (NameDerivedDims) stays a view.
     legalize = {**(legalize_map or {}), "relax.reshape": keep_renaming_reshape}
     return [t.LegalizeOps(legalize), t.AnnotateTIROpPattern(),
-            t.FoldConstant(), t.FuseOps(), FusedScalarsAsDims(),
+            t.FoldConstant(), t.FuseOps(),
             t.FuseTIR(), dl.ApplyDefaultSchedule(*default_gpu_rules(decode_gemv))]

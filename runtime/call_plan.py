@@ -177,6 +177,18 @@ class Placement:
     outputs: list
     described: dict[int, tuple]
 
+    def release_inputs(self) -> None:
+        """Drop the call's inputs from the argument lists (``PlannedCall.fill`` puts them
+        there): a planned call kept for later dims must not keep a finished call's tensors
+        alive (a host array copied per call, a cache of that length)."""
+        for launch in self.launches:
+            for position, _ in launch.inputs:
+                launch.values[position] = None
+            for position, *_ in launch.input_views:
+                launch.values[position] = None
+            for g, _ in launch.guard_inputs:
+                launch.guards[g] = (None, launch.guards[g][1])
+
 
 class _Caller:
     """The identity of a launch's argument layout over the pool (``LaunchArgs.caller``)."""

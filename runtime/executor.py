@@ -18,7 +18,7 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
 from .backend import RegionBackend
-from .call_plan import BufferPool, PlannedCall, free_side
+from .call_plan import BufferPool, Placement, PlannedCall, free_side
 from .call_program import CONDITIONAL_PREFIX, REGION_PREFIX, CallProgram, Launch, guarded_calls
 from .progress import Progress
 from .signature import InputError, Signature, nbytes
@@ -186,6 +186,7 @@ class GraphExecutor:
         # The last call's TVM tensors: [tensor, shape, dtype, pool generation, pool side].
         self._checked: dict[int, list] = {}
         self._last_prepared: tuple | None = None  # the last call's inputs and what they gave
+        self._filled: Placement | None = None  # the placement holding the last call's inputs
         self._dims_of: dict[tuple, tuple] = {}
 
     # -- calls ---------------------------------------------------------------------------
@@ -209,7 +210,7 @@ class GraphExecutor:
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
             self._plans.clear()
             self._returned, self._checked, self._dims_of = {}, {}, {}
-            self._last_prepared = None
+            self._last_prepared = self._filled = None
             self.bound_version += 1
 
     @property
@@ -304,7 +305,21 @@ class GraphExecutor:
         planned = None if at is None else PlannedCall(at, self.program.output_storages, self._pool,
                                                       bound, self.bound_version)
         self._remember(key, planned)
+        if at is not None:
+            self._after_new_dims(sum(at.storage_bytes[i] for i in self.program.output_storages))
         return planned
+
+    def _after_new_dims(self, output_bytes: int) -> None:
+        """A call at dims not seen before leaves memory of its size behind: TVM's VM pools
+        the buffers it frees (VM path), and the host heap keeps the freed host arrays and
+        outputs of every size (either path). Emptied, and the heap trimmed, every
+        ``VM_POOL_CLEAR_CALLS`` such calls or ``VM_POOL_CLEAR_BYTES`` of their outputs."""
+        self._vm_pool_calls += 1
+        self._vm_pool_bytes += output_bytes
+        if self._vm_pool_calls >= VM_POOL_CLEAR_CALLS or \
+                self._vm_pool_bytes >= self._vm_pool_limit:
+            _clear_vm_memory_pools(trim_host=self._on_cpu)
+            self._vm_pool_calls = self._vm_pool_bytes = 0
 
     def _output_side(self, passed: list, out: dict[int, Any]) -> int | None:
         """The pool side this call writes its outputs on, the one no input lives on: our
@@ -337,6 +352,9 @@ class GraphExecutor:
             if not self._record_guarded(planned, key, args, side):
                 return None
         placement = planned.placed(self._pool, side, addresses_only)
+        if self._filled is not None and self._filled is not placement:
+            self._filled.release_inputs()  # only the last call's inputs stay referenced
+        self._filled = placement
         redirect = planned.redirect(out) if out else None
         driver = backend.driver_ns
         launched = time.perf_counter_ns()
@@ -426,13 +444,8 @@ class GraphExecutor:
         if new_dims:
             if self._recording and self.program is None:
                 self._remember(key, None)  # dims seen: the VM's pool counts new dims only
-            self._vm_pool_calls += 1
-            self._vm_pool_bytes += sum(nbytes(v) for v in values
-                                       if isinstance(v, tvm.runtime.Tensor))
-            if self._vm_pool_calls >= VM_POOL_CLEAR_CALLS or \
-                    self._vm_pool_bytes >= self._vm_pool_limit:
-                _clear_vm_memory_pools(trim_host=self._on_cpu)
-                self._vm_pool_calls = self._vm_pool_bytes = 0
+            self._after_new_dims(sum(nbytes(v) for v in values
+                                     if isinstance(v, tvm.runtime.Tensor)))
         for index, target in out.items():  # the VM allocated its own: copy, and count it
             _check_like(target, values[index], self.signature.outputs[index].name)
             with self.backend.stream_context():
@@ -717,7 +730,7 @@ class GraphExecutor:
             self._bound.clear()
             self._template = [None] * len(self._template)
             self._returned, self._checked, self._dims_of = {}, {}, {}
-            self._last_prepared = None
+            self._last_prepared = self._filled = None
             self.stats.plans_held = self.stats.shapes_held = 0
 
     def _check_open(self) -> None:

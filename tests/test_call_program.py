@@ -255,3 +255,21 @@ def test_a_sequence_output_is_one_output_on_the_planned_path(tmp_path):
         assert list(got) == ["seq"] and len(got["seq"]) == len(want) == 3
         for value, ref in zip(got["seq"], want):
             np.testing.assert_array_equal(value, ref)
+
+
+def test_planned_calls_keep_no_finished_calls_inputs(tmp_path):
+    """Every dims keeps its planned call; none may keep the input tensors of a call that has
+    finished (a host array is copied into a new tensor per call: kept, 10000 distinct
+    shapes held a gigabyte in bench/memory.py). Only the last call's stay referenced."""
+    module = grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm", output_names=["y"])
+    executor = grape_tvm.load(module.export(tmp_path / "m.grape"))
+    rng = np.random.default_rng(5)
+    executor.bind_inputs({"w": rng.standard_normal((16, 16)).astype(np.float32)})
+    for n in (3, 9, 17, 4):
+        executor.run({"x": rng.standard_normal((n, 16)).astype(np.float32)})
+    placements = [p for planned in executor._plans.values()  # pylint: disable=protected-access
+                  for p in planned._placed.values()]  # pylint: disable=protected-access
+    holding = [p for p in placements
+               if any(launch.values[pos] is not None
+                      for launch in p.launches for pos, _ in launch.inputs)]
+    assert len(placements) == 4 and len(holding) == 1

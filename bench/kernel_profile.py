@@ -64,7 +64,14 @@ def main() -> None:
     parser.add_argument("--executor-steps", type=int, default=0)
     parser.add_argument("--graph-mode", default="topology",
                         help="per-shape for ncu: it cannot profile device-updatable nodes")
+    parser.add_argument("--patch-staged-bytes", type=int, default=None,
+                        help="the patch kernel's shared-memory budget (0: it stages nothing, "
+                             "as before staging existed): an A/B of its time under ncu")
     args = parser.parse_args()
+    if args.patch_staged_bytes is not None:
+        from grape_tvm.runtime import topology_graph  # pylint: disable=import-outside-toplevel
+
+        topology_graph.STAGED_BYTES = args.patch_staged_bytes
     if args.ncu_summary is not None:
         ncu_summary(args.ncu_summary, args.json, args.top)
         return

@@ -37,7 +37,7 @@ from .cuda_compile import CubinStore
 from .cuda_driver import check, driver
 from .cuda_graph import (Capture, CapturedGraph, CapturedNodes, OwnedGraph, UnkeptGraph,
                          check_memsets, find_pointer_slots, node_records, read_nodes)
-from .topology_graph import PatchKernel, TopologyGraph, guard_address
+from .topology_graph import PatchKernel, TopologyGraph, guard_address, memsets_as_kernels
 
 MODES = ("topology", "per-shape")
 DEVICE_UPDATE_DRIVER = 12040  # CUDA 12.4: device-updatable kernel nodes
@@ -118,6 +118,7 @@ class CudaGraphBackend:
         self.driver_ns = 0  # time in the driver's copy and launch calls of replays
         self.synchronizing_guards = 0  # guards read on the host (per-shape mode): each a sync
         self.graphs_not_kept = 0  # captures run once and dropped (``UnkeptGraph``)
+        self.memsets_as_kernels = 0  # memset nodes run as grape_fill in topology graphs
         self.not_kept_reason: str | None = None
         self._evicted_graphs = 0
         # Device memory taken by graphs and their tables: free memory read just before and
@@ -266,13 +267,17 @@ class CudaGraphBackend:
 
     def _keep_in_topology(self, capture: Capture, graph, nodes_read: CapturedNodes,
                           run: bool) -> None:
+        patch = self._patch_kernel()
+        if nodes_read.memsets:  # as kernels: their address and size are patched per shape
+            self.memsets_as_kernels += memsets_as_kernels(
+                graph, list(zip(nodes_read.memset_nodes, nodes_read.memsets)), patch.fill)
+            nodes_read = read_nodes(graph, self._layouts)
         nodes = nodes_read.kernels
         slots = find_pointer_slots(nodes, capture.region_args)
         records = node_records(nodes, slots, nodes_read.memsets)
         region = self._regions.setdefault(
             capture.region, _RegionGraphs(TopologyGroups(self.max_shapes), []))
         placed = region.groups.add(capture.shape, records)
-        patch = self._patch_kernel()
         free = _free_bytes()
         if placed.new_table:
             pointer_map = [(s.node, s.param, s.arg, s.delta) for s in slots]
@@ -329,6 +334,7 @@ class CudaGraphBackend:
                 "graph_device_bytes": self.graph_device_bytes,
                 "synchronizing_guards": self.synchronizing_guards,
                 "graphs_not_kept": self.graphs_not_kept, "not_kept_reason": self.not_kept_reason,
+                "memsets_as_kernels": self.memsets_as_kernels,
                 "cublaslt_algorithms": dict(self.cublaslt.chosen) if self.cublaslt else {},
                 "topology_groups": regions}
 

@@ -12,9 +12,10 @@ arguments live elsewhere (``cuGraphExecKernelNodeSetParams``).
 
 A captured graph holds kernel nodes, and memset nodes where a library zeroes something
 before its kernels (cuBLASLt's split-K counters in its workspace: where they lie and how
-many there are follow M). A memset is part of the topology, as it was captured: two shapes
-whose memsets differ need two graphs. A graph with any other node, or with a memset into a
-region argument (an address a later call moves), is not kept (``UnkeptGraph``).
+many there are follow M). In a per-shape graph a memset stays as captured; a topology graph
+runs it as a kernel (``topology_graph.memsets_as_kernels``) whose address and size are
+patched per shape. A graph with any other node, or with a memset into a region argument
+(an address a later call moves), is not kept (``UnkeptGraph``).
 """
 
 from __future__ import annotations
@@ -69,10 +70,12 @@ class MemsetNode:
 
 @dataclass
 class CapturedNodes:
-    """The nodes of a captured graph that grape keeps: kernels, and memsets."""
+    """The nodes of a captured graph that grape keeps: kernels, and memsets (with the
+    graph's node of each in ``memset_nodes``)."""
 
     kernels: list[KernelNode]
     memsets: list[MemsetNode]
+    memset_nodes: list[Any]
 
 
 class UnkeptGraph(Exception):
@@ -144,7 +147,7 @@ def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
     layouts = {} if layouts is None else layouts
     _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
     nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
-    kernels, memsets = [], []
+    kernels, memsets, memset_nodes = [], [], []
     for node in nodes[:count]:
         kind = check(driver.cuGraphNodeGetType(node), "cuGraphNodeGetType")
         if kind == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET:
@@ -152,6 +155,7 @@ def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
             # Nodes come back in the order the capture created them: a stream's order.
             memsets.append(MemsetNode(len(kernels), int(p.dst), int(p.value), int(p.elementSize),
                                       int(p.width), int(p.height), int(p.pitch)))
+            memset_nodes.append(node)
             continue
         if kind != driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL:
             raise UnkeptGraph(f"it holds a {kind.name} node (grape replays kernel and memset "
@@ -165,7 +169,7 @@ def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
         fields = fields_of(parameters)
         kernels.append(KernelNode(node, params, fields,
                                   [buffer[offset:offset + size] for offset, size in fields]))
-    return CapturedNodes(kernels, memsets)
+    return CapturedNodes(kernels, memsets, memset_nodes)
 
 
 def check_memsets(memsets: Sequence[MemsetNode], region_args: Sequence[Any]) -> None:

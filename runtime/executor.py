@@ -38,6 +38,11 @@ DEFAULT_MAX_SHAPES = 2048
 # 16 MiB output took minutes on the H200).
 VM_POOL_CLEAR_BYTES = {"cpu": 4 << 20, "gpu": 256 << 20}
 VM_POOL_CLEAR_CALLS = 64
+# Caller tensors whose checks are remembered beyond the last call's (a reference to each
+# is held until it is pushed out): a caller that keeps a static input tensor per shape, or
+# a few it rotates, is checked once per tensor, not once per call. Reading a new tensor's
+# dtype alone costs about a microsecond.
+CHECKED_TENSORS = 8
 
 
 HOST_PHASES = ("checks", "plan", "record", "driver", "vm")
@@ -183,8 +188,11 @@ class GraphExecutor:
         # Fast paths of a call's checks: the last planned call's outputs (an autoregressive
         # caller passes them straight back) and the dims of input shapes seen before.
         self._returned: dict[int, tuple] = {}
-        # The last call's TVM tensors: [tensor, shape, dtype, pool generation, pool side].
+        # Caller tensors checked, least recently passed first: the last call's and
+        # CHECKED_TENSORS more.
+        # [tensor, shape, dtype, pool generation, pool side].
         self._checked: dict[int, list] = {}
+        self._checked_limit = CHECKED_TENSORS + len(inputs)
         self._last_prepared: tuple | None = None  # the last call's inputs and what they gave
         self._filled: Placement | None = None  # the placement holding the last call's inputs
         self._dims_of: dict[tuple, tuple] = {}
@@ -234,8 +242,8 @@ class GraphExecutor:
         ``out`` maps output names to device tensors of the caller's, written directly.
         Without a signature (an executable straight from ``tvm.compile``) inputs are
         positional and outputs come back as a list. ``stats`` counts copies, launches and
-        host time. The executor keeps a reference to the call's TVM tensors until its next
-        call: passed again, they are not checked again.
+        host time. The executor keeps a reference to the TVM tensors of the last call and to
+        ``CHECKED_TENSORS`` (8) before them: passed again, they are not checked again.
         """
         with self._lock:
             if self._vm is None:
@@ -284,7 +292,8 @@ class GraphExecutor:
         if planned is not None:
             side = self._output_side(passed, out)
             if side is not None:
-                self._check_out(out, planned)
+                if out:
+                    self._check_out(out, planned)
                 outputs = self._run_planned(planned, key, args, side, out, phases, start)
                 if outputs is not None:
                     return self._name_outputs([list(outputs)] if self._one_sequence else outputs)
@@ -339,7 +348,8 @@ class GraphExecutor:
             else:
                 where = checked[4]
             taken.add(where)
-        taken.update(pool.where(tensor) for tensor in out.values())
+        if out:
+            taken.update(pool.where(tensor) for tensor in out.values())
         return free_side(taken)
 
     def _run_planned(self, planned: PlannedCall, key: tuple, args: list, side: int,
@@ -499,50 +509,79 @@ class GraphExecutor:
         if self.signature is None:
             args = [self._as_tensor(f"#{i}", v) for i, v in enumerate(inputs)]
             return args, None, args
-        if not isinstance(inputs, Mapping):
+        if type(inputs) is not dict and not isinstance(inputs, Mapping):  # the ABC is slow
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
         last = self._last_prepared
-        if last is not None and len(inputs) == len(last[0]) and \
-                all(inputs.get(name) is value for name, value in last[0]):
-            return last[1], last[2], last[3]  # the very tensors of the last call
-        tensors, described, checked = {}, [], {}
+        if last is not None and len(inputs) == len(last[0]):
+            for name, value in last[0]:  # a loop: all() over a generator costs a microsecond
+                if inputs.get(name) is not value:
+                    break
+            else:
+                return last[1], last[2], last[3]  # the very tensors of the last call
+        returned, checked, positions = self._returned, self._checked, self._position
+        args = list(self._template)
+        described, passed = [], []
+        all_checked = True
         for name, value in inputs.items():
-            if name in self._bound:
+            position = positions.get(name)  # None: unknown, the signature names it below
+            if position is not None and args[position] is not None:
                 raise InputError(f"input {name!r} is bound (bind_inputs): it cannot also be "
                                  "passed to run(); bind it again to change it")
             # Our own output, or a tensor the last call checked: a TVM tensor's shape,
             # dtype, device and layout never change, so it is not checked again.
-            known = self._returned.get(id(value))
+            known = returned.get(id(value))
             if known is None or known[0] is not value:
-                known = self._checked.get(id(value))
-                if known is None or known[0] is not value:
-                    tensor = self._as_tensor(name, value)
-                    known = [tensor, tuple(tensor.shape), str(tensor.dtype), None, None]
-                if known[0] is value:
+                known = checked.pop(id(value), None)  # put back last: least recently used first
+                if known is None:
+                    known = self._checked_input(name, value)
+                    if known[0] is value:  # a caller's TVM tensor (not a copy): remembered
+                        self._remember_checked(known)
+                    else:
+                        all_checked = False
+                else:
                     checked[id(value)] = known
-            tensors[name] = known[0]
+            if position is not None:
+                args[position] = known[0]
+            passed.append(known[0])
             described.append((name, known[1], known[2]))
-        self._checked = checked  # this call's TVM tensors, held until the next call
         described = tuple(described)
         key = self._dims_of.get(described)
         if key is None:
-            dims = self.signature.bind({n: s for n, s, _ in described},
-                                       {n: d for n, _, d in described},
-                                       bound=self._bound_dims, skip=self._bound)
-            key = tuple(sorted(dims.items()))
-            if len(self._dims_of) >= 1 << 16:  # a bound: shapes are many, memory is not
-                self._dims_of.clear()
-            self._dims_of[described] = key
-        args = list(self._template)
-        for name, tensor in tensors.items():
-            args[self._position[name]] = tensor
-        passed = list(tensors.values())
+            key = self._dims_key(described)
         # Only TVM tensors read in place can stand for themselves next time: a host array
         # was copied here, and may have changed since.
-        self._last_prepared = (tuple(inputs.items()), args, key, passed) \
-            if len(checked) == len(inputs) else None
+        self._last_prepared = (tuple(inputs.items()), args, key, passed) if all_checked else None
         return args, key, passed
+
+    def _remember_checked(self, known: list) -> None:
+        # Held tensors keep their ids: an id found here is the tensor itself.
+        checked = self._checked
+        if len(checked) >= self._checked_limit:
+            del checked[next(iter(checked))]
+        checked[id(known[0])] = known
+
+    def _checked_input(self, name: str, value: Any) -> list:
+        """``[tensor, shape, dtype, None, None]`` of an input not seen before (the last two:
+        its pool side and the pool generation that side is for, see ``_output_side``)."""
+        if type(value) is tvm.runtime.Tensor and value.device == self.device \
+                and value.is_contiguous():
+            tensor = value  # the common case, as _as_tensor would check it
+        else:
+            tensor = self._as_tensor(name, value)
+        return [tensor, tuple(tensor.shape), str(tensor.dtype), None, None]
+
+    def _dims_key(self, described: tuple) -> tuple:
+        """The dims of inputs ``described`` (name, shape, dtype), checked against the
+        signature (which names a missing, unknown or mismatched input); remembered."""
+        dims = self.signature.bind({n: s for n, s, _ in described},
+                                   {n: d for n, _, d in described},
+                                   bound=self._bound_dims, skip=self._bound)
+        key = tuple(sorted(dims.items()))
+        if len(self._dims_of) >= 1 << 16:  # a bound: shapes are many, memory is not
+            self._dims_of.clear()
+        self._dims_of[described] = key
+        return key
 
     def _as_tensor(self, name: str, value: Any, copy: bool = True) -> tvm.runtime.Tensor:
         if isinstance(value, tvm.runtime.Tensor):

@@ -31,17 +31,72 @@ from .cuda_driver import check, driver
 from .cuda_graph import OwnedGraph
 
 MAX_PARAM_BYTES = 16  # the widest kernel parameter a column may patch
+STAGED_BYTES = 48 * 1024  # dynamic shared memory the patch kernel stages into, at most
+STAGE_ARGS, STAGE_POINTERS = 1, 2  # what it stages (patch.cu)
+POINTER_BYTES = 24  # one entry of ``pointers`` (encode_pointers)
 NO_ROW = 0xFFFFFFFF  # state.applied_row before anything was applied
 NODES_UNKNOWN = 0xFFFFFFFF  # state.nodes when the nodes' enabled state is not known
 GUARD = struct.Struct("<QQ")  # {u64 address, u64 expect}
 PATCH_SOURCE = Path(__file__).with_name("kernels") / "patch.cu"
 
 
+FILL_BLOCK = 256  # threads per block of grape_fill
+FILL_MAX_BLOCKS = 1024
+
+
 class PatchKernel(RuntimeKernel):
-    """The compiled patch kernel, loaded once per backend."""
+    """The compiled patch kernel, loaded once per backend, and ``grape_fill`` of the same
+    module (``memsets_as_kernels``)."""
 
     def __init__(self, store: CubinStore):
         super().__init__(store, PATCH_SOURCE, "grape_patch")
+        self.fill = check(driver.cuModuleGetFunction(self.module, b"grape_fill"),
+                          "cuModuleGetFunction(grape_fill)")
+
+
+def memsets_as_kernels(graph, memsets: Sequence[Any], fill) -> int:
+    """Replace each memset node of a captured ``graph`` (``memsets``: the nodes, with the
+    ``MemsetNode`` read from each) by a launch of ``grape_fill`` that writes the same bytes,
+    with the same dependencies. Return how many were replaced.
+
+    A memset node's address and size are fixed in a graph, so memsets that follow M
+    (cuBLASLt's split-K counters) made every M its own topology; as kernel parameters and
+    a grid they are fields of the argument table, patched per shape.
+
+        before: gemm_kernel -> memset(ws + 4096, 0, 96 x 4 B) -> split_k_reduce
+        after:  gemm_kernel -> grape_fill(ws + 4096, 0, 96, 4) -> split_k_reduce
+    """
+    for node, m in memsets:
+        deps = _neighbours(driver.cuGraphNodeGetDependencies, node)
+        dependents = _neighbours(driver.cuGraphNodeGetDependentNodes, node)
+        storage = kernel_params([("u64", m.dst), ("u64", m.pitch), ("u64", m.width),
+                                 ("u64", max(m.height, 1)), ("u32", m.value),
+                                 ("u32", m.element_size)])
+        params = driver.CUDA_KERNEL_NODE_PARAMS()
+        params.func = fill
+        blocks = -(-(m.width * max(m.height, 1)) // FILL_BLOCK)
+        params.gridDimX = min(max(blocks, 1), FILL_MAX_BLOCKS)
+        params.gridDimY = params.gridDimZ = 1
+        params.blockDimX, params.blockDimY, params.blockDimZ = FILL_BLOCK, 1, 1
+        params.sharedMemBytes = 0
+        params.kernelParams = ctypes.addressof(storage[1])
+        kernel = check(driver.cuGraphAddKernelNode(graph, deps, len(deps), params),
+                       "cuGraphAddKernelNode(grape_fill)")
+        if dependents:
+            check(driver.cuGraphAddDependencies(graph, [kernel] * len(dependents), dependents,
+                                                None, len(dependents)),
+                  "cuGraphAddDependencies(grape_fill)")
+        check(driver.cuGraphDestroyNode(node), "cuGraphDestroyNode(memset)")
+    return len(memsets)
+
+
+def _neighbours(query, node) -> list:
+    """A node's dependencies or dependents (``query``), in two calls: count, then list."""
+    *_, count = check(query(node, 0), query.__name__)
+    if not count:
+        return []
+    found, _, count = check(query(node, count), query.__name__)
+    return list(found[:count])
 
 
 class DeviceBuffer:
@@ -170,6 +225,17 @@ def _device_updatable(node) -> int:
     return int(got.deviceUpdatableKernelNode.devNode)
 
 
+def patch_staging(num_args: int, num_pointers: int) -> tuple[int, int]:
+    """What the patch kernel stages in shared memory, and the bytes: args and applied
+    (8 bytes each per argument), then the pointers, as far as ``STAGED_BYTES`` allows."""
+    args = 16 * num_args
+    if args + POINTER_BYTES * num_pointers <= STAGED_BYTES:
+        return STAGE_POINTERS, args + POINTER_BYTES * num_pointers
+    if args <= STAGED_BYTES:
+        return STAGE_ARGS, args
+    return 0, 0
+
+
 def kernel_params(values: Sequence[tuple[str, int]]):
     """ctypes storage for a kernel's parameters; keep the result alive until the call."""
     boxes = [ctypes.c_uint64(v) if kind == "u64" else ctypes.c_uint32(v) for kind, v in values]
@@ -273,6 +339,8 @@ class TopologyGraph(OwnedGraph):
         self.buffers["launch"].write(self._launch.pending())
         pointers, self._pointer_spans = encode_pointers(pointer_map, layouts)
         self.buffers["pointers"].write(pointers)
+        self.num_pointers = len(pointer_map)
+        self.stage, self.staged_bytes = patch_staging(num_args, self.num_pointers)
         self._encode_table()
         self.patch_node = self._add_patch_node(graph)
         self.instantiate(stream)
@@ -285,7 +353,8 @@ class TopologyGraph(OwnedGraph):
             ("u64", b["pointers"].address), ("u64", b["spans"].address),
             ("u32", len(self.dev_nodes)), ("u64", b["launch"].address),
             ("u64", b["applied"].address), ("u32", self.num_args),
-            ("u64", b["state"].address), ("u64", b["nodes"].address)])
+            ("u64", b["state"].address), ("u64", b["nodes"].address),
+            ("u32", self.num_pointers), ("u32", self.stage)])
 
     def _patch_node_params(self, storage):
         params = driver.CUDA_KERNEL_NODE_PARAMS()
@@ -295,7 +364,7 @@ class TopologyGraph(OwnedGraph):
         # update costs about 1 us per update; a thread per node hides it).
         params.blockDimX = min(256, max(32, (len(self.dev_nodes) + 31) // 32 * 32))
         params.blockDimY = params.blockDimZ = 1
-        params.sharedMemBytes = 0
+        params.sharedMemBytes = self.staged_bytes
         params.kernelParams = ctypes.addressof(storage[1])
         return params
 

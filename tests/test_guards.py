@@ -97,3 +97,17 @@ def test_the_launch_buffer_holds_as_many_guards_as_a_plan_gives():
         record = LaunchRecord(num_args)
         record.set_guards([(64 * (g + 1), g % 2) for g in range(MAX_GUARDS)])
         assert len(record.used()) == record.capacity
+
+
+def test_the_patch_kernel_stages_what_fits_in_shared_memory():
+    """args and applied (16 bytes an argument), then the pointers (one ``encode_pointers``
+    entry each), as far as ``STAGED_BYTES`` allows; a region too large stages nothing."""
+    from grape_tvm.runtime.topology_graph import (  # pylint: disable=import-outside-toplevel
+        POINTER_BYTES, STAGE_ARGS, STAGE_POINTERS, STAGED_BYTES, encode_pointers, patch_staging)
+
+    data, _ = encode_pointers([(0, 0, 1, 8), (1, 0, 0, 0)], [[(0, 8)], [(0, 8)]])
+    assert len(data) == 2 * POINTER_BYTES
+    assert patch_staging(300, 1000) == (STAGE_POINTERS, 16 * 300 + POINTER_BYTES * 1000)
+    many = STAGED_BYTES // POINTER_BYTES
+    assert patch_staging(300, many) == (STAGE_ARGS, 16 * 300)
+    assert patch_staging(STAGED_BYTES // 16 + 1, 0) == (0, 0)

@@ -41,6 +41,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -398,6 +399,35 @@ def build_reductions(out: Path) -> None:
     module.export(out / "reductions.cuda.grape")
 
 
+def build_zoo(out: Path) -> None:
+    """The zoo (``bench/zoo``) for ``bench/zoo/gpu.py``: each model's reference ONNX export
+    (onnxruntime's input there), its CUDA build, and which export it is with the
+    fingerprint of its torch weights (``zoo/NAME.json``), from the first export that
+    compiles. Tiny configurations: a few MB each."""
+    sys.path.insert(0, str(ROOT / "bench" / "zoo"))
+    from architectures import ARCHITECTURES, weights_fingerprint  # pylint: disable=import-outside-toplevel
+
+    zoo = out / "zoo"
+    zoo.mkdir(parents=True, exist_ok=True)
+    for name, arch in ARCHITECTURES.items():
+        for how in arch.exports:
+            reference = zoo / f"{name}.onnx"
+            try:
+                compiled = arch.export(reference, how)
+                module = _timed(f"zoo/{name} ({how.label()})", lambda c=compiled, a=arch:
+                                grape_tvm.compile_onnx(c, dims=a.dims, target=CUDA))
+            except Exception as err:  # pylint: disable=broad-except
+                print(f"zoo/{name} ({how.label()}): {type(err).__name__}, next export")
+                continue
+            module.export(zoo / f"{name}.cuda.grape")
+            if compiled != reference:
+                compiled.unlink()
+            meta = {"export": how.label(), "attn_implementation": how.attn_implementation,
+                    "weights": weights_fingerprint(arch.make_module(how.attn_implementation))}
+            (zoo / f"{name}.json").write_text(json.dumps(meta) + "\n")
+            break
+
+
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.
 STEPS = {
     "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
@@ -417,6 +447,9 @@ STEPS = {
     "matmul": (build_matmul_bench,),
     "hf_models": (build_hf_models, build_wav2vec2),
     "hf_models_fp16": (lambda out: build_hf_models(out, dtype="float16"),),
+    "ncu_gemv": (build_matmul_bench,),
+    "ncu_patch": (build_bench,),
+    "zoo": (build_zoo,),
 }
 
 

@@ -27,9 +27,17 @@ want driver_calls && { python3 -P bench/driver_calls.py --out "$out" || status=1
 # caches, clocks as they are; per-shape graphs: ncu cannot profile device-updatable nodes).
 ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
 want ncu_gpt2 && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv --log-file "$out/gpt2_step_ncu.csv" python3 -P bench/kernel_profile.py build/gpu/gpt2_decode.cuda.grape --dim batch=1 --dim past=256 --weights build/gpu/gpt2_decode.weights.json --executor-steps 1 --graph-mode per-shape || status=1; }
+# grape's GEMV kernels at M = 1 on GPT-2's shapes (weights as [N, K]), timed by ncu with
+# caches flushed before each kernel: what they read from HBM, and how fast.
+want ncu_gemv && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed --clock-control none --csv --log-file "$out/gemv_ncu.csv" bash -c 'for a in build/gpu/matmul_nk_*.gemv.cuda.grape; do echo "== $a"; python3 -P bench/kernel_profile.py "$a" --dim m=1 --executor-steps 1 --graph-mode per-shape; done' || status=1; }
+# The patch kernel of the 24-block model's graph (topology mode: ncu profiles only the patch
+# nodes) at n = 1: first launch, then launches that change nothing; staged in shared memory
+# (the default) and not (--patch-staged-bytes 0), one process each.
+want ncu_patch && { for staged in 0 49152; do "$ncu_bin" --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv --log-file "$out/patch_ncu_staged_$staged.csv" python3 -P bench/kernel_profile.py build/gpu/blocks24.grape.cuda.grape --dim n=1 --executor-steps 5 --patch-staged-bytes "$staged" || status=1; done; }
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }
+want zoo && { python3 -P bench/zoo/gpu.py --artifacts build/gpu/zoo --out "$out" ${GRAPE_ZOO_ARGS:-} || status=1; }
 want matmul && { python3 -P bench/matmul.py --artifacts build/gpu --out "$out" ${GRAPE_MATMUL_ARGS:-} || status=1; }
 want memory && { python3 -P bench/memory.py --device cuda --artifact build/gpu/blocks_4096.cuda.grape --shapes 4096 --cycles 300 --out "$out" || status=1; }
 want probe_cublaslt && { python3 -P bench/probe_cublaslt.py --out "$out" || status=1; }

@@ -351,6 +351,24 @@ def relative_error(got: np.ndarray, want: np.ndarray) -> float:
     return float(np.abs(got.astype(np.float64) - want).max()) / scale
 
 
+def weights_fingerprint(module) -> str:
+    """sha256 of a torch module's parameters and buffers, in ``state_dict`` order: whether
+    two machines made the same weights from the seed (torch and transformers versions
+    differ between the build machine and the GPU host)."""
+    import hashlib  # pylint: disable=import-outside-toplevel
+
+    digest = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        digest.update(name.encode())
+        digest.update(tensor.detach().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
+
+
+def relative_errors(got: dict, want: dict, names) -> float:
+    """The worst ``relative_error`` over the outputs ``names``."""
+    return max(relative_error(np.asarray(got[name]), np.asarray(want[name])) for name in names)
+
+
 def errors_against_onnxruntime(executor, path: Path, arch: Architecture,
                                shapes: list[dict[str, int]]) -> list[dict]:
     """Run ``executor`` and onnxruntime (CPU) on the same seeded feeds at each shape:

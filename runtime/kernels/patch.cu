@@ -26,6 +26,14 @@
 //   state       = {applied_row, nodes, pad x2} (this kernel's): the row applied last, and
 //                 whether the nodes are enabled (0), disabled (1) or unknown (anything else)
 //
+// Staging: the comparisons that decide what to patch read `args`, `applied` and a node's
+// pointers once per pointer, one after the other in the thread that owns the node. From
+// global memory each is a dependent load (the tables are cold after a step's weights went
+// through L2): a launch that changed nothing cost 7.4 us on GPT-2's decode graph
+// (bench/results/gpt2_step_ncu_topology.csv). So the block first copies them into dynamic
+// shared memory together (`stage` 1: args and applied, 2: the pointers too, as much as
+// the host found room for), and the threads compare there.
+//
 // Guards (predication): a guard is a 1-byte bool in device memory and the value it must
 // hold (nonzero counts as 1), read here, when the graph runs: no host sync. If a guard fails
 // the region is skipped: every node is disabled (device-side changes persist: they stay
@@ -82,6 +90,9 @@ __device__ static bool guards_hold(const Launch* launch, unsigned int num_args) 
   return true;
 }
 
+#define GRAPE_STAGE_ARGS 1u
+#define GRAPE_STAGE_POINTERS 2u
+
 extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
                                        const unsigned char* __restrict__ rows,
                                        unsigned int row_bytes,
@@ -90,16 +101,37 @@ extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
                                        const Launch* __restrict__ launch,
                                        unsigned long long* applied, unsigned int num_args,
                                        State* state,
-                                       const cudaGraphDeviceNode_t* __restrict__ nodes) {
+                                       const cudaGraphDeviceNode_t* __restrict__ nodes,
+                                       unsigned int num_pointers, unsigned int stage) {
   __shared__ unsigned int shape_row, applied_row, nodes_were;
   __shared__ bool run;
+  extern __shared__ unsigned long long staged[];  // args, applied, pointers (stage)
+  const unsigned long long* args = launch->args;
+  const unsigned long long* was = applied;
+  const Pointer* ptrs = pointers;
+  if (stage >= GRAPE_STAGE_ARGS) {
+    unsigned long long* staged_args = staged;
+    unsigned long long* staged_applied = staged + num_args;
+    for (unsigned int a = threadIdx.x; a < num_args; a += blockDim.x) {
+      staged_args[a] = launch->args[a];
+      staged_applied[a] = applied[a];
+    }
+    args = staged_args;
+    was = staged_applied;
+    if (stage >= GRAPE_STAGE_POINTERS) {
+      Pointer* staged_pointers = reinterpret_cast<Pointer*>(staged + 2 * num_args);
+      for (unsigned int p = threadIdx.x; p < num_pointers; p += blockDim.x)
+        staged_pointers[p] = pointers[p];
+      ptrs = staged_pointers;
+    }
+  }
   if (threadIdx.x == 0) {
     shape_row = launch->shape_row;
     applied_row = state->applied_row;
     nodes_were = state->nodes;
     run = guards_hold(launch, num_args);
   }
-  __syncthreads();
+  __syncthreads();  // thread 0's reads and the staged copies are seen by every thread
   // Enable or disable the nodes only when that changes them (or when it is not known: the
   // host re-encoded the table, see TopologyGraph._encode_table). Same node-to-thread mapping
   // as the patching below: one thread owns a node.
@@ -109,7 +141,6 @@ extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
       cudaGraphKernelNodeSetEnabled(nodes[n], run);
   if (threadIdx.x == 0) state->nodes = nodes_now;
   if (!run) return;  // skipped: nothing patched, `applied` and `applied_row` as they were
-  const unsigned long long* args = launch->args;
   const bool new_row = shape_row != applied_row;
   const unsigned char* row = rows + (size_t)shape_row * row_bytes;
   const unsigned char* before =
@@ -130,8 +161,8 @@ extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
       }
     }
     for (unsigned int p = span.first_pointer; p < span.first_pointer + span.pointers; ++p) {
-      const Pointer ptr = pointers[p];
-      if (args[ptr.arg] == applied[ptr.arg]) continue;
+      const Pointer ptr = ptrs[p];
+      if (args[ptr.arg] == was[ptr.arg]) continue;
       const unsigned long long address = args[ptr.arg] + ptr.delta;
       cudaGraphKernelNodeSetParam(node, ptr.offset, &address, sizeof(address));
     }
@@ -139,4 +170,27 @@ extern "C" __global__ void grape_patch(const Column* __restrict__ columns,
   __syncthreads();  // every thread compared against `applied` before it changes
   for (unsigned int a = threadIdx.x; a < num_args; a += blockDim.x) applied[a] = args[a];
   if (threadIdx.x == 0) state->applied_row = shape_row;
+}
+
+// A memset node a library captured (cuBLASLt's split-K zeroes counters in its workspace, at
+// an address and over a size that follow M), as a kernel node: a memset node's address and
+// size are fixed in the graph, a kernel's parameters and grid are rewritten per shape by
+// grape_patch like any other's, so two shapes whose memsets differ share one graph. Writes
+// `value` (its low `element_size` bytes: 1, 2 or 4) to `width` elements of `height` rows,
+// `pitch` bytes apart, as cuMemsetD2D* would.
+extern "C" __global__ void grape_fill(unsigned char* dst, unsigned long long pitch,
+                                      unsigned long long width, unsigned long long height,
+                                      unsigned int value, unsigned int element_size) {
+  const unsigned long long total = width * height;
+  const unsigned long long step = (unsigned long long)gridDim.x * blockDim.x;
+  for (unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+       i < total; i += step) {
+    unsigned char* at = dst + (i / width) * pitch + (i % width) * element_size;
+    if (element_size == 4)
+      *reinterpret_cast<unsigned int*>(at) = value;
+    else if (element_size == 2)
+      *reinterpret_cast<unsigned short*>(at) = (unsigned short)value;
+    else
+      *at = (unsigned char)value;
+  }
 }

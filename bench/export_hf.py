@@ -102,11 +102,36 @@ def presents(cache) -> list:
     return [t for layer in cache.layers for t in (layer.keys, layer.values)]
 
 
+def dynamic_cache(past) -> object:
+    """A ``DynamicCache`` holding ``past`` (keys and values, layer by layer), in any
+    transformers 5 (older ones take only the legacy tuple form)."""
+    from transformers.cache_utils import DynamicCache  # pylint: disable=import-outside-toplevel
+
+    pairs = list(zip(past[0::2], past[1::2]))
+    try:
+        return DynamicCache(pairs)
+    except TypeError:
+        return DynamicCache.from_legacy_cache(tuple(pairs))
+
+
+def returned_cache(out):
+    """A model output's cache: ``cache`` from transformers 5.24 on, ``past_key_values``
+    before (the GPU host's transformers is older than the build machine's)."""
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+def cache_argument(model) -> str:
+    """The name a model's forward takes its cache by (``cache`` or, before transformers
+    5.24, ``past_key_values``): passed under the other name it would be ignored."""
+    import inspect  # pylint: disable=import-outside-toplevel
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 def causal_lm_wrappers(model):
     """Prefill and decode-step modules around a transformers causal LM (GPT-2, Llama):
     explicit key and value tensors in and out, ``past_{i}_*`` in, ``present_{i}_*`` out."""
     import torch  # pylint: disable=import-outside-toplevel
-    from transformers.cache_utils import DynamicCache  # pylint: disable=import-outside-toplevel
 
     class Prefill(torch.nn.Module):
         """input_ids -> logits and the layers' keys and values."""
@@ -117,9 +142,7 @@ def causal_lm_wrappers(model):
 
         def forward(self, input_ids):
             out = self.model(input_ids, use_cache=True)
-            return (out.logits, *presents(out.cache))
-
-        # transformers 5 names the cache ``cache`` (a DynamicCache): explicit tensors here.
+            return (out.logits, *presents(returned_cache(out)))
 
     class Decode(torch.nn.Module):
         """One token per sequence with an explicit KV cache of ``past`` positions."""
@@ -129,9 +152,9 @@ def causal_lm_wrappers(model):
             self.model = model
 
         def forward(self, input_ids, *past):
-            cache = DynamicCache(list(zip(past[0::2], past[1::2])))
-            out = self.model(input_ids, cache=cache, use_cache=True)
-            return (out.logits, *presents(out.cache))
+            out = self.model(input_ids, use_cache=True,
+                             **{cache_argument(self.model): dynamic_cache(past)})
+            return (out.logits, *presents(returned_cache(out)))
 
     return Prefill().eval(), Decode().eval()
 
@@ -156,12 +179,12 @@ def seq2seq_decode_wrapper(model, encoder_attention_mask: bool = True):
 
         def forward(self, input_ids, encoder_hidden_states, *rest):
             mask, past = (rest[0], rest[1:]) if encoder_attention_mask else (None, rest)
-            cache = EncoderDecoderCache(DynamicCache(list(zip(past[0::2], past[1::2]))),
-                                        DynamicCache())
+            cache = EncoderDecoderCache(dynamic_cache(past), DynamicCache())
             kwargs = {} if mask is None else {"attention_mask": mask}
+            kwargs[cache_argument(self.model)] = cache
             out = self.model(encoder_outputs=(encoder_hidden_states,), decoder_input_ids=input_ids,
-                             cache=cache, use_cache=True, **kwargs)
-            return (out.logits, *presents(out.cache.self_attention_cache))
+                             use_cache=True, **kwargs)
+            return (out.logits, *presents(returned_cache(out).self_attention_cache))
 
     return Decode().eval()
 

@@ -46,7 +46,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from export_hf import hf_weights, make_model  # noqa: E402  pylint: disable=wrong-import-position
+from export_hf import (  # noqa: E402  pylint: disable=wrong-import-position
+    cache_argument, dynamic_cache, hf_weights, make_model, returned_cache)
 
 PAST = [1, 64, 256, 512, 1024]
 STEP_SYSTEMS = ["grape", "vm_grape_kernels", "tvm_vm", "tvm_cuda_graph", "torch_eager",
@@ -141,31 +142,17 @@ class TorchGpt2:
     """The transformers model with an explicit KV cache, across transformers versions."""
 
     def __init__(self, torch, model, device: str):
-        import inspect  # pylint: disable=import-outside-toplevel
-
         self.torch, self.device = torch, device
         self.model = model.to(device)
-        params = inspect.signature(self.model.forward).parameters
-        self.cache_kw = "cache" if "cache" in params else "past_key_values"
+        self.cache_kw = cache_argument(self.model)
         cfg = self.model.config
         self.layers, self.heads = cfg.n_layer, cfg.n_head
         self.head_dim, self.vocab = cfg.n_embd // cfg.n_head, cfg.vocab_size
         self.positions = cfg.n_positions
 
-    def dynamic_cache(self, past: list):
-        from transformers.cache_utils import DynamicCache  # pylint: disable=import-outside-toplevel
-
-        pairs = list(zip(past[0::2], past[1::2]))
-        try:
-            return DynamicCache(pairs)
-        except TypeError:
-            return DynamicCache.from_legacy_cache(tuple(pairs))
-
     @staticmethod
     def presents(out) -> list:
-        cache = getattr(out, "cache", None)
-        if cache is None:
-            cache = out.past_key_values
+        cache = returned_cache(out)
         if hasattr(cache, "layers"):
             return [t for layer in cache.layers for t in (layer.keys, layer.values)]
         if hasattr(cache, "key_cache"):
@@ -175,7 +162,7 @@ class TorchGpt2:
     def step(self, ids, past: list) -> tuple:
         """Logits and the presents, from ``ids [1, n]`` and ``past`` (a list of 2 * layers)."""
         with self.torch.no_grad():
-            kwargs = {self.cache_kw: self.dynamic_cache(past)} if past else {}
+            kwargs = {self.cache_kw: dynamic_cache(past)} if past else {}
             out = self.model(ids, use_cache=True, **kwargs)
         return out.logits, self.presents(out)
 

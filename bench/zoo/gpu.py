@@ -136,21 +136,25 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = False
     names = args.models.split(",") if args.models else \
         [n for n in ARCHITECTURES if (args.artifacts / f"{n}.cuda.grape").exists()]
-    models, failed = {}, 0
+    import transformers  # pylint: disable=import-outside-toplevel
+
+    result = {"machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "
+                         f"transformers {transformers.__version__}",
+              "command": " ".join(["python3", *sys.argv]), "tf32": False,
+              "timing": f"median of {args.reps} synchronized calls, inputs on the device",
+              "models": {}}
+    args.out.mkdir(parents=True, exist_ok=True)
+    failed = 0
     for name in names:
         print(f"{name} ...", flush=True)
         try:
-            models[name] = run_model(name, args.artifacts, args.reps, args.compiled)
+            result["models"][name] = run_model(name, args.artifacts, args.reps, args.compiled)
         except Exception:  # pylint: disable=broad-except
             failed += 1
-            models[name] = {"error": traceback.format_exc().strip().splitlines()[-1]}
+            result["models"][name] = {"error": traceback.format_exc().strip().splitlines()[-1]}
             print(traceback.format_exc(), flush=True)
-    result = {"machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}",
-              "command": " ".join(["python3", *sys.argv]), "tf32": False,
-              "timing": f"median of {args.reps} synchronized calls, inputs on the device",
-              "models": models}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "zoo_gpu.json").write_text(json.dumps(result, indent=1) + "\n")
+        # After each model: a run stopped by its time limit keeps what it measured.
+        (args.out / "zoo_gpu.json").write_text(json.dumps(result, indent=1) + "\n")
     print(f"wrote {args.out / 'zoo_gpu.json'}")
     return 1 if failed else 0
 

@@ -4,8 +4,10 @@ llvm build against onnxruntime at the range's smallest, middle and top shapes.
     python3 bench/zoo/run.py --out bench/results            # writes bench/results/zoo.json
     python3 bench/zoo/run.py --out /tmp/zoo --models llama,vit
 
-CUDA is built only (the kernels compiled to cubins with nvcc): nothing here runs on a GPU,
-so no model has a "gpu" key. A model whose default export fails to export or compile is
+CUDA is built only (the kernels compiled to cubins with nvcc): nothing here runs on a GPU.
+The GPU half is ``bench/zoo/gpu.py`` on the GPU host (``run_all.sh`` step ``zoo``), whose
+results ``python3 bench/zoo/gpu.py --merge OUT/zoo_gpu.json`` merges in as each model's
+``"gpu"`` entry; a new run of this script writes zoo.json without them. A model whose default export fails to export or compile is
 exported again the next way a user would try (``Architecture.exports``); every attempt is
 kept, a failure as its one-line reason.
 """
@@ -136,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "machine": machine(),
         "command": shlex.join(["python3", *sys.argv]),
-        "gpu": "absent: nothing was run on a GPU (CUDA is built only), so no model has a 'gpu' key",
+        "gpu": "not merged: bench/zoo/gpu.py runs on the GPU host, then --merge its zoo_gpu.json",
         "tolerance": {"relative_error": TOLERANCE,
                       "measure": "max |grape - onnxruntime| / max |onnxruntime| per output, "
                                  "the worst output; fp32, llvm build on the CPU"},

@@ -13,7 +13,8 @@ import onnx.numpy_helper
 import tvm
 from tvm import relax
 
-from grape_tvm.onnx_fixes import UnsupportedNode, default_opset, from_onnx, subgraphs
+from grape_tvm.onnx_fixes import CONVERTERS, UnsupportedNode, default_opset, from_onnx, subgraphs
+from grape_tvm.onnx_functions import functions_expanded
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
 
 _ONNX_DTYPES = {
@@ -235,13 +236,15 @@ def import_onnx(model: onnx.ModelProto,
                 dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None) -> tvm.IRModule:
     """TVM's Relax ONNX importer, with its failures turned into one clear error.
 
-    grape's own fixes to the ONNX it is given run first (``normalize_constants``), and
-    grape's converters replace TVM's where TVM's fail (``grape_tvm.onnx_fixes``);
-    docs/tvm_onnx_frontend.md lists them, upstream-style. ``dims``, the declared ranges,
-    let those converters prove slices and ranges in bounds.
+    grape's own fixes to the ONNX it is given run first: operators TVM lacks expanded into
+    their standard function bodies (``functions_expanded``), constants normalized
+    (``normalize_constants``); then grape's converters replace TVM's where TVM's fail
+    (``grape_tvm.onnx_fixes``); docs/tvm_onnx_frontend.md lists them, upstream-style.
+    ``dims``, the declared ranges, let those converters prove slices and ranges in bounds.
     """
-    model = normalize_constants(model)
     try:
+        model = functions_expanded(model, default_opset(model), frozenset(CONVERTERS))
+        model = normalize_constants(model)
         ranges = {k: (ShapeRange.of(v, k).lo, ShapeRange.of(v, k).hi) for k, v in (dims or {}).items()}
         mod = from_onnx(model, ranges)
     except Exception as err:  # pylint: disable=broad-except

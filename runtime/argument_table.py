@@ -23,12 +23,9 @@ from dataclasses import dataclass
 from typing import Any, Hashable, NamedTuple, Sequence
 
 
-MEMSET_RECORD = "memset"  # the ``kernel`` of a memset node's record (all of it ``fixed``)
-
-
 @dataclass(frozen=True)
 class NodeRecord:
-    """One node of a recorded region: a kernel launch, or a memset (``MEMSET_RECORD``)."""
+    """One node of a recorded region: a kernel launch."""
 
     kernel: Hashable  # the kernel's identity (CUfunction handle, or PrimFunc name)
     fixed: tuple  # must match for two shapes to share a graph
@@ -187,7 +184,6 @@ class TopologyGroups:
             shapes_of.setdefault(t, []).append(shape)
         return [
             {"nodes": len(table.base), "shapes": len(shapes_of.get(t, [])),
-             "memsets": sum(kernel == MEMSET_RECORD for kernel, _ in table.topology),
              "rows": len(table), "columns": len(table.columns),
              "table_bytes_uncompressed": table.uncompressed_bytes(),
              "table_bytes_compressed": table.compressed_bytes(),

@@ -118,7 +118,7 @@ class CudaGraphBackend:
         self.driver_ns = 0  # time in the driver's copy and launch calls of replays
         self.synchronizing_guards = 0  # guards read on the host (per-shape mode): each a sync
         self.graphs_not_kept = 0  # captures run once and dropped (``UnkeptGraph``)
-        self.memsets_as_kernels = 0  # memset nodes run as grape_fill in topology graphs
+        self.memsets_as_kernels = 0  # memset nodes of topology-mode captures made grape_fill
         self.not_kept_reason: str | None = None
         self._evicted_graphs = 0
         # Device memory taken by graphs and their tables: free memory read just before and
@@ -269,12 +269,16 @@ class CudaGraphBackend:
                           run: bool) -> None:
         patch = self._patch_kernel()
         if nodes_read.memsets:  # as kernels: their address and size are patched per shape
-            self.memsets_as_kernels += memsets_as_kernels(
-                graph, list(zip(nodes_read.memset_nodes, nodes_read.memsets)), patch.fill)
-            nodes_read = read_nodes(graph, self._layouts)
+            try:
+                self.memsets_as_kernels += memsets_as_kernels(
+                    graph, list(zip(nodes_read.memset_nodes, nodes_read.memsets)), patch.fill)
+                nodes_read = read_nodes(graph, self._layouts)
+            except BaseException:
+                driver.cuGraphDestroy(graph)
+                raise
         nodes = nodes_read.kernels
         slots = find_pointer_slots(nodes, capture.region_args)
-        records = node_records(nodes, slots, nodes_read.memsets)
+        records = node_records(nodes, slots)
         region = self._regions.setdefault(
             capture.region, _RegionGraphs(TopologyGroups(self.max_shapes), []))
         placed = region.groups.add(capture.shape, records)

@@ -21,12 +21,12 @@ patched per shape. A graph with any other node, or with a memset into a region a
 from __future__ import annotations
 
 import ctypes
-from dataclasses import astuple, dataclass
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import tvm
 
-from .argument_table import MEMSET_RECORD, NodeRecord
+from .argument_table import NodeRecord
 from .cuda_driver import check, driver
 from .signature import nbytes
 
@@ -50,10 +50,8 @@ class KernelNode:
 
 @dataclass(frozen=True)
 class MemsetNode:
-    """One memset node read back from a captured graph: all of it is topology, where it
-    runs too (``kernels_before``: the kernel nodes captured before it)."""
+    """One memset node read back from a captured graph."""
 
-    kernels_before: int
     dst: int
     value: int
     element_size: int
@@ -153,7 +151,7 @@ def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
         if kind == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET:
             p = check(driver.cuGraphMemsetNodeGetParams(node), "cuGraphMemsetNodeGetParams")
             # Nodes come back in the order the capture created them: a stream's order.
-            memsets.append(MemsetNode(len(kernels), int(p.dst), int(p.value), int(p.elementSize),
+            memsets.append(MemsetNode(int(p.dst), int(p.value), int(p.elementSize),
                                       int(p.width), int(p.height), int(p.pitch)))
             memset_nodes.append(node)
             continue
@@ -304,10 +302,9 @@ class Capture:
         pass  # stream capture sees the launches itself
 
 
-def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot],
-                 memsets: Sequence[MemsetNode] = ()) -> list[NodeRecord]:
-    """Argument-table records of a captured region: its kernels in launch order, then its
-    memsets (``MEMSET_RECORD``: every value fixed, no field).
+def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> list[NodeRecord]:
+    """Argument-table records of a captured region's kernels (a topology graph's memsets
+    are kernels by then: ``topology_graph.memsets_as_kernels``).
 
     Parameters that point into a region argument are part of the topology (which argument,
     at which offset); their field is zeros of their size (counted in a full table, never a
@@ -326,5 +323,4 @@ def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot],
         fields = ((p.gridDimX, p.gridDimY, p.gridDimZ),) + tuple(
             bytes(len(v)) if i in pointers else v for i, v in enumerate(node.values))
         records.append(NodeRecord(int(p.func), fixed, fields))
-    records += [NodeRecord(MEMSET_RECORD, astuple(m), ()) for m in memsets]
     return records

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import functools
 import itertools
 import threading
 import time
@@ -38,11 +39,13 @@ DEFAULT_MAX_SHAPES = 2048
 # 16 MiB output took minutes on the H200).
 VM_POOL_CLEAR_BYTES = {"cpu": 4 << 20, "gpu": 256 << 20}
 VM_POOL_CLEAR_CALLS = 64
-# Caller tensors whose checks are remembered beyond the last call's (a reference to each
-# is held until it is pushed out): a caller that keeps a static input tensor per shape, or
-# a few it rotates, is checked once per tensor, not once per call. Reading a new tensor's
-# dtype alone costs about a microsecond.
-CHECKED_TENSORS = 8
+# Caller tensors whose checks are remembered beyond the last call's, and how large each may
+# be (a reference to each is held until it is pushed out, so at most 8 x 4 MiB are kept
+# alive for the caller): a caller that keeps a static input tensor per shape, or a few it
+# rotates, is checked once per tensor, not once per call. Reading a new tensor's dtype
+# alone costs about a microsecond.
+RECENT_TENSORS = 8
+RECENT_TENSOR_BYTES = 4 << 20
 
 
 HOST_PHASES = ("checks", "plan", "record", "driver", "vm")
@@ -188,11 +191,11 @@ class GraphExecutor:
         # Fast paths of a call's checks: the last planned call's outputs (an autoregressive
         # caller passes them straight back) and the dims of input shapes seen before.
         self._returned: dict[int, tuple] = {}
-        # Caller tensors checked, least recently passed first: the last call's and
-        # CHECKED_TENSORS more.
-        # [tensor, shape, dtype, pool generation, pool side].
+        # Caller tensors checked, by id: the last call's (``_checked``) and up to
+        # RECENT_TENSORS small ones of calls before, least recently passed first
+        # (``_recent``). [tensor, shape, dtype, pool generation, pool side].
         self._checked: dict[int, list] = {}
-        self._checked_limit = CHECKED_TENSORS + len(inputs)
+        self._recent: dict[int, list] = {}
         self._last_prepared: tuple | None = None  # the last call's inputs and what they gave
         self._filled: Placement | None = None  # the placement holding the last call's inputs
         self._dims_of: dict[tuple, tuple] = {}
@@ -217,7 +220,7 @@ class GraphExecutor:
             self._bound_dims.update(dims)
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
             self._plans.clear()
-            self._returned, self._checked, self._dims_of = {}, {}, {}
+            self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
             self._last_prepared = self._filled = None
             self.bound_version += 1
 
@@ -243,7 +246,8 @@ class GraphExecutor:
         Without a signature (an executable straight from ``tvm.compile``) inputs are
         positional and outputs come back as a list. ``stats`` counts copies, launches and
         host time. The executor keeps a reference to the TVM tensors of the last call and to
-        ``CHECKED_TENSORS`` (8) before them: passed again, they are not checked again.
+        ``RECENT_TENSORS`` (8) small ones (up to 4 MiB each) of calls before: passed again,
+        they are not checked again.
         """
         with self._lock:
             if self._vm is None:
@@ -519,27 +523,22 @@ class GraphExecutor:
                     break
             else:
                 return last[1], last[2], last[3]  # the very tensors of the last call
-        returned, checked, positions = self._returned, self._checked, self._position
+        returned, before, recent = self._returned, self._checked, self._recent
+        positions, checked = self._position, {}
         args = list(self._template)
         described, passed = [], []
-        all_checked = True
         for name, value in inputs.items():
             position = positions.get(name)  # None: unknown, the signature names it below
             if position is not None and args[position] is not None:
                 raise InputError(f"input {name!r} is bound (bind_inputs): it cannot also be "
                                  "passed to run(); bind it again to change it")
-            # Our own output, or a tensor the last call checked: a TVM tensor's shape,
-            # dtype, device and layout never change, so it is not checked again.
+            # Our own output, or a tensor checked before (held, so its id is its own): a
+            # TVM tensor's shape, dtype, device and layout never change.
             known = returned.get(id(value))
             if known is None or known[0] is not value:
-                known = checked.pop(id(value), None)  # put back last: least recently used first
-                if known is None:
-                    known = self._checked_input(name, value)
-                    if known[0] is value:  # a caller's TVM tensor (not a copy): remembered
-                        self._remember_checked(known)
-                    else:
-                        all_checked = False
-                else:
+                known = before.get(id(value)) or recent.pop(id(value), None) or \
+                    self._checked_input(name, value)
+                if known[0] is value:  # a caller's TVM tensor (not a copy of one)
                     checked[id(value)] = known
             if position is not None:
                 args[position] = known[0]
@@ -551,19 +550,25 @@ class GraphExecutor:
             key = self._dims_key(described)
         # Only TVM tensors read in place can stand for themselves next time: a host array
         # was copied here, and may have changed since.
-        self._last_prepared = (tuple(inputs.items()), args, key, passed) if all_checked else None
+        self._last_prepared = (tuple(inputs.items()), args, key, passed) \
+            if len(checked) == len(inputs) else None
+        self._keep_recent(before, checked)
         return args, key, passed
 
-    def _remember_checked(self, known: list) -> None:
-        # Held tensors keep their ids: an id found here is the tensor itself.
-        checked = self._checked
-        if len(checked) >= self._checked_limit:
-            del checked[next(iter(checked))]
-        checked[id(known[0])] = known
+    def _keep_recent(self, before: dict[int, list], checked: dict[int, list]) -> None:
+        """This call's tensors become the last call's; the last call's that this one did
+        not pass join ``_recent`` if small, the oldest leaving beyond ``RECENT_TENSORS``."""
+        recent = self._recent
+        for key, known in before.items():
+            if key not in checked and _nbytes_of(known[1], known[2]) <= RECENT_TENSOR_BYTES:
+                recent[key] = known
+                if len(recent) > RECENT_TENSORS:
+                    del recent[next(iter(recent))]
+        self._checked = checked
 
     def _checked_input(self, name: str, value: Any) -> list:
         """``[tensor, shape, dtype, None, None]`` of an input not seen before (the last two:
-        its pool side and the pool generation that side is for, see ``_output_side``)."""
+        the pool generation its side was found in, and that side; see ``_output_side``)."""
         if type(value) is tvm.runtime.Tensor and value.device == self.device \
                 and value.is_contiguous():
             tensor = value  # the common case, as _as_tensor would check it
@@ -768,7 +773,7 @@ class GraphExecutor:
             self._pool.close()
             self._bound.clear()
             self._template = [None] * len(self._template)
-            self._returned, self._checked, self._dims_of = {}, {}, {}
+            self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
             self._last_prepared = self._filled = None
             self.stats.plans_held = self.stats.shapes_held = 0
 
@@ -888,6 +893,20 @@ def _malloc_trim():
 
 
 _MALLOC_TRIM = _malloc_trim()
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    parsed = tvm_ffi.dtype(dtype)
+    return max(parsed.bits * parsed.lanes // 8, 1)
+
+
+def _nbytes_of(shape: tuple, dtype: str) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype`` (any TVM dtype, bfloat16 too)."""
+    count = 1
+    for dim in shape:
+        count *= dim
+    return count * _itemsize(dtype)
 
 
 def _bytes(outputs) -> int:

@@ -12,8 +12,9 @@ The patch kernel applies only what differs from the launch before.
 A launch may carry guards (predication): device-resident 1-byte conditions and the values
 they must hold, read by the patch kernel when the graph runs. If one fails, the patch kernel
 disables the region's kernel nodes and the launch runs no kernel: a data-dependent ``if``
-launches both branches, each guarded by the condition, with no host sync. Memset nodes (a
-library's, into its own workspace: ``cuda_graph.check_memsets`` keeps no other) still run.
+launches both branches, each guarded by the condition, with no host sync. A library's
+memsets (into its own workspace: ``cuda_graph.check_memsets`` keeps no other) run as
+``grape_fill`` kernels, skipped with the rest.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ from .cuda_driver import check, driver
 from .cuda_graph import OwnedGraph
 
 MAX_PARAM_BYTES = 16  # the widest kernel parameter a column may patch
-STAGED_BYTES = 48 * 1024  # dynamic shared memory the patch kernel stages into, at most
+# Dynamic shared memory the patch kernel stages into, at most: 48 KiB a block without an
+# opt-in, less the kernel's few bytes of static shared memory.
+STAGED_BYTES = 48 * 1024 - 256
 STAGE_ARGS, STAGE_POINTERS = 1, 2  # what it stages (patch.cu)
 POINTER_BYTES = 24  # one entry of ``pointers`` (encode_pointers)
 NO_ROW = 0xFFFFFFFF  # state.applied_row before anything was applied

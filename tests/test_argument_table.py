@@ -216,44 +216,6 @@ def test_pointer_parameters_into_region_arguments_are_topology_not_values():
     assert record.fields == ((3, 1, 1), bytes(8), (5).to_bytes(8, "little"))
 
 
-def _kernel_node(grid_x: int, value: int):
-    from types import SimpleNamespace
-
-    from grape_tvm.runtime.cuda_graph import KernelNode
-
-    params = SimpleNamespace(blockDimX=128, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
-                             gridDimX=grid_x, gridDimY=1, gridDimZ=1, func=7)
-    return KernelNode(None, params, [(0, 8)], [value.to_bytes(8, "little")])
-
-
-def test_memsets_are_topology_so_shapes_whose_memsets_differ_get_their_own_graph():
-    """cuBLASLt's split-K zeroes counters in its workspace with a memset whose address and
-    size follow M: a graph captured at one M must not serve another M whose memset differs
-    (its counters would not be zeroed: the H200 hung). Same kernels, grids and scalars
-    apart, other memset: another group; same memset: a row of the same table."""
-    from dataclasses import astuple
-
-    from grape_tvm.runtime.cuda_graph import MemsetNode, node_records
-
-    def records(grid_x, m, memset):
-        return node_records([_kernel_node(grid_x, m)], [], [memset])
-
-    at_129 = MemsetNode(0, 0x7000_0020, 0, 1, 1152, 1, 0)
-    at_199 = MemsetNode(0, 0x7000_0020 + 0xC0000, 0, 1, 1536, 1, 0)
-    groups = TopologyGroups()
-    first = groups.add((129,), records(3, 129, at_129))
-    same = groups.add((136,), records(3, 136, at_129))
-    other = groups.add((199,), records(4, 199, at_199))
-    assert first.table == same.table and same.row != first.row
-    assert other.table != first.table and other.new_table
-    described = groups.describe()[first.table]
-    assert described["memsets"] == 1 and described["nodes"] == 2
-    assert groups.tables[first.table].columns == [(0, 1)]  # the scalar: the memset is fixed
-    # The same memset after the kernel instead of before it: another topology.
-    after = groups.add((140,), records(3, 140, MemsetNode(1, *astuple(at_129)[1:])))
-    assert after.new_table
-
-
 def test_a_memset_into_a_region_argument_is_not_kept():
     """A memset's address is fixed in the graph: one into a region argument (which a later
     call may move) makes the graph unfit to keep; one into other memory is fine."""
@@ -262,11 +224,11 @@ def test_a_memset_into_a_region_argument_is_not_kept():
     from grape_tvm.runtime.cuda_graph import MemsetNode, UnkeptGraph, check_memsets
 
     arg = tvm.runtime.tensor(np.zeros((4, 4), np.float32))
-    inside = MemsetNode(0, arg.data_ptr() + 60, 0, 4, 1, 1, 0)  # the last float
-    check_memsets([MemsetNode(0, arg.data_ptr() + 64, 0, 4, 4, 1, 0)], [arg])  # just past it
-    check_memsets([MemsetNode(0, arg.data_ptr() - 16, 0, 4, 4, 1, 0)], [arg])  # just before it
+    inside = MemsetNode(arg.data_ptr() + 60, 0, 4, 1, 1, 0)  # the last float
+    check_memsets([MemsetNode(arg.data_ptr() + 64, 0, 4, 4, 1, 0)], [arg])  # just past it
+    check_memsets([MemsetNode(arg.data_ptr() - 16, 0, 4, 4, 1, 0)], [arg])  # just before it
     with pytest.raises(UnkeptGraph, match="region argument 0"):
         check_memsets([inside], [arg])
-    two_rows = MemsetNode(0, arg.data_ptr() - 256, 0, 1, 8, 2, 256)  # its second row: arg[0]
+    two_rows = MemsetNode(arg.data_ptr() - 256, 0, 1, 8, 2, 256)  # its second row: arg[0]
     with pytest.raises(UnkeptGraph):
         check_memsets([two_rows], [arg])

@@ -192,6 +192,33 @@ def test_planned_calls_keep_no_memory(tmp_path):
     assert kept < 4096, f"{kept} bytes kept over 4000 calls"
 
 
+def test_the_executor_keeps_few_caller_tensors_alive(tmp_path):
+    """Checked caller tensors are remembered (not checked again when passed again), but
+    only the last call's, and 8 small ones (up to 4 MiB) of the calls before: a large
+    tensor passed once is let go after the next call, and a caller rotating many small
+    ones keeps at most 8 of them alive through the executor."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.runtime.executor import RECENT_TENSOR_BYTES, RECENT_TENSORS  # pylint: disable=import-outside-toplevel
+
+    module = grape_tvm.build(TwoLayers, {"n": (1, 1 << 17)}, "llvm", output_names=["y"])
+    executor = grape_tvm.load(module.export(tmp_path / "m.grape"))
+    rng = np.random.default_rng(3)
+    executor.bind_inputs({"w": rng.standard_normal((16, 16)).astype(np.float32)})
+    rows = RECENT_TENSOR_BYTES // (16 * 4) + 1  # just over the size kept
+    large = tvm.runtime.tensor(np.zeros((rows, 16), np.float32))
+    smalls = [tvm.runtime.tensor(np.zeros((2, 16), np.float32)) for _ in range(RECENT_TENSORS + 4)]
+    base_large, base_small = sys.getrefcount(large), [sys.getrefcount(t) for t in smalls]
+    executor.run({"x": large}, return_numpy=False)
+    assert sys.getrefcount(large) > base_large  # the last call's: held
+    for small in smalls:
+        executor.run({"x": small}, return_numpy=False)
+    assert sys.getrefcount(large) == base_large
+    after = [sys.getrefcount(t) for t in smalls]  # measured as base_small was
+    held = sum(a > b for a, b in zip(after, base_small))
+    assert held == RECENT_TENSORS + 1  # the last call's and the 8 before it
+
+
 def test_bound_inputs_are_placed_once_and_a_new_binding_moves_them(tmp_path):
     """Weights bound with bind_inputs are part of a launch's fixed arguments (not refilled,
     not in ``moving``); binding new ones gives launches a new ``caller``, so a backend that

@@ -639,15 +639,16 @@ def test_split_k_counters_are_zeroed_for_every_m_of_a_topology():
     with _library_executor("float32") as run:
         worst, executor = run(sizes, rounds=2)
         described = executor.backend.describe()
-        groups = described["topology_groups"]
-        memsets = sorted(g["memsets"] for region in groups.values() for g in region)
+        topologies = sum(len(region) for region in described["topology_groups"].values())
         print(f"worst relative error {worst:.2e}; {described['memsets_as_kernels']} memsets "
-              f"run as kernels; topologies {len(memsets)} for {len(sizes)} sizes; "
+              f"run as kernels; topologies {topologies} for {len(sizes)} sizes; "
               f"{executor.stats}")
         assert executor.stats.planned_calls == 2 * len(sizes)
         assert described["memsets_as_kernels"] > 0, \
             "no memset captured: the test no longer covers what it is for"
-        assert not any(memsets)
+        # One algorithm over the bucket; its memsets no longer split it (2 topologies when
+        # they were memset nodes, on the H200).
+        assert topologies == 1
 
 
 @pytest.mark.timeout(180, method="thread")

@@ -58,15 +58,20 @@ def _median_ms(call, sync, reps: int) -> float:
 
 
 def run_model(name: str, folder: Path, reps: int, compiled: bool) -> dict:
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    meta = json.loads((folder / f"{name}.json").read_text())
+    with grape_tvm.load(folder / f"{name}.cuda.grape", "cuda") as executor:
+        return _run_loaded(name, meta, executor, folder, reps, compiled)
+
+
+def _run_loaded(name: str, meta: dict, executor, folder: Path, reps: int, compiled: bool) -> dict:
+    """The model's three shapes on its loaded CUDA build (``run_model``)."""
     import onnxruntime  # pylint: disable=import-outside-toplevel
     import torch  # pylint: disable=import-outside-toplevel
     import tvm  # pylint: disable=import-outside-toplevel
 
-    import grape_tvm  # pylint: disable=import-outside-toplevel
-
     arch = ARCHITECTURES[name]
-    meta = json.loads((folder / f"{name}.json").read_text())
-    executor = grape_tvm.load(folder / f"{name}.cuda.grape", "cuda")
     session = onnxruntime.InferenceSession(str(folder / f"{name}.onnx"),
                                            providers=["CPUExecutionProvider"])
     module = arch.make_module(meta["attn_implementation"]).eval()
@@ -98,7 +103,6 @@ def run_model(name: str, folder: Path, reps: int, compiled: bool) -> dict:
         print(f"  {name} {key}: " + ", ".join(
             f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in entry.items()),
             flush=True)
-    executor.close()
     return result
 
 

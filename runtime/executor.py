@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes
-import functools
 import itertools
 import threading
 import time
@@ -22,7 +21,7 @@ from .backend import RegionBackend
 from .call_plan import BufferPool, Placement, PlannedCall, free_side
 from .call_program import CONDITIONAL_PREFIX, REGION_PREFIX, CallProgram, Launch, guarded_calls
 from .progress import Progress
-from .signature import InputError, Signature, nbytes
+from .signature import InputError, Signature, nbytes, nbytes_of
 
 # TVM's kernels assume buffers aligned this far (tvm.runtime.from_dlpack's requirement).
 ALIGNMENT = 64
@@ -250,8 +249,7 @@ class GraphExecutor:
         they are not checked again.
         """
         with self._lock:
-            if self._vm is None:
-                raise RuntimeError("this executor is closed")
+            self._check_open()
             stats = self.stats
             stats.begin_call()
             start = time.perf_counter_ns()
@@ -560,7 +558,7 @@ class GraphExecutor:
         not pass join ``_recent`` if small, the oldest leaving beyond ``RECENT_TENSORS``."""
         recent = self._recent
         for key, known in before.items():
-            if key not in checked and _nbytes_of(known[1], known[2]) <= RECENT_TENSOR_BYTES:
+            if key not in checked and nbytes_of(known[1], known[2]) <= RECENT_TENSOR_BYTES:
                 recent[key] = known
                 if len(recent) > RECENT_TENSORS:
                     del recent[next(iter(recent))]
@@ -569,11 +567,7 @@ class GraphExecutor:
     def _checked_input(self, name: str, value: Any) -> list:
         """``[tensor, shape, dtype, None, None]`` of an input not seen before (the last two:
         the pool generation its side was found in, and that side; see ``_output_side``)."""
-        if type(value) is tvm.runtime.Tensor and value.device == self.device \
-                and value.is_contiguous():
-            tensor = value  # the common case, as _as_tensor would check it
-        else:
-            tensor = self._as_tensor(name, value)
+        tensor = self._as_tensor(name, value)
         return [tensor, tuple(tensor.shape), str(tensor.dtype), None, None]
 
     def _dims_key(self, described: tuple) -> tuple:
@@ -601,8 +595,7 @@ class GraphExecutor:
         else:
             raise TypeError(f"input {name!r}: expected a numpy array or a DLPack tensor, got "
                             f"{type(value).__name__}")
-        if tensor.device.dlpack_device_type() != self.device.dlpack_device_type() or \
-                tensor.device.index != self.device.index:
+        if not tensor.device == self.device:  # one comparison: device type and index
             raise ValueError(f"input {name!r} is on {tensor.device}, the executor runs on "
                              f"{self.device}")
         if not tensor.is_contiguous():
@@ -893,20 +886,6 @@ def _malloc_trim():
 
 
 _MALLOC_TRIM = _malloc_trim()
-
-
-@functools.lru_cache(maxsize=None)
-def _itemsize(dtype: str) -> int:
-    parsed = tvm_ffi.dtype(dtype)
-    return max(parsed.bits * parsed.lanes // 8, 1)
-
-
-def _nbytes_of(shape: tuple, dtype: str) -> int:
-    """Bytes of a dense tensor of ``shape`` and ``dtype`` (any TVM dtype, bfloat16 too)."""
-    count = 1
-    for dim in shape:
-        count *= dim
-    return count * _itemsize(dtype)
 
 
 def _bytes(outputs) -> int:

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import numbers
 from dataclasses import dataclass
 
 import numpy as np
+import tvm_ffi
 
 MAX_DIM = 2**63 - 1  # the largest shape value TVM (int64) holds
 
@@ -171,7 +173,22 @@ class Signature:
 
 def nbytes(tensor) -> int:
     """Bytes of a dense tensor (TVM, DLPack or numpy), from its shape and dtype."""
-    return int(np.prod(tensor.shape, dtype=np.int64)) * np.dtype(str(tensor.dtype)).itemsize
+    return nbytes_of(tensor.shape, str(tensor.dtype))
+
+
+def nbytes_of(shape, dtype: str) -> int:
+    """Bytes of a dense tensor of ``shape`` and ``dtype`` (any TVM dtype: bfloat16 and the
+    float8 types too, which numpy does not name)."""
+    count = 1
+    for dim in shape:
+        count *= int(dim)
+    return count * _itemsize(dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _itemsize(dtype: str) -> int:
+    parsed = tvm_ffi.dtype(dtype)
+    return max(parsed.bits * parsed.lanes // 8, 1)
 
 
 def _fmt(shape) -> str:

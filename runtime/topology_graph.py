@@ -75,14 +75,8 @@ def memsets_as_kernels(graph, memsets: Sequence[Any], fill) -> int:
         storage = kernel_params([("u64", m.dst), ("u64", m.pitch), ("u64", m.width),
                                  ("u64", max(m.height, 1)), ("u32", m.value),
                                  ("u32", m.element_size)])
-        params = driver.CUDA_KERNEL_NODE_PARAMS()
-        params.func = fill
-        blocks = -(-(m.width * max(m.height, 1)) // FILL_BLOCK)
-        params.gridDimX = min(max(blocks, 1), FILL_MAX_BLOCKS)
-        params.gridDimY = params.gridDimZ = 1
-        params.blockDimX, params.blockDimY, params.blockDimZ = FILL_BLOCK, 1, 1
-        params.sharedMemBytes = 0
-        params.kernelParams = ctypes.addressof(storage[1])
+        blocks = min(max(-(-(m.width * max(m.height, 1)) // FILL_BLOCK), 1), FILL_MAX_BLOCKS)
+        params = kernel_node_params(fill, blocks, FILL_BLOCK, 0, storage)
         kernel = check(driver.cuGraphAddKernelNode(graph, deps, len(deps), params),
                        "cuGraphAddKernelNode(grape_fill)")
         if dependents:
@@ -239,6 +233,18 @@ def patch_staging(num_args: int, num_pointers: int) -> tuple[int, int]:
     return 0, 0
 
 
+def kernel_node_params(function, blocks: int, threads: int, shared_bytes: int, storage):
+    """A 1-D kernel node of one of the runtime's kernels, its parameters in ``storage``
+    (``kernel_params``, alive until the node is added or set)."""
+    params = driver.CUDA_KERNEL_NODE_PARAMS()
+    params.func = function
+    params.gridDimX, params.gridDimY, params.gridDimZ = blocks, 1, 1
+    params.blockDimX, params.blockDimY, params.blockDimZ = threads, 1, 1
+    params.sharedMemBytes = shared_bytes
+    params.kernelParams = ctypes.addressof(storage[1])
+    return params
+
+
 def kernel_params(values: Sequence[tuple[str, int]]):
     """ctypes storage for a kernel's parameters; keep the result alive until the call."""
     boxes = [ctypes.c_uint64(v) if kind == "u64" else ctypes.c_uint32(v) for kind, v in values]
@@ -360,16 +366,10 @@ class TopologyGraph(OwnedGraph):
             ("u32", self.num_pointers), ("u32", self.stage)])
 
     def _patch_node_params(self, storage):
-        params = driver.CUDA_KERNEL_NODE_PARAMS()
-        params.func = self.patch.function
-        params.gridDimX = params.gridDimY = params.gridDimZ = 1
         # A thread per node (bench/results/patch_variants.json: one thread making every
         # update costs about 1 us per update; a thread per node hides it).
-        params.blockDimX = min(256, max(32, (len(self.dev_nodes) + 31) // 32 * 32))
-        params.blockDimY = params.blockDimZ = 1
-        params.sharedMemBytes = self.staged_bytes
-        params.kernelParams = ctypes.addressof(storage[1])
-        return params
+        threads = min(256, max(32, (len(self.dev_nodes) + 31) // 32 * 32))
+        return kernel_node_params(self.patch.function, 1, threads, self.staged_bytes, storage)
 
     def _add_patch_node(self, graph):
         roots, count = check(driver.cuGraphGetRootNodes(graph, 0), "cuGraphGetRootNodes")

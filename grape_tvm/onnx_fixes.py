@@ -18,6 +18,8 @@ from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer, ConstIntBound
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
+from grape_tvm.onnx_shape_tensors import REDUCE_OPS, SHAPE_TENSOR_CONVERTERS
+
 
 class OnnxConversionError(RuntimeError):
     """A converter failed: names the ONNX node and op."""
@@ -55,6 +57,26 @@ class GrapeOnnxImporter(tvm_onnx.ONNXGraphImporter):
                 f"{op_name} node {node!r}: {text[-1] if text else type(err).__name__}") from err
         return self.bb.normalize(sym) if isinstance(sym, relax.Expr) else sym
 
+    def _check_for_unsupported_ops(self, graph: onnx.GraphProto) -> None:
+        """Every operator TVM's importer lacks, at once: its name, how many nodes use it and
+        which (TVM names each operator once, without the nodes)."""
+        known = tvm_onnx._get_convert_map()  # pylint: disable=protected-access
+        missing: dict[str, list[str]] = {}
+        for node in graph.node:
+            if node.op_type not in known and node.op_type not in CONVERTERS and \
+                    node.op_type not in ("If", "Constant"):
+                name = node.name or (f"<output {node.output[0]}>" if node.output else "?")
+                missing.setdefault(node.op_type, []).append(name)
+        if not missing:
+            return
+        listed = "; ".join(
+            f"{op} ({len(names)} node{'s' if len(names) > 1 else ''}: "
+            f"{', '.join(repr(n) for n in names[:5])}{', ...' if len(names) > 5 else ''})"
+            for op, names in sorted(missing.items()))
+        raise tvm.error.OpNotImplemented(
+            "The following operators are not supported for frontend ONNX: "
+            f"{len(missing)} operator{'s' if len(missing) > 1 else ''}: {listed}")
+
     def _parse_value_proto(self, value_proto):
         """A node's name for error messages; an unnamed node (as onnx's own test models and
         many exporters write them) is named by its first output, ``<output y>``."""
@@ -84,10 +106,6 @@ def from_onnx(model: onnx.ModelProto, dims: Mapping[str, tuple[int, int]] | None
     return importer.from_onnx(model.graph, default_opset(model))
 
 
-_REDUCE_OPS = ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax",
-               "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum", "ReduceSumSquare")
-
-
 def empty_reduce_axes_dropped(model: onnx.ModelProto) -> onnx.ModelProto:
     """Every ``Reduce*`` whose ``axes`` input is a graph input declared empty (shape
     ``[0]``) given no axes input, which the spec reads the same (reduce every axis, or
@@ -115,7 +133,7 @@ def _empty_axes_reductions(graph: onnx.GraphProto) -> list[onnx.NodeProto]:
         if value.name not in initializers and value.type.tensor_type.HasField("shape") and \
                 len(dims) == 1 and dims[0].HasField("dim_value") and dims[0].dim_value == 0:
             empty.add(value.name)
-    return [n for n in graph.node if n.op_type in _REDUCE_OPS and n.domain in ("", "ai.onnx")
+    return [n for n in graph.node if n.op_type in REDUCE_OPS and n.domain in ("", "ai.onnx")
             and len(n.input) > 1 and n.input[1] in empty]
 
 
@@ -839,46 +857,6 @@ class NonMaxSuppression(tvm_onnx.NonMaxSuppression):
         return super()._impl_v10(bb, inputs, attr, params)
 
 
-def _reduce_axes_known(inputs, params, op: str) -> list:
-    """A ``Reduce*`` node's inputs with its ``axes`` input known at import time: a constant
-    or initializer kept (TVM's converter reads it); axes computed at run time refused
-    (axes declared empty were dropped before import: ``empty_reduce_axes_dropped``).
-
-    onnx's node tests give the axes as a graph input: TVM's converter asserts "Only
-    constant axes currently supported". Axes decide the output's shape, which grape
-    compiles ahead of time; only their count is in the type.
-    """
-    axes = inputs[1] if len(inputs) > 1 else None
-    if axes is None or isinstance(tvm_onnx.get_constant(axes, params), tvm.ir.GenericConst):
-        return inputs
-    raise UnsupportedNode(
-        f"{op} with axes computed at run time (a graph input or computed tensor) is not "
-        "supported: the axes decide the output's shape; give them as an initializer or a "
-        "Constant")
-
-
-def _reduce_with_known_axes(base: type[tvm_onnx.OnnxOpConverter], version: int):
-    """``base`` (one of TVM's ``Reduce*`` converters) with ``_reduce_axes_known`` applied to
-    its axes-input version (``_impl_v{version}``)."""
-    name = f"_impl_v{version}"
-
-    def impl(cls, bb, inputs, attr, params):
-        inputs = _reduce_axes_known(inputs, params, base.__name__)
-        return getattr(super(converter, cls), name)(bb, inputs, attr, params)
-
-    doc = (f"``{base.__name__}`` with its ``axes`` input (opset {version} on) known at import "
-           "time or refused: ``_reduce_axes_known``.")
-    converter = type(base.__name__, (base,), {name: classmethod(impl), "__doc__": doc,
-                                              "__module__": __name__})
-    return converter
-
-
-REDUCE_CONVERTERS = {
-    name: _reduce_with_known_axes(getattr(tvm_onnx, name), 13 if name == "ReduceSum" else 18)
-    for name in _REDUCE_OPS}
-"""Every ``Reduce*`` op whose axes are an input: ReduceSum from opset 13, the others 18."""
-
-
 class RoiAlign(tvm_onnx.RoiAlign):
     """Refused: ``mode="max"``. TVM takes the maximum over the bilinear samples; onnx and
     onnxruntime take, for each sample, the maximum of its four weighted neighbours (71 of
@@ -953,7 +931,7 @@ CONVERTERS: dict[str, type[tvm_onnx.OnnxOpConverter]] = {
     "Softplus": Softplus,
     "SpaceToDepth": SpaceToDepth,
     "Tile": Tile,
-    **REDUCE_CONVERTERS,
+    **SHAPE_TENSOR_CONVERTERS,
 }
 """Every ONNX op whose conversion grape changes: a fix of TVM's converter, or a refusal of
 the configurations it imports into wrong answers (``UnsupportedNode``)."""

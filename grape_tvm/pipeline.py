@@ -10,7 +10,7 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
-                              DescribeCallProgram, DescribeConditionals,
+                              DescribeCallProgram, DescribeConditionals, FoldShapeTensors,
                               FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
                               IfToSelect,
@@ -95,7 +95,8 @@ class GrapePipeline:
         target = self.target or tvm.target.Target.current(allow_none=False)
         lowering = _backend(target)
         with target:
-            passes = []
+            # Shapes an importer computed in tensors, back to expressions of the dims.
+            passes = [FoldShapeTensors()]
             if self.dims:
                 passes.append(BoundShapeRanges(self.dims))
             # A conv trimmed by a slice ("same" padding, even kernel): less padding instead,
@@ -123,7 +124,7 @@ class GrapePipeline:
                 # An nn.Linear weight's transpose read in place by the matmul kernel (GEMV "nk").
                 passes.append(FuseWeightTranspose())
             # NaN and empty reductions as onnxruntime has them (passes/numerics.py).
-            numerics = numerics_legalize_map()
+            numerics = numerics_legalize_map(gpu=is_gpu(target))
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).

@@ -27,6 +27,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   minimum and sign, and give empty max/min/mean reductions onnxruntime's values;
   ``HoistReductionInit``: a reduction's init before its loops, so that an empty one
   returns its identity (CPU).
+- ``FoldShapeTensors``: dims read from a small integer tensor whose elements are known
+  expressions of dims (an importer's shape arithmetic) become those expressions.
 - ``SliceIntoConvPadding``: a slice dropping a conv's last outputs becomes less padding.
 - ``FusedScalarsAsDims``: a fused function's integer scalar parameters become dims of its
   shape parameter, before ``FuseTIR`` (which fails on a function taking both).
@@ -50,6 +52,7 @@ from .name_derived_dims import NameDerivedDims
 from .numerics import numerics_legalize_map
 from .reduction_init import HoistReductionInit
 from .reduction_schedules import FullReduction
+from .shape_tensors import FoldShapeTensors
 from .call_program import DescribeCallProgram
 from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, REGION_PREFIX,
                            GraphPlan, LiftGraphRegions, graph_plan)
@@ -64,6 +67,7 @@ __all__ = [
     "DecodeGemv",
     "DescribeCallProgram",
     "DescribeConditionals",
+    "FoldShapeTensors",
     "FullReduction",
     "FuseWeightTranspose",
     "FusedScalarsAsDims",

@@ -1,12 +1,16 @@
-"""Legalizations that give NaN and empty reductions onnxruntime's results.
+"""Legalizations that give NaN, infinities, empty reductions and half precision the
+results of onnxruntime and PyTorch.
 
 TVM's legalizations compute ``relu`` as ``max(x, 0)``, ``clip`` as ``max(min(x, hi), lo)``
 and ``maximum``/``minimum`` with TIR's ``max``/``min``, which drop a NaN (``relu(NaN)`` is
-0; onnxruntime keeps NaN). A max or min reduction over nothing returns TVM's identity,
-the lowest finite float (onnxruntime: -inf, +inf for a min), and a mean over nothing
-divides by 0 (onnxruntime returns 0; ONNX leaves it undefined). ``numerics_legalize_map``
-maps those ops to kernels that keep TVM's values everywhere else, for ``LegalizeOps``'s
-``customize_legalize_map``; the names of the kernels are TVM's.
+0; onnxruntime keeps NaN). A float max or min reduction starts from the lowest (highest)
+finite float, so over nothing, or over a slice that is all -inf (a fully masked attention
+row), it returns -3.4e38 where onnxruntime returns -inf; here it starts from -inf (+inf).
+A mean over nothing divides by 0 (onnxruntime returns 0; ONNX leaves it undefined). A
+float16 matmul or softmax sums in float16; here in float32, rounded once at the end, as
+PyTorch and onnx's reference do. ``numerics_legalize_map`` maps those ops to kernels that
+keep TVM's values everywhere else, for ``LegalizeOps``'s ``customize_legalize_map``; the
+names of the kernels are TVM's.
 
 Before (``relu`` of a float32 tensor, TVM's legalization)::
 
@@ -18,8 +22,9 @@ After::
                        where={v: x[i]})                              # NaN -> NaN
 
 What stays TVM's: integer tensors (no NaN), a max/min reduction over values that are NaN
-(TVM and onnxruntime each keep or drop it depending on where it is) or all -inf (TVM's
-identity, the lowest finite float, wins), and ops not listed here.
+(TVM and onnxruntime each keep or drop it depending on where it is), on a GPU a max/min
+over a slice of only -inf (+inf) (the schedules' cross-thread reductions know only TVM's
+identities: the lowest finite float is returned), and ops not listed here.
 """
 
 from __future__ import annotations
@@ -153,22 +158,88 @@ def _may_be_empty(call: relax.Call) -> bool:
     return not isinstance(count, tirx.IntImm) or count.value == 0
 
 
-def _empty_reduction(op_name: str, empty_value: float) -> Callable:
-    """A max/min reduction whose reduced dims may be 0: ``empty_value`` there."""
-    reduce = topi.max if op_name == "relax.max" else topi.min
+def _extreme_reduction(op_name: str, infinite_identity: bool) -> Callable:
+    """A float max (min) reduction that is -inf (+inf) over nothing and, with
+    ``infinite_identity``, over a slice that is all -inf (a fully masked attention row),
+    where TVM's identity, the lowest finite float, gave -3.4e38 (and a mask test
+    ``max == -inf`` failed). GPU schedules need TVM's identity (their cross-thread
+    reductions match only TVM's own reducers): there, only the empty case is fixed."""
+    sign = -1.0 if op_name == "relax.max" else 1.0
+    pick = tirx.max if op_name == "relax.max" else tirx.min
+    short = op_name.split(".")[-1]
+    reducer = te.comm_reducer(lambda a, b: pick(a, b),
+                              lambda dtype: tirx.const(sign * float("inf"), dtype), name=short)
+
+    def reduce(data: te.Tensor, axis, keepdims: bool) -> te.Tensor:
+        if not infinite_identity:
+            return (topi.max if op_name == "relax.max" else topi.min)(data, axis, keepdims)
+        ndim = len(data.shape)
+        axes = sorted(range(ndim) if axis is None else {int(a) % ndim for a in axis})
+        shape = [1 if a in axes else data.shape[a] for a in range(ndim)] if keepdims \
+            else [data.shape[a] for a in range(ndim) if a not in axes]
+
+        def value(*index):
+            over = iter([te.reduce_axis((0, data.shape[a]), name=f"k{a}") for a in axes])
+            kept = iter(index)
+            source = []
+            for a in range(ndim):
+                source.append(next(over) if a in axes else next(kept))
+                if a in axes and keepdims:
+                    next(kept)
+            return reducer(data(*source), axis=[v for v in source if isinstance(v, tirx.IterVar)])
+
+        return te.compute(shape, value, name=f"{short}_red")
 
     def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
-        if not _may_be_empty(call) or not _is_float(call.ty.dtype):
+        if not _is_float(call.ty.dtype) or (not infinite_identity and not _may_be_empty(call)):
             return _default(op_name)(bb, call)
+        may_be_empty = _may_be_empty(call)
 
         def compute(data: te.Tensor, axis, keepdims: bool) -> te.Tensor:
             reduced = reduce(data, axis, keepdims)
+            if not may_be_empty:
+                return reduced
+            # A loop of no iterations never runs its init unless hoisted (HoistReductionInit).
             count = _reduced_count(data.shape, axis)
-            empty = tirx.const(empty_value, data.dtype)
+            empty = tirx.const(sign * float("inf"), data.dtype)
             return te.compute(reduced.shape, lambda *i: tirx.Select(
                 count == 0, empty, reduced(*i)), name=f"{reduced.op.name}_or_empty")
 
         return bb.call_te(compute, call.args[0], call.attrs.axis, call.attrs.keepdims,
+                          primfunc_name_hint=short)
+
+    return legalize
+
+
+_HALF = ("float16", "bfloat16")
+
+
+def _matmul(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+    """A half-precision matmul summed in float32 and rounded once, as PyTorch and onnx's
+    reference compute it (TVM sums in the output's type: 1e-3 off on a 64-term dot)."""
+    a, b = call.args
+    if str(call.ty.dtype) not in _HALF or str(a.ty.dtype) not in _HALF or \
+            str(b.ty.dtype) not in _HALF:
+        return _default("relax.matmul")(bb, call)
+    wide = bb.normalize(relax.op.matmul(a, b, out_dtype="float32"))
+    summed = bb.emit(_default("relax.matmul")(bb, wide))
+    return bb.call_te(topi.cast, summed, str(call.ty.dtype), primfunc_name_hint="cast")
+
+
+def _softmax(op_name: str) -> Callable:
+    """A half-precision softmax (log-softmax) computed in float32, rounded once at the end."""
+    kernel = topi.nn.softmax if op_name == "relax.nn.softmax" else topi.nn.log_softmax
+
+    def legalize(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        dtype = str(call.ty.dtype)
+        if dtype not in _HALF:
+            return _default(op_name)(bb, call)
+
+        def compute(data: te.Tensor, axis: int) -> te.Tensor:
+            wide = topi.cast(data, "float32")
+            return topi.cast(kernel(wide, axis=axis), dtype)
+
+        return bb.call_te(compute, call.args[0], int(call.attrs.axis),
                           primfunc_name_hint=op_name.split(".")[-1])
 
     return legalize
@@ -188,16 +259,19 @@ def _mean(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
                       primfunc_name_hint="mean")
 
 
-def numerics_legalize_map() -> dict[str, Callable]:
+def numerics_legalize_map(gpu: bool = False) -> dict[str, Callable]:
     """``LegalizeOps``' ``customize_legalize_map`` for onnxruntime's NaN and empty-reduction
-    results (module docstring)."""
+    results (module docstring); ``gpu``: a max/min of all -inf stays TVM's (``_extreme_reduction``)."""
     return {
         "relax.nn.relu": _relu,
         "relax.clip": _clip,
         "relax.maximum": _nan_or(tirx.max, "relax.maximum", "maximum"),
         "relax.minimum": _nan_or(tirx.min, "relax.minimum", "minimum"),
         "relax.sign": _sign,
-        "relax.max": _empty_reduction("relax.max", float("-inf")),
-        "relax.min": _empty_reduction("relax.min", float("inf")),
+        "relax.max": _extreme_reduction("relax.max", infinite_identity=not gpu),
+        "relax.min": _extreme_reduction("relax.min", infinite_identity=not gpu),
+        "relax.matmul": _matmul,
+        "relax.nn.softmax": _softmax("relax.nn.softmax"),
+        "relax.nn.log_softmax": _softmax("relax.nn.log_softmax"),
         "relax.mean": _mean,
     }

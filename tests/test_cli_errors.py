@@ -208,3 +208,18 @@ def test_compile_a_range_whose_planned_memory_exceeds_the_limit(models, tmp_path
                    "--dim", "n=1:1000000", "--max-memory", "0.01")
     assert "memory planned at the declared upper bound n=1000000 is 512000000 bytes (488.3 MiB), " \
            "above the limit of 10737418 bytes (10.2 MiB)" in line
+
+
+def test_compile_lists_every_unsupported_operator_with_its_nodes(tmp_path, capsys):
+    """All of them at once, each with its count and nodes (TVM names each once)."""
+    info = onnx.helper.make_tensor_value_info
+    nodes = [onnx.helper.make_node("DFT", ["x"], ["a"]), onnx.helper.make_node("DFT", ["a"], ["b"]),
+             onnx.helper.make_node("Det", ["b"], ["c"], name="det0"),
+             onnx.helper.make_node("Relu", ["c"], ["y"])]
+    graph = onnx.helper.make_graph(nodes, "m", [info("x", onnx.TensorProto.FLOAT, [2, 4, 2])],
+                                   [info("y", onnx.TensorProto.FLOAT, None)])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 20)])
+    model.ir_version = 10
+    line = refused(capsys, tmp_path, "compile", _saved(tmp_path, model), "-o", tmp_path / "m.grape")
+    assert ("2 operators: DFT (2 nodes: '<output a>', '<output b>'); Det (1 node: 'det0')"
+            in line), line

@@ -133,7 +133,8 @@ def test_fp16_matmul_builds_for_cuda_on_cuda_cores():
     proc = subprocess.run([sys.executable, "-c", _FP16_MATMUL], capture_output=True, text=True,
                           timeout=600, check=False)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "built ['matmul']" in proc.stdout
+    # Summed in float32, rounded to float16 in the same kernel (passes/numerics.py).
+    assert "built ['fused_matmul_cast']" in proc.stdout
 
 
 def test_cuda_core_matmul_hides_tensor_cores_only():
@@ -337,19 +338,6 @@ def test_reduce_by_axes_known_at_import(tmp_path):
                               .export(tmp_path / "e.grape"))
     with pytest.raises(Exception, match="axes"):
         executor.run({"x": np.ones((2, 3, 2), np.float32), "axes": np.array([1], np.int64)})
-
-
-def test_reduce_by_run_time_axes_is_refused():
-    """Axes fed at run time decide the output's shape: refused, naming the node and why."""
-    info = helper.make_tensor_value_info
-    node = helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)
-    model = _opset(_model([node], [info("x", TensorProto.FLOAT, [2, 3]), info("axes", TensorProto.INT64, [1])],
-                          [info("y", TensorProto.FLOAT, None)], []), 18)
-    with pytest.raises(ImportError_) as caught:
-        grape_tvm.compile_onnx(model)
-    message = str(caught.value)
-    assert message.startswith("grape-tvm refuses graph 'fix': ReduceSum node "), message
-    assert "axes computed at run time" in message
 
 
 def make_shape_arithmetic_model() -> onnx.ModelProto:

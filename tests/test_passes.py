@@ -489,7 +489,7 @@ def fused_kernel(mod: tvm.IRModule) -> tvm.tirx.PrimFunc:
 
     t = relax.transform
     with CUDA:
-        mod = tvm.transform.Sequential([t.LegalizeOps(numerics_legalize_map()),
+        mod = tvm.transform.Sequential([t.LegalizeOps(numerics_legalize_map(gpu=True)),
                                         t.AnnotateTIROpPattern(), t.FuseOps(),
                                         t.FuseTIR()])(mod)
     (func,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]

@@ -1,0 +1,178 @@
+"""Shapes given by tensors computed at run time (grape_tvm/onnx_shape_tensors.py and
+passes/shape_tensors.py): Reshape to a shape input, Reduce* over axes fed at run time,
+ConstantOfShape of a shape input, an exporter's shape arithmetic folded back into dims,
+each against onnxruntime at several inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import tvm
+from onnx import TensorProto, helper, numpy_helper
+from tvm import relax
+from tvm_ffi.structural import structural_equal
+
+import grape_tvm
+from conftest import onnxruntime_outputs
+from grape_tvm.onnx_shape_tensors import REDUCE_OPS
+from grape_tvm.passes import FoldShapeTensors
+
+info = helper.make_tensor_value_info
+
+
+def _model(nodes, inputs, outputs, opset: int = 18, inits=()) -> onnx.ModelProto:
+    graph = helper.make_graph(nodes, "m", inputs, outputs, list(inits))
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+    model.ir_version = 10
+    return model
+
+
+def _executor(model, tmp_path, dims=None):
+    path = tmp_path / "m.onnx"
+    onnx.save(model, str(path))
+    module = grape_tvm.compile_onnx(path, dims=dims or {})
+    return path, module, grape_tvm.load(module.export(tmp_path / "m.grape"))
+
+
+def _equal_onnxruntime(path, executor, feeds_list, rtol=1e-5, atol=1e-6) -> None:
+    for feeds in feeds_list:
+        got = list(executor.run(feeds).values())
+        for value, ref in zip(got, onnxruntime_outputs(path, feeds)):
+            assert value.shape == ref.shape and value.dtype == ref.dtype, (feeds, value.shape)
+            np.testing.assert_allclose(value, ref, rtol=rtol, atol=atol)
+
+
+def test_reshape_to_a_shape_fed_at_run_time(tmp_path):
+    """TVM's converter wanted the shape as a constant. Its 0 (copy) and -1 (the rest)."""
+    model = _model([helper.make_node("Reshape", ["x", "s"], ["y"])],
+                   [info("x", TensorProto.FLOAT, [2, 3, 4]), info("s", TensorProto.INT64, [3])],
+                   [info("y", TensorProto.FLOAT, None)])
+    path, _, executor = _executor(model, tmp_path)
+    x = np.arange(24, dtype=np.float32).reshape(2, 3, 4)
+    _equal_onnxruntime(path, executor, [{"x": x, "s": np.array(s, np.int64)}
+                                        for s in ([4, 3, 2], [0, -1, 2], [-1, 1, 1], [2, 0, 4])])
+
+
+@pytest.mark.parametrize("op", REDUCE_OPS)
+def test_reduce_over_axes_fed_at_run_time(op, tmp_path):
+    """One artifact, other axes at each call (negative ones too), kept or dropped dims."""
+    rng = np.random.default_rng(1)
+    for keepdims in (1, 0):
+        node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=keepdims)
+        model = _model([node], [info("x", TensorProto.FLOAT, [3, 4, 5]),
+                                info("axes", TensorProto.INT64, [2])],
+                       [info("y", TensorProto.FLOAT, None)])
+        path, _, executor = _executor(model, tmp_path)
+        x = rng.random((3, 4, 5)).astype(np.float32) + 0.5
+        _equal_onnxruntime(path, executor, [{"x": x, "axes": np.array(a, np.int64)}
+                                            for a in ([0, 2], [1, -1], [-3, 1])])
+
+
+def test_bool_reduce_max_min_over_run_time_axes_are_any_and_all(tmp_path):
+    for op in ("ReduceMax", "ReduceMin"):
+        node = helper.make_node(op, ["x", "axes"], ["y"], keepdims=1)
+        model = _model([node], [info("x", TensorProto.BOOL, [2, 3]),
+                                info("axes", TensorProto.INT64, [1])],
+                       [info("y", TensorProto.BOOL, None)], opset=20)
+        _, _, executor = _executor(model, tmp_path)
+        x = np.array([[True, False, True], [True, True, True]])
+        for axis in (0, 1):
+            want = (x.any if op == "ReduceMax" else x.all)(axis=axis, keepdims=True)
+            got = executor.run({"x": x, "axes": np.array([axis], np.int64)})["y"]
+            np.testing.assert_array_equal(got, want)
+
+
+def test_reduce_over_repeated_run_time_axes_fails_clearly(tmp_path):
+    node = helper.make_node("ReduceSum", ["x", "axes"], ["y"], keepdims=0)
+    model = _model([node], [info("x", TensorProto.FLOAT, [3, 4]),
+                            info("axes", TensorProto.INT64, [2])],
+                   [info("y", TensorProto.FLOAT, None)])
+    _, _, executor = _executor(model, tmp_path)
+    with pytest.raises(Exception, match="its axes must be distinct axes of a rank-2 input"):
+        executor.run({"x": np.ones((3, 4), np.float32), "axes": np.array([1, -1], np.int64)})
+
+
+def test_constant_of_a_shape_fed_at_run_time(tmp_path):
+    value = numpy_helper.from_array(np.array([7], np.int32), "value")
+    model = _model([helper.make_node("ConstantOfShape", ["s"], ["y"], value=value)],
+                   [info("s", TensorProto.INT64, [2])], [info("y", TensorProto.INT32, None)])
+    path, _, executor = _executor(model, tmp_path)
+    _equal_onnxruntime(path, executor, [{"s": np.array(s, np.int64)} for s in ([2, 3], [1, 0])])
+
+
+def make_head_split_model() -> onnx.ModelProto:
+    """``y = Reshape(x, Concat(Shape(x)[:2], [heads], Div(Shape(x)[2:], heads)))`` with
+    ``heads = Div(Shape(h)[0:1], [2])``: an attention export's shape arithmetic (Div, a
+    Concat of shapes with computed tensors) over dynamic dims."""
+    nodes = [
+        helper.make_node("Shape", ["x"], ["lead"], start=0, end=2),
+        helper.make_node("Shape", ["x"], ["width"], start=2, end=3),
+        helper.make_node("Shape", ["h"], ["hs"], start=0, end=1),
+        helper.make_node("Div", ["hs", "two"], ["heads"]),
+        helper.make_node("Div", ["width", "heads"], ["size"]),
+        helper.make_node("Concat", ["lead", "heads", "size"], ["target"], axis=0),
+        helper.make_node("Reshape", ["x", "target"], ["y"]),
+    ]
+    return _model(nodes, [info("x", TensorProto.FLOAT, ["b", "s", 8]),
+                          info("h", TensorProto.FLOAT, [8])],
+                  [info("y", TensorProto.FLOAT, None)],
+                  inits=[numpy_helper.from_array(np.array([2], np.int64), "two")])
+
+
+def test_shape_arithmetic_folds_into_the_inputs_dims(tmp_path):
+    """The target shape is ``[b, s, 4, 2]``: no dim read back from a tensor on the host."""
+    path, module, executor = _executor(make_head_split_model(), tmp_path,
+                                       {"b": (1, 4), "s": (1, 16)})
+    assert module.plan["host_steps"] == []
+    rng = np.random.default_rng(2)
+    _equal_onnxruntime(path, executor, [{"x": rng.random((b, s, 8)).astype(np.float32),
+                                         "h": np.zeros(8, np.float32)}
+                                        for b, s in ((1, 1), (2, 5), (4, 16))])
+
+
+def _heads_module() -> tvm.IRModule:
+    """The pass's docstring example: ``x: (b, 2, 2)`` reshaped to ``[b, 8] // [1, 2]``, read
+    back from a tensor into fresh dims ``x_0, x_1``."""
+    b = tvm.tirx.Var("b", "int64")
+    builder = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([b, 2, 2], "float32"))
+    with builder.function("main", [x]):
+        with builder.dataflow():
+            n = builder.emit(relax.op.shape_to_tensor(relax.ShapeExpr([b, 8])))
+            heads = builder.emit(relax.op.floor_divide(n, relax.const([1, 2], "int64")))
+            read = builder.emit(relax.op.tensor_to_shape(heads))
+            fresh = [tvm.tirx.Var(f"x_{i}", "int64") for i in range(2)]
+            shape = builder.match_cast(read, relax.ShapeType(fresh))
+            y = builder.emit_output(relax.op.reshape(x, shape))
+        builder.emit_func_output(y)
+    return builder.get()
+
+
+def test_fold_shape_tensors_on_a_tiny_module():
+    mod = _heads_module()
+    assert "tensor_to_shape" in mod.script()
+    folded = FoldShapeTensors()(mod)
+    text = folded.script()
+    assert "tensor_to_shape" not in text and "x_0" not in text
+    assert str(folded["main"].ret_ty) == 'R.Tensor((b, 4), dtype="float32")'
+    vm = relax.VirtualMachine(tvm.compile(folded, "llvm"), tvm.cpu())
+    for rows in (1, 3):
+        x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 2, 2)
+        np.testing.assert_array_equal(vm["main"](tvm.runtime.tensor(x)).numpy(),
+                                      x.reshape(rows, 4))
+
+
+def test_fold_shape_tensors_keeps_a_tensor_it_cannot_evaluate():
+    """A shape read from an input's values stays a run-time read."""
+    builder = relax.BlockBuilder()
+    s = relax.Var("s", relax.TensorType([2], "int64"))
+    with builder.function("main", [s]):
+        with builder.dataflow():
+            read = builder.emit(relax.op.tensor_to_shape(s))
+            shape = builder.match_cast(read, relax.ShapeType(
+                [tvm.tirx.Var("x_0", "int64"), tvm.tirx.Var("x_1", "int64")]))
+            y = builder.emit_output(relax.op.zeros(shape, "float32"))
+        builder.emit_func_output(y)
+    mod = builder.get()
+    assert structural_equal(FoldShapeTensors()(mod), mod)

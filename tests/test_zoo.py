@@ -17,7 +17,7 @@ pytest.importorskip("transformers", reason="the zoo's models are transformers' (
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench" / "zoo"))
 
 from architectures import (  # noqa: E402  pylint: disable=wrong-import-position
-    ARCHITECTURES, TOLERANCE, Export, errors_against_onnxruntime)
+    ARCHITECTURES, TOLERANCE, Export, errors_against_onnxruntime, tokens_against_onnxruntime)
 
 
 @pytest.mark.parametrize("name", sorted(ARCHITECTURES))
@@ -30,6 +30,9 @@ def test_zoo_model_equals_onnxruntime(name, tmp_path):
     smallest, _, top = arch.shapes()
     for result in errors_against_onnxruntime(executor, reference, arch, [smallest, top]):
         assert result["relative_error"] <= TOLERANCE, result
+    if arch.cache:  # a decoder: its greedy tokens over the whole past range, as onnxruntime's
+        tokens = tokens_against_onnxruntime(executor, reference, arch)
+        assert tokens["tokens_equal"] and tokens["steps"] >= 32, tokens
 
 
 @pytest.mark.xfail(raises=ImportError_, strict=True,

@@ -72,6 +72,13 @@ class Architecture:
                 {d: (lo + hi) // 2 for d, (lo, hi) in self.dims.items()},
                 {d: hi for d, (_, hi) in self.dims.items()}]
 
+    @property
+    def cache(self) -> list[tuple[str, str]]:
+        """A decoder's (past input, present output) pairs, in order; empty for the others."""
+        past = [n for n in self.inputs if n.startswith("past")]
+        present = [n for n in self.outputs if n.startswith("present")]
+        return list(zip(past, present))
+
     def export(self, path: Path, how: Export) -> Path:
         """Write the exported model to ``path`` (the reference onnxruntime runs) and return
         the file grape is to compile: ``path`` itself or its folded copy beside it.
@@ -385,3 +392,35 @@ def errors_against_onnxruntime(executor, path: Path, arch: Architecture,
         results.append({"shape": shape, "relative_error": max(
             relative_error(got[name], want[name]) for name in arch.outputs)})
     return results
+
+
+def greedy_tokens(run: Callable[[Feeds], dict], arch: Architecture, batch: int = 2) -> np.ndarray:
+    """A decoder's greedy generation from the seeded feeds at the smallest past: each step's
+    argmax token the next ``input_ids``, its present caches the next past, until the past
+    reaches the range's top. ``run`` maps feeds to outputs by name; (batch, steps) tokens."""
+    shape = {**arch.shapes()[0], "batch": batch}
+    feeds = arch.make_feeds(np.random.default_rng(SEED), shape)
+    steps = arch.dims["past"][1] - shape["past"]
+    tokens = []
+    for _ in range(steps):
+        outputs = run(feeds)
+        token = np.asarray(outputs["logits"])[:, -1, :].argmax(-1)
+        tokens.append(token)
+        feeds = {**feeds, "input_ids": token.reshape(-1, 1).astype(np.int64),
+                 **{past: np.asarray(outputs[present]) for past, present in arch.cache}}
+    return np.stack(tokens, axis=1)
+
+
+def tokens_against_onnxruntime(executor, path: Path, arch: Architecture) -> dict:
+    """``greedy_tokens`` by ``executor`` and by onnxruntime (CPU) on ``path``: equal or not,
+    and from which step they part."""
+    import onnxruntime  # pylint: disable=import-outside-toplevel
+
+    session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    want = greedy_tokens(lambda f: dict(zip(arch.outputs, session.run(list(arch.outputs), f))),
+                         arch)
+    got = greedy_tokens(executor.run, arch)
+    differ = np.nonzero((got != want).any(axis=0))[0]
+    return {"steps": int(want.shape[1]), "batch": int(want.shape[0]),
+            "tokens_equal": bool(differ.size == 0),
+            "first_differing_step": int(differ[0]) if differ.size else None}

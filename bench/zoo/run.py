@@ -1,5 +1,6 @@
 """Export every zoo architecture, compile it with grape for llvm and CUDA, and check the
-llvm build against onnxruntime at the range's smallest, middle and top shapes.
+llvm build against onnxruntime at the range's smallest, middle and top shapes, and, for a
+decoder, its greedy tokens over the whole past range (``generated_tokens``).
 
     python3 bench/zoo/run.py --out bench/results            # writes bench/results/zoo.json
     python3 bench/zoo/run.py --out /tmp/zoo --models llama,vit
@@ -26,7 +27,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from architectures import (  # noqa: E402  pylint: disable=wrong-import-position
-    ARCHITECTURES, TOLERANCE, Architecture, Export, errors_against_onnxruntime)
+    ARCHITECTURES, TOLERANCE, Architecture, Export, errors_against_onnxruntime,
+    tokens_against_onnxruntime)
 
 CUDA = {"kind": "cuda", "arch": "sm_90"}
 
@@ -69,10 +71,13 @@ def check_llvm(compiled: Path, reference: Path, arch: Architecture, workdir: Pat
 
     artifact = workdir / f"{arch.name}.llvm.grape"
     result = compile_timed(compiled, arch, "llvm", artifact)
-    shapes = errors_against_onnxruntime(grape_tvm.load(artifact), reference, arch, arch.shapes())
+    executor = grape_tvm.load(artifact)
+    shapes = errors_against_onnxruntime(executor, reference, arch, arch.shapes())
     worst = max(s["relative_error"] for s in shapes)
+    tokens = tokens_against_onnxruntime(executor, reference, arch) if arch.cache else None
     return {**result, "shapes": shapes, "max_relative_error": worst,
-            "matches_onnxruntime": worst <= TOLERANCE}
+            **({"generated_tokens": tokens} if tokens else {}),
+            "matches_onnxruntime": worst <= TOLERANCE and (not tokens or tokens["tokens_equal"])}
 
 
 def record(attempt: dict, step: str, run):
@@ -119,6 +124,8 @@ def run_architecture(arch: Architecture, workdir: Path) -> dict:
         "compiles": {"llvm": isinstance(llvm, dict) or llvm, "cuda": isinstance(cuda, dict) or cuda},
         "matches_onnxruntime": isinstance(llvm, dict) and llvm["matches_onnxruntime"],
         "max_relative_error": llvm["max_relative_error"] if isinstance(llvm, dict) else None,
+        **({"generated_tokens": llvm.get("generated_tokens")}
+           if arch.cache and isinstance(llvm, dict) else {}),
         "attempts": attempts,
     }
 

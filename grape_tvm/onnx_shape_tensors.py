@@ -105,7 +105,17 @@ class Reshape(tvm_onnx.Reshape):
         known = bb.normalize(relax.op.prod(relax.op.where(inferred, _i64(1), target)))
         count = bb.normalize(relax.op.prod(in_shape))
         rest = relax.op.floor_divide(count, relax.op.maximum(known, _i64(1)))
+        checked = target
         target = bb.normalize(relax.op.where(inferred, rest, target))
+        # onnxruntime refuses such a shape; unchecked, the reshape would read past the data.
+        fits = relax.op.logical_and(
+            relax.op.logical_and(
+                relax.op.less_equal(relax.op.sum(relax.op.astype(inferred, "int64")), _i64(1)),
+                relax.op.greater_equal(relax.op.min(checked), _i64(-1))),
+            relax.op.equal(relax.op.prod(target), count))
+        bb.emit(relax.op.assert_op(fits, [], "Reshape: the shape given at run time must keep "
+                                   "the element count, with at most one -1 and no other "
+                                   "negative dim"))
         return relax.op.reshape(data, _shape_from(bb, target, length, "reshape_dim"))
 
 
@@ -119,7 +129,11 @@ class ConstantOfShape(tvm_onnx.ConstantOfShape):
         length = _vector_length(shape)
         if _is_known(shape, params) or length is None:
             return super()._impl_v9(bb, inputs, attr, params)
-        dims = _shape_from(bb, _int64_tensor(bb, shape), length, "constant_dim")
+        values = _int64_tensor(bb, shape)
+        bb.emit(relax.op.assert_op(
+            relax.op.greater_equal(relax.op.min(values), _i64(0)), [],
+            "ConstantOfShape: the shape given at run time must have no negative dim"))
+        dims = _shape_from(bb, values, length, "constant_dim")
         return super()._impl_v9(bb, [dims], attr, params)
 
 
@@ -174,7 +188,7 @@ def _extreme(dtype: str, sign: int) -> tirx.PrimExpr:
     return tvm.tirx.max_value(dtype) if sign > 0 else tvm.tirx.min_value(dtype)
 
 
-def _combiner(op: str) -> tuple[Callable, Callable | None]:
+def _combiner(op: str) -> tuple[Callable, Callable]:
     """For ``op``, how one element enters the reduction, and the reducer (``te.sum`` ...)."""
     square = lambda v: v * v  # noqa: E731
     return {
@@ -195,9 +209,10 @@ def _combiner(op: str) -> tuple[Callable, Callable | None]:
 
 def _finish(op: str, total: tirx.PrimExpr, count: tirx.PrimExpr, dtype: str) -> tirx.PrimExpr:
     """The reduction's result from its accumulated ``total`` over ``count`` elements."""
-    if op == "ReduceMean":
-        return total / tirx.Cast(dtype, count) if "float" in dtype else \
-            tirx.floordiv(total, tirx.Cast(dtype, tirx.max(count, 1)))
+    if op == "ReduceMean":  # over nothing: 0, as onnxruntime (and grape's constant-axes mean)
+        return tirx.Select(count == 0, tirx.const(0, dtype), total / tirx.Cast(dtype, count)) \
+            if "float" in dtype else \
+            tirx.truncdiv(total, tirx.Cast(dtype, tirx.max(count, 1)))  # numpy: mean, then cast
     if op == "ReduceL2":
         return tvm.tirx.sqrt(total)
     if op == "ReduceLogSum":
@@ -243,7 +258,8 @@ def reduce_over_runtime_axes(op: str, x: te.Tensor, reduced: te.Tensor,
                           (hits(*i) == 0), name="any" if op == "ReduceMax" else "all")
     if op == "ReduceLogSumExp":
         peak = over("peak", lambda i, k: te.max(element(i, k), axis=k))
-        # An all -inf (or empty) slice keeps its -inf: shift by 0 there, not by -inf.
+        # te.max starts from the lowest finite float, so the peak is infinite only for a
+        # slice holding +inf (or -inf everywhere with a -inf in it): shift by 0 there.
         shift = lambda i: tirx.Select(tvm.tirx.isinf(peak(*i)), tirx.const(0, x.dtype),  # noqa: E731
                                       peak(*i))
         total = over("total", lambda i, k: te.sum(tvm.tirx.exp(element(i, k) - shift(i)),

@@ -9,6 +9,8 @@ from tvm import relax, tirx
 from tvm.ir.transform import PassContext, module_pass
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.sym.analyzer import Analyzer
+from tvm_ffi import structural_map
+from tvm_ffi.structural import structural_equal
 
 MAX_ELEMENTS = 64  # a shape tensor is a handful of dims; larger ones are data
 
@@ -88,31 +90,42 @@ class _ShapeValues:
     """Which tensors of a function's top-level bindings hold known values, and which fresh
     dims the shapes read from them give."""
 
-    def __init__(self):
+    def __init__(self, func: relax.Function):
         self.known: dict[relax.Var, _Known] = {}
         self.shape_of: dict[relax.Var, relax.Var] = {}  # tensor_to_shape result -> tensor
         self.dims: dict[tirx.Var, tirx.PrimExpr] = {}   # a matched fresh dim -> its value
-        self.folded: set[tuple[int, int]] = set()       # (block, binding) of folded casts
-        self.reads: set[tuple[int, int]] = set()        # their tensor_to_shape bindings
+        # A folded cast's tensor_to_shape result -> the shape: BindSymbolicVars keeps such
+        # a var (its type, Shape(ndim=k), has no fresh dim), where it remakes the cast's.
+        self.folded: dict[relax.Var, list[tirx.PrimExpr]] = {}
+        self.reads: set[relax.Var] = set()              # those results no longer used
+        # Dims defined so far: a match_cast may only bind dims not defined before it.
+        self.defined: set[tirx.Var] = {v for p in func.params
+                                       for v in relax.analysis.definable_tir_vars_in_type(p.ty)}
         self.analyzer = Analyzer()
 
     def visit(self, func: relax.Function) -> None:
-        read_at: dict[relax.Var, tuple[int, int]] = {}
         uses: dict[relax.Var, int] = {}
-        for b, block in enumerate(func.body.blocks):
-            for i, binding in enumerate(block.bindings):
+        for var in relax.analysis.free_vars(func.body.body):
+            uses[var] = uses.get(var, 0) + 1
+        for block in func.body.blocks:
+            for binding in block.bindings:
                 for var in relax.analysis.free_vars(binding.value):
                     uses[var] = uses.get(var, 0) + 1
                 if isinstance(binding, relax.MatchCast):
-                    if self.match_cast(binding):
-                        self.folded.add((b, i))
-                        self.reads.add(read_at[binding.value])
+                    self.match_cast(binding)
+                    self.defined.update(relax.analysis.definable_tir_vars_in_type(binding.ty))
                 else:
                     self.var_binding(binding)
-                    if binding.var in self.shape_of:
-                        read_at[binding.var] = (b, i)
         # A read used elsewhere too stays (it is a host step, not dead code to DCE).
-        self.reads = {at for var, at in read_at.items() if at in self.reads and uses[var] == 1}
+        self.reads = {var for var in self.folded if uses.get(var, 0) == 1}
+
+    def _exact(self, known: _Known) -> _Known:
+        """``known`` in the defined dims: the dims folded so far substituted (a shape
+        computed from a folded shape), simplified."""
+        return _Known(known.dtype, tuple(
+            self.analyzer.simplify(structural_map(v, (tvm.ir.Var, lambda d: self.dims.get(d, d)),
+                                                  order="post"))
+            for v in known.values), known.scalar)
 
     def lookup(self, expr: relax.Expr) -> _Known | None:
         if isinstance(expr, tvm.ir.GenericConst):
@@ -126,29 +139,30 @@ class _ShapeValues:
             return
         known = self.evaluate(value)
         if known is not None and len(known.values) <= MAX_ELEMENTS:
-            self.known[binding.var] = _Known(
-                known.dtype, tuple(self.analyzer.simplify(v) for v in known.values),
-                known.scalar)
+            self.known[binding.var] = self._exact(known)
 
-    def match_cast(self, binding: relax.MatchCast) -> bool:
-        """Record a known tensor's exact type, or a shape's fresh dims: True for the latter."""
-        value = binding.value
-        if isinstance(value, relax.Var) and value in self.known and \
-                isinstance(binding.ty, relax.TensorType):
-            self.known[binding.var] = self.known[value]
-            return False
+    def match_cast(self, binding: relax.MatchCast) -> None:
+        """Record a known tensor's exact type, or a shape's fresh dims."""
+        value, target = binding.value, binding.ty
+        if isinstance(target, relax.TensorType):
+            known = self.evaluate(value)  # a Var, or a call the importer cast inline
+            if known is not None and len(known.values) <= MAX_ELEMENTS:
+                self.known[binding.var] = self._exact(known)
+            return
         tensor = self.shape_of.get(value) if isinstance(value, relax.Var) else None
         known = self.known.get(tensor) if tensor is not None else None
-        target = binding.ty
         if known is None or not isinstance(target, relax.ShapeType) or target.values is None \
-                or len(target.values) != len(known.values):
-            return False
-        pairs = list(zip(target.values, known.values))
-        if not all(isinstance(dim, tirx.Var) and dim not in self.dims for dim, _ in pairs):
-            return False
-        for dim, expr in pairs:
-            self.dims[dim] = _cast(expr, "int64")
-        return True
+                or len(target.values) != len(known.values) or value in self.folded:
+            return
+        fresh = list(target.values)
+        # Only dims this cast defines, each once: a dim defined before, or repeated, is a
+        # check the cast makes at run time, which folding would drop.
+        if not all(isinstance(d, tirx.Var) and d not in self.defined for d in fresh) or \
+                len({d.name for d in fresh}) != len(fresh):
+            return
+        values = [_cast(expr, "int64") for expr in known.values]
+        self.dims.update(zip(fresh, values))
+        self.folded[value] = values
 
     def evaluate(self, value: relax.Expr) -> _Known | None:
         """``value``'s elements, when it is an op on known tensors this pass evaluates."""
@@ -170,6 +184,11 @@ class _ShapeValues:
         if knowns and knowns[0] is not None and \
                 op in ("relax.reshape", "relax.squeeze", "relax.expand_dims"):
             return _Known(dtype, knowns[0].values, scalar)
+        if op == "relax.prod" and knowns and knowns[0] is not None and scalar:
+            total = tirx.const(1, dtype)
+            for v in knowns[0].values:
+                total = total * v
+            return _Known(dtype, (total,), True)
         if op == "relax.take":
             return _take(knowns, dtype, scalar)
         return _elementwise(op, knowns, dtype, scalar)
@@ -210,40 +229,32 @@ def _elementwise(op: str, knowns: list, dtype: str, scalar: bool) -> _Known | No
 
 @mutator
 class _Fold(PyExprMutator):
-    """The folded ``match_cast(tensor_to_shape(t), R.Shape([...]))`` bindings (their dims
-    bound already) as the shapes themselves, without the ``tensor_to_shape`` (a host read,
-    which dead-code elimination keeps: ``call_packed`` counts as impure)."""
+    """The folded ``match_cast(tensor_to_shape(t), R.Shape([...]))`` bindings as the shapes
+    themselves, without the ``tensor_to_shape`` (a host read, which dead-code elimination
+    keeps: ``call_packed`` counts as impure). The fresh dims are bound afterwards."""
 
-    def __init__(self, mod: tvm.IRModule, folded: set[tuple[int, int]],
-                 reads: set[tuple[int, int]]):
+    def __init__(self, mod: tvm.IRModule, folded: dict[relax.Var, list[tirx.PrimExpr]],
+                 reads: set[relax.Var]):
         super().__init__(mod)
         self.folded, self.reads = folded, reads
-        self.position = (-1, -1)
-
-    def visit_binding_block_(self, block: relax.BindingBlock) -> relax.BindingBlock:
-        self.position = (self.position[0] + 1, -1)
-        return super().visit_binding_block_(block)
-
-    def visit_dataflow_block_(self, block: relax.DataflowBlock) -> relax.BindingBlock:
-        self.position = (self.position[0] + 1, -1)
-        return super().visit_dataflow_block_(block)
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
-        self.position = (self.position[0], self.position[1] + 1)
-        if self.position not in self.reads:  # a read of a folded shape: no longer needed
+        if binding.var not in self.reads:  # a read of a folded shape: no longer needed
             super().visit_var_binding_(binding)
 
     def visit_match_cast_(self, binding: relax.MatchCast) -> None:
-        self.position = (self.position[0], self.position[1] + 1)
-        if self.position not in self.folded:
+        values = self.folded.get(binding.value)
+        # The cast the analysis folded, its dims bound: its shape is exactly the values.
+        if values is None or not isinstance(binding.ty, relax.ShapeType) or \
+                not structural_equal(list(binding.ty.values), values):
             super().visit_match_cast_(binding)
             return
-        shape = relax.ShapeExpr(list(binding.ty.values))
-        self.set_var_remap(binding.var, self.builder_.emit(shape, binding.var.name))
+        self.set_var_remap(binding.var, self.builder_.emit(relax.ShapeExpr(values),
+                                                           binding.var.name))
 
 
 def _fold_function(mod: tvm.IRModule, name: str) -> tvm.IRModule:
-    values = _ShapeValues()
+    values = _ShapeValues(mod[name])
     values.visit(mod[name])
     if not values.dims:
         return mod

@@ -54,6 +54,33 @@ def test_reshape_to_a_shape_fed_at_run_time(tmp_path):
                                         for s in ([4, 3, 2], [0, -1, 2], [-1, 1, 1], [2, 0, 4])])
 
 
+def test_reshape_to_a_run_time_shape_that_does_not_fit_fails_clearly(tmp_path):
+    """onnxruntime refuses these; unchecked, grape read past the data ([5, 7] of 24)."""
+    model = _model([helper.make_node("Reshape", ["x", "s"], ["y"])],
+                   [info("x", TensorProto.FLOAT, [2, 3, 4]), info("s", TensorProto.INT64, [2])],
+                   [info("y", TensorProto.FLOAT, None)])
+    _, _, executor = _executor(model, tmp_path)
+    x = np.zeros((2, 3, 4), np.float32)
+    for shape in ([5, 7], [-1, 5], [-1, -1], [-2, -12]):
+        with pytest.raises(Exception, match="must keep the element count"):
+            executor.run({"x": x, "s": np.array(shape, np.int64)})
+
+
+def test_reduce_mean_over_run_time_axes_of_integers_and_of_nothing(tmp_path):
+    """Integers: the mean truncated toward 0 (onnxruntime's -4 / 3 is -1); an empty float
+    slice: 0, as onnxruntime and grape's mean over constant axes."""
+    for dtype, onnx_type, x in ((np.int32, TensorProto.INT32,
+                                 np.array([[-7, 2, 1], [5, -3, -4]], np.int32)),
+                                (np.float32, TensorProto.FLOAT, np.zeros((0, 3), np.float32))):
+        node = helper.make_node("ReduceMean", ["x", "axes"], ["y"], keepdims=1)
+        model = _model([node], [info("x", onnx_type, list(x.shape)),
+                                info("axes", TensorProto.INT64, [1])],
+                       [info("y", onnx_type, None)])
+        path, _, executor = _executor(model, tmp_path)
+        _equal_onnxruntime(path, executor, [{"x": x, "axes": np.array([a], np.int64)}
+                                            for a in (0, 1)])
+
+
 @pytest.mark.parametrize("op", REDUCE_OPS)
 def test_reduce_over_axes_fed_at_run_time(op, tmp_path):
     """One artifact, other axes at each call (negative ones too), kept or dropped dims."""
@@ -115,20 +142,23 @@ def make_head_split_model() -> onnx.ModelProto:
         helper.make_node("Reshape", ["x", "target"], ["y"]),
     ]
     return _model(nodes, [info("x", TensorProto.FLOAT, ["b", "s", 8]),
-                          info("h", TensorProto.FLOAT, [8])],
+                          info("h", TensorProto.FLOAT, ["m"])],
                   [info("y", TensorProto.FLOAT, None)],
                   inits=[numpy_helper.from_array(np.array([2], np.int64), "two")])
 
 
 def test_shape_arithmetic_folds_into_the_inputs_dims(tmp_path):
-    """The target shape is ``[b, s, 4, 2]``: no dim read back from a tensor on the host."""
+    """The target shape is ``[b, s, m // 2, 8 // (m // 2)]``, computed in tensors at run
+    time by the export: folded into those expressions, no dim is read back on the host (the
+    element-count check of a reshape to a computed shape stays there)."""
     path, module, executor = _executor(make_head_split_model(), tmp_path,
-                                       {"b": (1, 4), "s": (1, 16)})
-    assert module.plan["host_steps"] == []
+                                       {"b": (1, 4), "s": (1, 16), "m": (2, 16)})
+    # Only the reshape's element-count check stays on the host, no shape read back.
+    assert [step["op"] for step in module.plan["host_steps"]] == ["relax.run.assert_op"]
     rng = np.random.default_rng(2)
     _equal_onnxruntime(path, executor, [{"x": rng.random((b, s, 8)).astype(np.float32),
-                                         "h": np.zeros(8, np.float32)}
-                                        for b, s in ((1, 1), (2, 5), (4, 16))])
+                                         "h": np.zeros(m, np.float32)}
+                                        for b, s, m in ((1, 1, 8), (2, 5, 4), (4, 16, 16))])
 
 
 def _heads_module() -> tvm.IRModule:
@@ -176,3 +206,65 @@ def test_fold_shape_tensors_keeps_a_tensor_it_cannot_evaluate():
         builder.emit_func_output(y)
     mod = builder.get()
     assert structural_equal(FoldShapeTensors()(mod), mod)
+
+
+def _cast_module(target) -> tvm.IRModule:
+    """``x: (b, 2, 2)`` reshaped to ``[b, 4]`` read back from a tensor into ``target(b, n)``
+    (``n``: the other parameter's dim)."""
+    b, n = tvm.tirx.Var("b", "int64"), tvm.tirx.Var("n", "int64")
+    builder = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([b, 2, 2], "float32"))
+    z = relax.Var("z", relax.TensorType([n], "float32"))
+    with builder.function("main", [x, z]):
+        with builder.dataflow():
+            values = builder.emit(relax.op.shape_to_tensor(relax.ShapeExpr([b, 4])))
+            read = builder.emit(relax.op.tensor_to_shape(values))
+            shape = builder.match_cast(read, relax.ShapeType(target(b, n)))
+            y = builder.emit_output(relax.op.reshape(x, shape))
+        builder.emit_func_output(y)
+    return builder.get()
+
+
+@pytest.mark.parametrize("target", [
+    lambda b, n: [n, tvm.tirx.Var("k", "int64")],    # n is the input's: a run-time check
+    lambda b, n: [tvm.tirx.Var("k", "int64")] * 2,   # k twice: the two must be equal
+])
+def test_fold_shape_tensors_keeps_casts_that_check(target):
+    mod = _cast_module(target)
+    assert structural_equal(FoldShapeTensors()(mod), mod)
+
+
+def test_fold_shape_tensors_after_an_if_and_through_a_folded_shape():
+    """Bindings inside an ``if`` before the fold stay; a shape computed from a folded one
+    folds in the input's dims (not the first fold's, gone with its cast)."""
+    b = tvm.tirx.Var("b", "int64")
+    builder = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType([b, 2, 2], "float32"))
+    flag = relax.Var("flag", relax.TensorType([], "bool"))
+    with builder.function("main", [x, flag]):
+        steps, last = [], x
+        for i in range(4):
+            var = relax.Var(f"t{i}", relax.TensorType([b, 2, 2], "float32"))
+            steps.append(relax.VarBinding(var, relax.op.add(last, last)))
+            last = var
+        then = relax.SeqExpr([relax.BindingBlock(steps)], last)
+        chosen = builder.emit(relax.If(flag, then, x))
+        with builder.dataflow():
+            first = builder.emit(relax.op.shape_to_tensor(relax.ShapeExpr([b, 4])))
+            read = builder.emit(relax.op.tensor_to_shape(first))
+            shape = builder.match_cast(read, relax.ShapeType(
+                [tvm.tirx.Var("p_0", "int64"), tvm.tirx.Var("p_1", "int64")]))
+            flat = builder.emit(relax.op.reshape(chosen, shape))
+            again = builder.emit(relax.op.multiply(
+                relax.op.shape_to_tensor(relax.ShapeExpr(list(flat.ty.shape.values))),
+                relax.const([2, 1], "int64")))
+            read2 = builder.emit(relax.op.tensor_to_shape(again))
+            shape2 = builder.match_cast(read2, relax.ShapeType(
+                [tvm.tirx.Var("q_0", "int64"), tvm.tirx.Var("q_1", "int64")]))
+            zeros = builder.emit(relax.op.zeros(shape2, "float32"))
+            y = builder.emit_output(relax.Tuple([flat, zeros]))
+        builder.emit_func_output(y)
+    folded = FoldShapeTensors()(builder.get())
+    text = folded.script()
+    assert "tensor_to_shape" not in text and "p_0" not in text and "q_0" not in text
+    assert all(f"t{i}" in text for i in range(4)) and "R.shape([b * 2, 4])" in text, text

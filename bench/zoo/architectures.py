@@ -396,8 +396,8 @@ def errors_against_onnxruntime(executor, path: Path, arch: Architecture,
 
 def greedy_tokens(run: Callable[[Feeds], dict], arch: Architecture, batch: int = 2) -> np.ndarray:
     """A decoder's greedy generation from the seeded feeds at the smallest past: each step's
-    argmax token the next ``input_ids``, its present caches the next past, until the past
-    reaches the range's top. ``run`` maps feeds to outputs by name; (batch, steps) tokens."""
+    argmax token the next ``input_ids``, its present caches the next past, until the
+    present reaches the range's top (the last step's past is one below it). ``run`` maps feeds to outputs by name; (batch, steps) tokens."""
     shape = {**arch.shapes()[0], "batch": batch}
     feeds = arch.make_feeds(np.random.default_rng(SEED), shape)
     steps = arch.dims["past"][1] - shape["past"]

@@ -18,7 +18,7 @@ from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer, ConstIntBound
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
-from grape_tvm.onnx_shape_tensors import REDUCE_OPS, SHAPE_TENSOR_CONVERTERS
+from grape_tvm.onnx_shape_tensors import REDUCE_OPS, SHAPE_TENSOR_CONVERTERS, as_int64
 
 
 class OnnxConversionError(RuntimeError):
@@ -249,7 +249,7 @@ def _int_scalar(value, params) -> tirx.PrimExpr | None:
             return tirx.IntImm("int64", int(array.item()))
         return None
     if tvm.ir.is_prim_expr(value) and "int" in _scalar_dtype(value):
-        return value if _scalar_dtype(value) == "int64" else tirx.Cast("int64", value)
+        return as_int64(value)
     return None
 
 
@@ -344,7 +344,7 @@ def _in_bounds(analyzer: Analyzer, bound: int, extent: tirx.PrimExpr) -> tirx.Pr
     """``bound`` as an index into an axis of ``extent`` (negative counts from the end), when
     it lies in ``[0, extent]`` for every shape the analyzer allows; ``extent`` itself for a
     bound past any extent (ONNX's "to the end", INT64_MAX)."""
-    extent = tirx.Cast("int64", extent) if _scalar_dtype(extent) != "int64" else extent
+    extent = as_int64(extent)
     if bound >= 0 and analyzer.can_prove(extent <= bound):
         return extent
     index = extent + bound if bound < 0 else tirx.IntImm("int64", bound)
@@ -709,9 +709,9 @@ class Tile(tvm_onnx.Tile):
             return super()._impl_v13(bb, inputs, attr, params)
         rank = max(len(shape), len(values))
         one = tirx.IntImm("int64", 1)
-        shape = [_int64(d) for d in shape]
+        shape = [as_int64(d) for d in shape]
         padded = [one] * (rank - len(shape)) + shape
-        values = [one] * (rank - len(values)) + [_int64(r) for r in values]
+        values = [one] * (rank - len(values)) + [as_int64(r) for r in values]
         analyzer = _shape_analyzer(attr["grape_dims"], *padded, *values)
         out_shape = [analyzer.simplify(r * d) for r, d in zip(values, padded)]
 
@@ -723,10 +723,6 @@ class Tile(tvm_onnx.Tile):
             return tvm.te.compute(out_shape, element, name="tile")
 
         return bb.emit_te(tile, data)
-
-
-def _int64(expr: tirx.PrimExpr) -> tirx.PrimExpr:
-    return expr if _scalar_dtype(expr) == "int64" else tirx.Cast("int64", expr)
 
 
 def _shape_values(bb, value) -> list[tirx.PrimExpr] | None:

@@ -62,14 +62,15 @@ def _i64(value: int) -> relax.Expr:
     return relax.const(value, "int64")
 
 
-def _as_int64(dim: tirx.PrimExpr) -> tirx.PrimExpr:
+def as_int64(dim: tirx.PrimExpr) -> tirx.PrimExpr:
+    """``dim`` as an int64 expression (a cast only where it is another integer type)."""
     return dim if str(dim.ty) == "int64" else tirx.Cast("int64", dim)
 
 
 def _shape_tensor(bb, data) -> relax.Expr:
     """``data``'s shape as an int64 tensor (its dims may be symbolic)."""
     return bb.normalize(relax.op.shape_to_tensor(relax.ShapeExpr(
-        [_as_int64(d) for d in data.ty.shape.values])))
+        [as_int64(d) for d in data.ty.shape.values])))
 
 
 def _shape_from(bb, values: relax.Expr, length: int, prefix: str) -> relax.ShapeExpr:
@@ -226,10 +227,10 @@ def _input_index(x: te.Tensor, reduced: te.Tensor, out_index, k: tirx.Var) -> li
     output's (keepdims form: a reduced axis has index 0 there)."""
     index, rest = [None] * len(x.shape), k
     for axis in reversed(range(len(x.shape))):
-        extent = tirx.max(_as_int64(x.shape[axis]), tirx.IntImm("int64", 1))
+        extent = tirx.max(as_int64(x.shape[axis]), tirx.IntImm("int64", 1))
         is_reduced = reduced[axis] != 0
         index[axis] = tirx.Select(is_reduced, tirx.floormod(rest, extent),
-                                  _as_int64(out_index[axis]))
+                                  as_int64(out_index[axis]))
         rest = tirx.Select(is_reduced, tirx.floordiv(rest, extent), rest)
     return index
 

@@ -11,7 +11,7 @@ setup: $(VENV)/.installed
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q -e '.[test,cuda]'
+	$(BIN)/pip install -q -e '.[test,cuda,zoo]'
 	touch $@
 
 demo: setup

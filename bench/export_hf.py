@@ -5,7 +5,7 @@
     python bench/export_hf.py OUTDIR --dtype float16 --models gpt2   # GPT-2 in fp16 (NAME_fp16)
     python bench/export_hf.py --tests           # tiny models WITH weights into tests/data/
 
-Needs torch and transformers (not project dependencies). For every model it writes:
+Needs torch and transformers (the project's ``zoo`` extra). For every model it writes:
 
 - ``NAME.onnx``: the graph with its weights lifted to graph inputs (no initializer holds a
   model weight), so the file and any artifact compiled from it stay small;
@@ -194,16 +194,25 @@ def kv_names(prefix: str, layers: int) -> list[str]:
 
 
 def export_onnx(module, args: tuple, path: Path, inputs: list[str], outputs: list[str],
-                dynamic_axes: dict) -> onnx.ModelProto:
-    """``module`` traced on ``args`` by the legacy exporter (opset ``OPSET``, no constant
-    folding: parameters stay initializers named by their ``state_dict`` key)."""
+                dynamic_axes: dict, fold_constants: bool = False,
+                keep_batch_norms: bool = False) -> onnx.ModelProto:
+    """``module`` traced on ``args`` by the legacy exporter, opset ``OPSET``.
+
+    Without ``fold_constants`` every parameter stays an initializer named by its
+    ``state_dict`` key. With it, the exporter folds what depends on parameters alone (a
+    linear layer's transposed weight becomes an initializer of its own, which
+    ``weight_map`` finds by value). ``keep_batch_norms``: batch norms stay
+    ``BatchNormalization`` nodes (training mode "preserve" of a module in eval mode), not
+    folded into the convolution before them, whose weights then stay the module's own.
+    """
     import torch  # pylint: disable=import-outside-toplevel
 
+    mode = torch.onnx.TrainingMode.PRESERVE if keep_batch_norms else torch.onnx.TrainingMode.EVAL
     with warnings.catch_warnings(), torch.no_grad():
         warnings.simplefilter("ignore")
         torch.onnx.export(module, args, str(path), input_names=inputs, output_names=outputs,
-                          dynamic_axes=dynamic_axes, opset_version=OPSET,
-                          do_constant_folding=False, dynamo=False)
+                          dynamic_axes=dynamic_axes, opset_version=OPSET, training=mode,
+                          do_constant_folding=fold_constants, dynamo=False)
     return onnx.load(str(path))
 
 
@@ -263,19 +272,24 @@ def export_wav2vec2(config: dict[str, Any], seed: int = 0) -> dict[str, onnx.Mod
 def weight_map(proto: onnx.ModelProto, state_dict: dict[str, Any]) -> dict[str, dict]:
     """Each initializer that holds a model weight -> ``{"key", "transform"}``.
 
-    By name first (the legacy exporter names parameters by their ``state_dict`` key,
-    behind the wrapper's ``model.`` prefix); otherwise by value, exact or transposed
-    (an exporter that folded a transpose). Initializers matching nothing (shape constants)
-    stay in the graph.
+    By name first (the legacy exporter names parameters by their ``state_dict`` key, the
+    wrapper's when ``state_dict`` is the wrapper's, else behind its ``model.`` prefix);
+    otherwise by value, exact or transposed (an exporter that folded a transpose). Only
+    floating-point values are weights: initializers matching nothing and integer ones
+    (shape constants, position ids, which TVM's importer reads) stay in the graph.
     """
-    arrays = {k: v.detach().cpu().numpy() for k, v in state_dict.items()}
+    arrays = {k: v.detach().cpu().numpy() for k, v in state_dict.items()
+              if v.dtype.is_floating_point}
     found = {}
     for init in proto.graph.initializer:
-        name = init.name.removeprefix("model.")
-        if name in arrays:
+        value = onnx.numpy_helper.to_array(init)
+        # a name is taken only with the value it names: a wrapper's "model.X" might be
+        # another key than the inner model's "X"
+        name = next((n for n in (init.name, init.name.removeprefix("model."))
+                     if n in arrays and np.array_equal(arrays[n], value)), None)
+        if name is not None:
             found[init.name] = {"key": name, "transform": "none"}
             continue
-        value = onnx.numpy_helper.to_array(init)
         if value.size < 64:
             continue
         for key, array in arrays.items():
@@ -330,14 +344,22 @@ def hf_weights(map_path: str | Path) -> dict[str, np.ndarray]:
     ``{input name: array}`` for ``GraphExecutor.bind_inputs``."""
     spec = json.loads(Path(map_path).read_text())
     config = {k: tuple(v) if isinstance(v, list) else v for k, v in spec["config"].items()}
-    state = make_model(spec["model"], config, spec["seed"], spec.get("dtype", "float32")).state_dict()
+    model = make_model(spec["model"], config, spec["seed"], spec.get("dtype", "float32"))
+    state = model.state_dict()
+    return weights_from_state(state, spec["inputs"], str(map_path))
+
+
+def weights_from_state(state_dict: dict[str, Any], inputs: dict[str, dict],
+                       where: str = "weight map") -> dict[str, np.ndarray]:
+    """``{input name: array}`` of a ``weight_map`` (``inputs``), read from ``state_dict``."""
     weights = {}
-    for name, entry in spec["inputs"].items():
-        array = state[entry["key"]].detach().cpu().numpy()
+    for name, entry in inputs.items():
+        array = state_dict[entry["key"]].detach().cpu().numpy()
         if entry["transform"] == "transpose":
             array = array.T
         elif entry["transform"] != "none":
-            raise ValueError(f"{map_path}: input {name!r} has unknown transform {entry['transform']!r}")
+            raise ValueError(
+                f"{where}: input {name!r} has unknown transform {entry['transform']!r}")
         weights[name] = np.ascontiguousarray(array)
     return weights
 

@@ -4,7 +4,9 @@ TVM's importer looks every node's converter up in ``_get_convert_map()``, inside
 ``ONNXGraphImporter._convert_operator``. ``GrapeOnnxImporter`` overrides that one method:
 an op listed in ``CONVERTERS`` goes to grape's converter class, every other op to TVM's.
 Each converter subclasses TVM's own and handles only the case TVM gets wrong, handing the
-rest back to it. docs/tvm_onnx_frontend.md reports each one upstream-style.
+rest back to it; ``onnx_contrib``'s convert onnxruntime's normalizations whole (TVM lacks
+two and imports the third partly). docs/tvm_onnx_frontend.md reports each one
+upstream-style.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ from tvm import relax, tirx
 from tvm.sym.analyzer import Analyzer, ConstIntBound
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
-from grape_tvm.onnx_shape_tensors import REDUCE_OPS, SHAPE_TENSOR_CONVERTERS, as_int64
+from grape_tvm.onnx_contrib import CONTRIB_CONVERTERS
+from grape_tvm.onnx_shape_tensors import (
+    REDUCE_OPS, SHAPE_TENSOR_CONVERTERS, KeepsRank, as_int64)
 
 
 class OnnxConversionError(RuntimeError):
@@ -811,13 +815,14 @@ class Mish(tvm_onnx.Mish):
         return relax.op.astype(y, dtype) if compute != dtype else y
 
 
-class Mod(tvm_onnx.Mod):
+class Mod(KeepsRank, tvm_onnx.Mod):
     """Float ``Mod`` with ``fmod=0`` (Python's ``%``) at infinities.
 
     TVM computes ``x - floor(x / y) * y``: ``-3 % inf`` is NaN (``floor(-0) * inf``), where
     numpy and onnxruntime give inf. Here the truncated remainder ``r = fmod(x, y)`` (exact,
     and right at infinities) is moved into ``y``'s sign: ``r + y`` when ``r`` is nonzero
-    and its sign differs from ``y``'s.
+    and its sign differs from ``y``'s. A dim with one-element constants keeps their rank
+    (``KeepsRank``).
     """
 
     @classmethod
@@ -928,6 +933,8 @@ CONVERTERS: dict[str, type[tvm_onnx.OnnxOpConverter]] = {
     "SpaceToDepth": SpaceToDepth,
     "Tile": Tile,
     **SHAPE_TENSOR_CONVERTERS,
+    **CONTRIB_CONVERTERS,
 }
-"""Every ONNX op whose conversion grape changes: a fix of TVM's converter, or a refusal of
-the configurations it imports into wrong answers (``UnsupportedNode``)."""
+"""Every ONNX op whose conversion grape changes: a fix of TVM's converter, a refusal of
+the configurations it imports into wrong answers (``UnsupportedNode``), or a converter of
+an op TVM lacks (``onnx_contrib``)."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import numpy as np
 import tvm
 from tvm import relax, te, tirx
 from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
@@ -45,6 +46,16 @@ def _vector_length(value) -> int | None:
         return None
     (length,) = ty.shape.values
     return int(length.value) if isinstance(length, tirx.IntImm) else None
+
+
+def _is_empty_shape(value, params) -> bool:
+    """A shape known at import time to have no dims (a scalar's)."""
+    if isinstance(value, relax.ShapeExpr):
+        return len(value.values) == 0
+    if _vector_length(value) == 0:
+        return True
+    const = tvm_onnx.get_constant(value, params)
+    return isinstance(const, tvm.ir.GenericConst) and const.value.numpy().size == 0
 
 
 def _static_rank(value) -> int | None:
@@ -83,11 +94,16 @@ class Reshape(tvm_onnx.Reshape):
 
     The target shape's ``0`` (copy the input's dim, unless ``allowzero``) and ``-1`` (what
     the element count leaves) are resolved on the tensor, then read as a shape.
+
+    And of a dim that TVM keeps as a scalar (``Reshape(Shape(k)[2] + 1, [-1])``, the dynamo
+    exporter's), which TVM's reshape refuses (it takes tensors): ``_reshape_dim``.
     """
 
     @classmethod
     def _impl_v13(cls, bb, inputs, attr, params):
         data, shape = inputs
+        if _is_integer_dim(data):
+            return _reshape_dim(bb, data, shape, attr, params)
         length = _vector_length(shape)
         if _is_known(shape, params) or isinstance(data, relax.ShapeExpr) or length is None or \
                 not isinstance(getattr(data, "ty", None), relax.TensorType) or \
@@ -122,12 +138,22 @@ class Reshape(tvm_onnx.Reshape):
 
 class ConstantOfShape(tvm_onnx.ConstantOfShape):
     """``ConstantOfShape`` of a shape computed at run time: TVM broadcasts to a shape of
-    unknown values, which its legalization rejects; the shape gets fresh dims first."""
+    unknown values, which its legalization rejects; the shape gets fresh dims first.
+
+    And of the empty shape (a scalar; transformers' attention mask makes one from
+    ``Shape`` of a scalar): TVM broadcasts the one-element ``value`` tensor to rank 0,
+    which ``broadcast_to`` refuses; it is the scalar ``value``.
+    """
 
     @classmethod
     def _impl_v9(cls, bb, inputs, attr, params):
         (shape,) = inputs
         length = _vector_length(shape)
+        if _is_empty_shape(shape, params):
+            value = attr.get("value")
+            scalar = tvm_onnx.get_numpy(value).reshape(()) if value is not None else \
+                np.zeros((), "float32")
+            return relax.const(scalar, str(scalar.dtype))
         if _is_known(shape, params) or length is None:
             return super()._impl_v9(bb, inputs, attr, params)
         values = _int64_tensor(bb, shape)
@@ -136,6 +162,22 @@ class ConstantOfShape(tvm_onnx.ConstantOfShape):
             "ConstantOfShape: the shape given at run time must have no negative dim"))
         dims = _shape_from(bb, values, length, "constant_dim")
         return super()._impl_v9(bb, [dims], attr, params)
+
+
+def _reshape_dim(bb, dim: tirx.PrimExpr, shape, attr, params) -> relax.Expr:
+    """``Reshape`` of a dim TVM keeps as a scalar: to one element, the shape expression
+    ``(dim,)`` (what TVM makes of a 1-d shape value, so that it stays symbolic through
+    ``Concat`` into an ``Expand`` or ``Reshape``); to a scalar, the dim itself; else its
+    tensor (of the dim's dtype), reshaped."""
+    dtype = str(dim.ty)
+    target = tvm_onnx.get_constant(shape, params)
+    if isinstance(target, tvm.ir.GenericConst):
+        values = [int(v) for v in target.value.numpy().reshape(-1)]
+        if values in ([-1], [1]) and dtype == "int64":
+            return relax.ShapeExpr([dim])
+        if not values:
+            return dim
+    return Reshape._impl_v13(bb, [_dim_tensor(bb, dim, [], dtype), shape], attr, params)
 
 
 class Concat(tvm_onnx.Concat):
@@ -177,6 +219,69 @@ class Size(tvm_onnx.Size):
                 count *= int(dim.value)
             return relax.const(count, "int64")
         return super()._impl_v1(bb, inputs, attr, params)
+
+
+class KeepsRank:
+    """A mixin for a ``BinaryBase`` converter (``Add``, ``Sub``, ``Mul``, ``Div``, ``Mod``):
+    a dim combined with one-element constant tensors keeps their rank.
+
+    TVM folds ``Add([0], dim)`` (the dynamo exporter's position ids: an ``arange`` of one
+    element plus the past length) into the scalar ``dim``: the tensor's rank is lost, and
+    what follows fails (``Unsqueeze`` axes out of range) or broadcasts to another shape.
+    Whatever ``_impl_vN`` the op's opset picks, its result goes through
+    ``_with_rank_of_constants``.
+    """
+
+    @classmethod
+    def get_converter(cls, opset):
+        convert = super().get_converter(opset)
+
+        def keeping_rank(bb, inputs, attr, params):
+            return _with_rank_of_constants(bb, inputs, convert(bb, inputs, attr, params))
+
+        return keeping_rank
+
+
+def _with_rank_of_constants(bb, inputs, out):
+    """``out``, an integer dim TVM folded from ``inputs``, with their constants' rank: the
+    shape expression ``(dim,)`` for int64 of rank 1 (as TVM keeps 1-d shape values, so it
+    stays symbolic into a ``Concat``, ``Expand`` or ``Reshape``), else a tensor."""
+    consts = [x.value.numpy() for x in inputs if isinstance(x, tvm.ir.GenericConst)]
+    rank = max((c.ndim for c in consts), default=0)
+    if rank == 0 or not _is_integer_dim(out) or any(c.size != 1 for c in consts):
+        return out
+    dtype = str(consts[0].dtype)
+    if rank == 1 and dtype == "int64":
+        return relax.ShapeExpr([as_int64(out)])
+    return _dim_tensor(bb, out, [1] * rank, dtype)
+
+
+def _is_integer_dim(value) -> bool:
+    """A dim TVM keeps as a scalar (``PrimExpr``) of an integer type."""
+    return tvm.ir.is_prim_expr(value) and str(value.ty).startswith(("int", "uint"))
+
+
+def _dim_tensor(bb, dim: tirx.PrimExpr, shape: list[int], dtype: str) -> relax.Expr:
+    """``dim`` as a ``dtype`` tensor of ``shape`` (one element)."""
+    values = bb.normalize(relax.op.reshape(
+        relax.op.shape_to_tensor(relax.ShapeExpr([as_int64(dim)])), shape))
+    return values if dtype == "int64" else bb.normalize(relax.op.astype(values, dtype))
+
+
+class Add(KeepsRank, tvm_onnx.Add):
+    """``Add``, keeping a constant's rank: ``KeepsRank``."""
+
+
+class Sub(KeepsRank, tvm_onnx.Sub):
+    """``Sub``, keeping a constant's rank: ``KeepsRank``."""
+
+
+class Mul(KeepsRank, tvm_onnx.Mul):
+    """``Mul``, keeping a constant's rank: ``KeepsRank``."""
+
+
+class Div(KeepsRank, tvm_onnx.Div):
+    """``Div``, keeping a constant's rank: ``KeepsRank``."""
 
 
 # -- reductions over axes given at run time ---------------------------------------------------
@@ -367,5 +472,6 @@ REDUCE_CONVERTERS = {
 """Every ``Reduce*`` op whose axes are an input: ReduceSum from opset 13, the others 18."""
 
 SHAPE_TENSOR_CONVERTERS = {"Concat": Concat, "ConstantOfShape": ConstantOfShape,
-                           "Reshape": Reshape, "Size": Size, **REDUCE_CONVERTERS}
+                           "Reshape": Reshape, "Size": Size, **REDUCE_CONVERTERS,
+                           "Add": Add, "Sub": Sub, "Mul": Mul, "Div": Div}
 """The converters of this module, by ONNX op."""

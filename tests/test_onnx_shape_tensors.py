@@ -128,6 +128,83 @@ def test_constant_of_a_shape_fed_at_run_time(tmp_path):
     _equal_onnxruntime(path, executor, [{"s": np.array(s, np.int64)} for s in ([2, 3], [1, 0])])
 
 
+@pytest.mark.parametrize("empty", ["initializer", "shape_of_a_scalar", "no_value"])
+def test_constant_of_the_empty_shape_is_a_scalar(empty, tmp_path):
+    """transformers' attention mask: ``ConstantOfShape(Shape(scalar))``. TVM broadcast the
+    one-element value to rank 0 and failed the import. Without ``value``: a float 0."""
+    value = {} if empty == "no_value" else \
+        {"value": numpy_helper.from_array(np.array([-2.5], np.float32), "value")}
+    nodes = [helper.make_node("ConstantOfShape", ["s"], ["c"], **value),
+             helper.make_node("Add", ["x", "c"], ["y"])]
+    inputs, inits = [info("x", TensorProto.FLOAT, ["n"])], []
+    if empty != "shape_of_a_scalar":
+        inits = [numpy_helper.from_array(np.zeros(0, np.int64), "s")]
+    else:
+        nodes.insert(0, helper.make_node("Shape", ["t"], ["s"]))
+        inputs.append(info("t", TensorProto.FLOAT, []))
+    model = _model(nodes, inputs, [info("y", TensorProto.FLOAT, None)], inits=inits)
+    path, _, executor = _executor(model, tmp_path, dims={"n": (1, 16)})
+    extra = {"t": np.array(3.0, np.float32)} if empty == "shape_of_a_scalar" else {}
+    _equal_onnxruntime(path, executor, [{"x": np.arange(n, dtype=np.float32), **extra}
+                                        for n in (1, 5, 16)])
+
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div", "Mod"])
+@pytest.mark.parametrize("constant, dim_first", [
+    (np.array([6], np.int64), False),  # the dynamo exporter's arange [0] + past
+    (np.array([6], np.int64), True),
+    (np.array([[6]], np.int64), False),  # rank 2
+    (np.array([6], np.int32), False),  # the dim cast to int32 first
+])
+def test_a_one_element_tensor_with_a_dim_keeps_its_rank(op, constant, dim_first, tmp_path):
+    """``Add(arange [0], past)`` is a 1-d tensor. TVM folded it into the scalar ``past``; an
+    ``Unsqueeze`` of it then failed (axis out of range). The result is unsqueezed to rank
+    3 and multiplies ``x``: its rank decides the output's."""
+    dim = "dim" if constant.dtype == np.int64 else "dim32"
+    operands = [dim, "constant"] if dim_first else ["constant", dim]
+    nodes = [helper.make_node("Shape", ["x"], ["s"], start=1, end=2),
+             helper.make_node("Squeeze", ["s"], ["dim"]),
+             helper.make_node("Cast", ["dim"], ["dim32"], to=TensorProto.INT32),
+             helper.make_node(op, operands, ["ids"]),
+             helper.make_node("Unsqueeze", ["ids", "axes"], ["u"]),
+             helper.make_node("Cast", ["u"], ["f"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["x", "f"], ["y"])]
+    axes = [0, 1] if constant.ndim == 1 else [0]
+    inits = [numpy_helper.from_array(constant, "constant"),
+             numpy_helper.from_array(np.array(axes, np.int64), "axes")]
+    model = _model(nodes, [info("x", TensorProto.FLOAT, ["b", "p"])],
+                   [info("y", TensorProto.FLOAT, None)], inits=inits)
+    path, _, executor = _executor(model, tmp_path, dims={"b": (1, 4), "p": (1, 32)})
+    _equal_onnxruntime(path, executor, [{"x": np.full((b, p), 0.5, np.float32)}
+                                        for b, p in ((1, 1), (2, 5), (4, 32))])
+
+
+@pytest.mark.parametrize("target", [[-1], [1], [], [1, 1]])
+def test_reshape_of_a_dim(target, tmp_path):
+    """The dynamo exporter's ``Reshape(Shape(k)[2] + 1, [-1])``, concatenated into the shape
+    of an ``Expand``. TVM's reshape refused the dim (a scalar to it): "Reshape expects the
+    input data to be a Tensor"."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"], start=1, end=2),
+             helper.make_node("Squeeze", ["s"], ["dim"]),
+             helper.make_node("Add", ["dim", "one"], ["next"]),  # p + 1
+             helper.make_node("Reshape", ["next", "target"], ["r"])]
+    if len(target) == 1:  # x's first column expanded to [b, p + 1]
+        nodes += [helper.make_node("Slice", ["x", "starts", "ends", "axes"], ["column"]),
+                  helper.make_node("Shape", ["x"], ["b"], start=0, end=1),
+                  helper.make_node("Concat", ["b", "r"], ["shape"], axis=0),
+                  helper.make_node("Expand", ["column", "shape"], ["y"])]
+    else:  # x times p + 1, as a scalar or a [1, 1] tensor
+        nodes += [helper.make_node("Cast", ["r"], ["f"], to=TensorProto.FLOAT),
+                  helper.make_node("Mul", ["x", "f"], ["y"])]
+    inits = [numpy_helper.from_array(np.array(value, np.int64), name) for name, value in
+             [("one", 1), ("target", target), ("starts", [0]), ("ends", [1]), ("axes", [1])]]
+    model = _model(nodes, [info("x", TensorProto.FLOAT, ["b", "p"])],
+                   [info("y", TensorProto.FLOAT, None)], inits=inits)
+    path, _, executor = _executor(model, tmp_path, dims={"b": (1, 4), "p": (1, 32)})
+    _equal_onnxruntime(path, executor, [{"x": np.arange(b * p, dtype=np.float32).reshape(b, p)}
+                                        for b, p in ((1, 1), (2, 5), (4, 31))])
+
+
 def make_head_split_model() -> onnx.ModelProto:
     """``y = Reshape(x, Concat(Shape(x)[:2], [heads], Div(Shape(x)[2:], heads)))`` with
     ``heads = Div(Shape(h)[0:1], [2])``: an attention export's shape arithmetic (Div, a

@@ -400,32 +400,41 @@ def build_reductions(out: Path) -> None:
 
 
 def build_zoo(out: Path) -> None:
-    """The zoo (``bench/zoo``) for ``bench/zoo/gpu.py``: each model's reference ONNX export
-    (onnxruntime's input there), its CUDA build, and which export it is with the
-    fingerprint of its torch weights (``zoo/NAME.json``), from the first export that
-    compiles. Tiny configurations: a few MB each."""
+    """The zoo (``bench/zoo``) at its full size (``architectures.FULL``) for
+    ``bench/zoo/gpu.py``: per model the weightless ONNX export (grape's input and
+    onnxruntime's reference there), its CUDA build, and ``zoo/NAME.json``: which export it
+    is and its weight map, from which the GPU host makes the weights from the config and
+    seed. The first export (``Architecture.exports``) that compiles is kept. A model that
+    no export compiles is left out, said here and on the GPU host."""
     sys.path.insert(0, str(ROOT / "bench" / "zoo"))
-    from architectures import ARCHITECTURES, weights_fingerprint  # pylint: disable=import-outside-toplevel
+    from architectures import FULL_ARCHITECTURES  # pylint: disable=import-outside-toplevel
 
     zoo = out / "zoo"
     zoo.mkdir(parents=True, exist_ok=True)
-    for name, arch in ARCHITECTURES.items():
+    names = os.environ.get("GRAPE_ZOO_MODELS", "").split(",") if \
+        os.environ.get("GRAPE_ZOO_MODELS") else list(FULL_ARCHITECTURES)
+    for name in names:
+        arch = FULL_ARCHITECTURES[name]
+        for stale in (f"{name}.onnx", f"{name}.cuda.grape", f"{name}.json"):
+            (zoo / stale).unlink(missing_ok=True)  # an earlier build's, not this one's
         for how in arch.exports:
-            reference = zoo / f"{name}.onnx"
+            path = zoo / f"{name}.onnx"
             try:
-                compiled = arch.export(reference, how)
-                module = _timed(f"zoo/{name} ({how.label()})", lambda c=compiled, a=arch:
-                                grape_tvm.compile_onnx(c, dims=a.dims, target=CUDA))
+                inputs = arch.export_weightless(path, how)
+                module = _timed(f"zoo/{name} ({how.label()})", lambda a=arch, p=path:
+                                grape_tvm.compile_onnx(p, dims=a.dims, target=CUDA))
             except Exception as err:  # pylint: disable=broad-except
-                print(f"zoo/{name} ({how.label()}): {type(err).__name__}, next export")
+                print(f"zoo/{name} ({how.label()}): {type(err).__name__}: "
+                      f"{str(err).strip().splitlines()[-1][:300] if str(err).strip() else ''}")
+                path.unlink(missing_ok=True)
                 continue
             module.export(zoo / f"{name}.cuda.grape")
-            if compiled != reference:
-                compiled.unlink()
-            meta = {"export": how.label(), "attn_implementation": how.attn_implementation,
-                    "weights": weights_fingerprint(arch.make_module(how.attn_implementation))}
+            meta = {"size": "full", "export": how.label(),
+                    "attn_implementation": how.attn_implementation, "weights": inputs}
             (zoo / f"{name}.json").write_text(json.dumps(meta) + "\n")
             break
+        else:
+            print(f"zoo/{name}: no export compiles; left out")
 
 
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.

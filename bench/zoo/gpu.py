@@ -1,23 +1,26 @@
-"""The zoo on the GPU: each model's CUDA build against onnxruntime and PyTorch, and its latency
-against PyTorch eager (and ``torch.compile`` with ``--compiled``) at three shapes.
+"""The zoo on the GPU: each model at its full size (``architectures.FULL``: BERT-base,
+ViT-B/16, ResNet-50, BART-base, Whisper-tiny, a 12-layer Llama), its CUDA build against
+onnxruntime and PyTorch, and its latency against PyTorch eager (and ``torch.compile`` with
+``--compiled``) at three shapes.
 
 On the GPU host, from ``make gpu-artifacts`` (step ``zoo``: ``build/gpu/zoo/NAME.onnx``,
-``NAME.cuda.grape``, ``NAME.json``):
+weightless, ``NAME.cuda.grape``, ``NAME.json``):
 
     python3 bench/zoo/gpu.py --artifacts build/gpu/zoo --out OUT [--compiled] [--models bert,vit]
 
-Per model and shape (the range's smallest, middle and top, every dim at once; the seeded
-feeds of ``architectures.py``):
-- ``vs_onnxruntime``: grape on CUDA against onnxruntime on the CPU, on the carried export
+The weights are made here: the architecture's PyTorch module from its config and seed,
+whose ``state_dict`` gives the weight inputs by the build's weight map (no weight travels).
+grape, onnxruntime and PyTorch all run on those weights. Per model and shape (the range's
+smallest, middle and top, every dim at once; the seeded feeds of ``architectures.py``):
+- ``vs_onnxruntime``: grape on CUDA against onnxruntime on the CPU, on the same export
   (the worst output's max |diff| / max |reference|);
-- ``vs_torch``: against the PyTorch module on the GPU, made here from the same config and
-  seed; compared only where its weights' fingerprint equals the build machine's
-  (``same_weights``), since torch and transformers differ between the two machines;
+- ``vs_torch``: against the PyTorch module on the GPU;
 - ``grape_ms``, ``torch_eager_ms`` (and ``torch_compiled_ms``: ``torch.compile``, default
-  mode, one compile per shape): median of ``--reps`` calls, inputs on the device, each call
-  synchronized. TF32 off on both sides.
-Writes ``OUT/zoo_gpu.json``. Back on the build machine, ``--merge OUT/zoo_gpu.json`` puts
-each model's shapes into ``bench/results/zoo.json`` as its ``"gpu"`` entry.
+  mode): median of ``--reps`` calls, inputs on the device, each call synchronized. TF32 off
+  on both sides.
+Writes ``OUT/zoo_gpu.json``. Back on the build machine, ``--merge OUT/zoo_gpu.json ...``
+(one file per run, when the models ran in several) puts each model's shapes into
+``bench/results/zoo.json`` as its ``"gpu"`` entry.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from architectures import (  # noqa: E402  pylint: disable=wrong-import-position
-    ARCHITECTURES, SEED, relative_errors, weights_fingerprint)
+    FULL_ARCHITECTURES, SEED, relative_errors, weights)
 
 
 def _flat(value) -> list:
@@ -71,26 +74,35 @@ def _run_loaded(name: str, meta: dict, executor, folder: Path, reps: int, compil
     import torch  # pylint: disable=import-outside-toplevel
     import tvm  # pylint: disable=import-outside-toplevel
 
-    arch = ARCHITECTURES[name]
+    arch = FULL_ARCHITECTURES[name]
+    if meta.get("size") != "full":
+        raise ValueError(f"{folder / name}.json is not of a full-size zoo build: run "
+                         "make gpu-artifacts again")
+    module = arch.make_module(meta["attn_implementation"]).eval()
+    made = weights(module, meta["weights"])
+    executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device) for k, v in made.items()})
     session = onnxruntime.InferenceSession(str(folder / f"{name}.onnx"),
                                            providers=["CPUExecutionProvider"])
-    module = arch.make_module(meta["attn_implementation"]).eval()
-    same_weights = weights_fingerprint(module) == meta["weights"]
     module = module.cuda()
+    # Dynamo's caches are per code object, and the zoo's wrappers share theirs: without a
+    # reset the models before would use up the recompile limit, and torch.compile would
+    # fall back to eager without a word.
+    torch._dynamo.reset()  # pylint: disable=protected-access
     fast = torch.compile(module) if compiled else None
     rng = np.random.default_rng(SEED)
-    result = {"export": meta["export"], "same_weights": same_weights, "shapes": {}}
+    result = {"export": meta["export"], "size": meta["size"],
+              "dims": {d: list(r) for d, r in arch.dims.items()}, "shapes": {}}
     for shape in arch.shapes():
         feeds = arch.make_feeds(rng, shape)
         on_device = {k: tvm.runtime.tensor(v, executor.device) for k, v in feeds.items()}
         args = tuple(torch.from_numpy(feeds[n]).cuda() for n in arch.inputs)
         got = executor.run(on_device)
-        want = dict(zip(arch.outputs, session.run(list(arch.outputs), feeds)))
+        want = dict(zip(arch.outputs, session.run(list(arch.outputs), {**feeds, **made})))
         with torch.no_grad():
             ours = dict(zip(arch.outputs, (t.float().cpu().numpy() for t in _flat(module(*args)))))
             entry = {
                 "vs_onnxruntime": relative_errors(got, want, arch.outputs),
-                "vs_torch": relative_errors(got, ours, arch.outputs) if same_weights else None,
+                "vs_torch": relative_errors(got, ours, arch.outputs),
                 "grape_ms": _median_ms(lambda f=on_device: executor.run(f, return_numpy=False),
                                        executor.backend.synchronize, reps),
                 "torch_eager_ms": _median_ms(lambda: module(*args), torch.cuda.synchronize, reps),
@@ -106,23 +118,31 @@ def _run_loaded(name: str, meta: dict, executor, folder: Path, reps: int, compil
     return result
 
 
-def merge(gpu_json: Path, zoo_json: Path) -> None:
-    """``gpu_json``'s results into ``zoo_json``: models.NAME.gpu, and where they come from."""
-    gpu = json.loads(gpu_json.read_text())
+def merge(gpu_jsons: list[Path], zoo_json: Path) -> None:
+    """The results of ``gpu_jsons`` (runs of some models each, on one machine) into
+    ``zoo_json``: each model's ``gpu`` (its shapes), ``gpu_size`` and ``gpu_dims``, and
+    where they come from."""
+    runs = [json.loads(path.read_text()) for path in gpu_jsons]
+    for key in ("machine", "tf32", "timing"):
+        if len({json.dumps(run[key]) for run in runs}) != 1:
+            raise ValueError(f"the runs differ in {key!r}: merge runs of one setup only")
     zoo = json.loads(zoo_json.read_text())
-    zoo["gpu"] = {k: gpu[k] for k in ("machine", "command", "tf32", "timing")}
-    for name, result in gpu["models"].items():
-        zoo["models"].setdefault(name, {})["gpu"] = result.get("shapes", result)
-        if "same_weights" in result:
-            zoo["models"][name]["gpu_same_weights_as_export"] = result["same_weights"]
+    zoo["gpu"] = {**{k: runs[0][k] for k in ("machine", "tf32", "timing")},
+                  "command": " ; ".join(run["command"] for run in runs)}
+    for run in runs:
+        for name, result in run["models"].items():
+            entry = zoo["models"].setdefault(name, {})
+            entry["gpu"] = result.get("shapes", result)
+            entry["gpu_size"] = result.get("size")
+            entry["gpu_dims"] = result.get("dims")
     zoo_json.write_text(json.dumps(zoo, indent=1) + "\n")
-    print(f"merged {gpu_json} into {zoo_json}")
+    print(f"merged {', '.join(map(str, gpu_jsons))} into {zoo_json}")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--merge", type=Path, default=None,
-                        help="merge this zoo_gpu.json into bench/results/zoo.json and stop")
+    parser.add_argument("--merge", type=Path, nargs="+", default=None,
+                        help="merge these zoo_gpu.json into bench/results/zoo.json and stop")
     parser.add_argument("--artifacts", type=Path, default=Path("build/gpu/zoo"))
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--models", default=None, help="comma-separated; all built ones if unset")
@@ -139,7 +159,7 @@ def main() -> int:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
     names = args.models.split(",") if args.models else \
-        [n for n in ARCHITECTURES if (args.artifacts / f"{n}.cuda.grape").exists()]
+        [n for n in FULL_ARCHITECTURES if (args.artifacts / f"{n}.cuda.grape").exists()]
     import transformers  # pylint: disable=import-outside-toplevel
 
     result = {"machine": f"{torch.cuda.get_device_name()}, torch {torch.__version__}, "

@@ -6,11 +6,15 @@ decoder, its greedy tokens over the whole past range (``generated_tokens``).
     python3 bench/zoo/run.py --out /tmp/zoo --models llama,vit
 
 CUDA is built only (the kernels compiled to cubins with nvcc): nothing here runs on a GPU.
-The GPU half is ``bench/zoo/gpu.py`` on the GPU host (``run_all.sh`` step ``zoo``), whose
-results ``python3 bench/zoo/gpu.py --merge OUT/zoo_gpu.json`` merges in as each model's
-``"gpu"`` entry; a new run of this script writes zoo.json without them. A model whose default export fails to export or compile is
-exported again the next way a user would try (``Architecture.exports``); every attempt is
-kept, a failure as its one-line reason.
+The GPU half is ``bench/zoo/gpu.py`` on the GPU host (``run_all.sh`` step ``zoo``), at the
+models' full size; ``python3 bench/zoo/gpu.py --merge OUT/zoo_gpu.json ...`` merges its
+results in as each model's ``"gpu"`` entry (a new run of this script writes zoo.json
+without them).
+
+A model whose default export fails to export or compile is exported again the next way a
+user would try (``Architecture.exports``); every attempt is kept, a failure as its one-line
+reason. The export used is then made again by the dynamo exporter (``torch.onnx.export(...,
+dynamo=True)``, which needs onnxscript) and checked the same way: ``dynamo_export``.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import shlex
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -65,16 +70,16 @@ def compile_timed(path: Path, arch: Architecture, target, artifact: Path) -> dic
             "cubins": len(module.cubins)}
 
 
-def check_llvm(compiled: Path, reference: Path, arch: Architecture, workdir: Path) -> dict:
-    """Compile ``compiled`` for llvm, run it against onnxruntime on ``reference``."""
+def check_llvm(path: Path, arch: Architecture, workdir: Path) -> dict:
+    """Compile ``path`` for llvm, run it against onnxruntime on the same file."""
     import grape_tvm  # pylint: disable=import-outside-toplevel
 
     artifact = workdir / f"{arch.name}.llvm.grape"
-    result = compile_timed(compiled, arch, "llvm", artifact)
+    result = compile_timed(path, arch, "llvm", artifact)
     executor = grape_tvm.load(artifact)
-    shapes = errors_against_onnxruntime(executor, reference, arch, arch.shapes())
+    shapes = errors_against_onnxruntime(executor, path, arch, arch.shapes())
     worst = max(s["relative_error"] for s in shapes)
-    tokens = tokens_against_onnxruntime(executor, reference, arch) if arch.cache else None
+    tokens = tokens_against_onnxruntime(executor, path, arch) if arch.cache else None
     return {**result, "shapes": shapes, "max_relative_error": worst,
             **({"generated_tokens": tokens} if tokens else {}),
             "matches_onnxruntime": worst <= TOLERANCE and (not tokens or tokens["tokens_equal"])}
@@ -95,38 +100,49 @@ def try_export(arch: Architecture, how: Export, workdir: Path) -> dict:
     """One export, its llvm build and check, and (when llvm built) its CUDA build; the
     first step that fails holds its one-line reason and ends the attempt."""
     attempt = {"export": how.label()}
-    reference = workdir / f"{arch.name}.onnx"
-    compiled = record(attempt, "exported", lambda: arch.export(reference, how))
-    if compiled is None:
+    path = workdir / f"{arch.name}.onnx"
+    if record(attempt, "exported", lambda: arch.export(path, how)) is None:
         return attempt
     attempt["exported"] = True  # the path is workdir's, gone after the run
-    if record(attempt, "llvm", lambda: check_llvm(compiled, reference, arch, workdir)):
+    if record(attempt, "llvm", lambda: check_llvm(path, arch, workdir)):
         record(attempt, "cuda",
-               lambda: compile_timed(compiled, arch, CUDA, workdir / f"{arch.name}.cuda.grape"))
+               lambda: compile_timed(path, arch, CUDA, workdir / f"{arch.name}.cuda.grape"))
     return attempt
 
 
 def run_architecture(arch: Architecture, workdir: Path) -> dict:
     """The architecture's exports in order until one builds for llvm; the model's entry
-    describes that one (or the last), and every attempt is kept."""
+    describes that one (or the last), and every attempt is kept. Then the same export by
+    the dynamo exporter, reported apart (``dynamo_export``)."""
     attempts = []
     for how in arch.exports:
         attempts.append(try_export(arch, how, workdir))
         if isinstance(attempts[-1].get("llvm"), dict):
             break
-    last = attempts[-1]
-    llvm = last.get("llvm", "not built: export failed")
-    cuda = last.get("cuda", "not built: llvm failed")
+    used = arch.exports[len(attempts) - 1]
+    dynamo = try_export(arch, replace(used, dynamo=True), workdir)
     return {
         "dims": {d: list(r) for d, r in arch.dims.items()},
-        "export": last["export"],
-        "exported": last["exported"],
-        "compiles": {"llvm": isinstance(llvm, dict) or llvm, "cuda": isinstance(cuda, dict) or cuda},
+        **summary(arch, attempts[-1]),
+        "attempts": attempts,
+        "dynamo_export": summary(arch, dynamo),
+    }
+
+
+def summary(arch: Architecture, attempt: dict) -> dict:
+    """What one attempt (``try_export``) came to: compiled, matched, the worst error."""
+    llvm = attempt.get("llvm", "not built: export failed")
+    cuda = attempt.get("cuda", "not built: llvm failed")
+    exported = attempt["exported"]
+    return {
+        "export": attempt["export"],
+        "exported": exported,
+        "compiles": {"llvm": isinstance(llvm, dict) or llvm,
+                     "cuda": isinstance(cuda, dict) or cuda},
         "matches_onnxruntime": isinstance(llvm, dict) and llvm["matches_onnxruntime"],
         "max_relative_error": llvm["max_relative_error"] if isinstance(llvm, dict) else None,
         **({"generated_tokens": llvm.get("generated_tokens")}
            if arch.cache and isinstance(llvm, dict) else {}),
-        "attempts": attempts,
     }
 
 
@@ -141,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name} ...", flush=True)
             models[name] = run_architecture(ARCHITECTURES[name], Path(tmp))
             print(json.dumps({k: models[name][k] for k in ("compiles", "matches_onnxruntime")}),
-                  flush=True)
+                  "dynamo exporter:", json.dumps(
+                      {k: models[name]["dynamo_export"][k]
+                       for k in ("compiles", "matches_onnxruntime")}), flush=True)
     result = {
         "machine": machine(),
         "command": shlex.join(["python3", *sys.argv]),

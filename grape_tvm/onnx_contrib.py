@@ -19,7 +19,8 @@ Llama exports.
 
 The sums and statistics are computed in float32 (float64 for float64 inputs), as ONNX
 Runtime computes them, and rounded once to the output's dtype; the statistics are returned
-in float32 (the input's dtype for ``stash_type=0``). ``SkipSimplifiedLayerNormalization``'s
+in the compute dtype (``SimplifiedLayerNormalization``'s in float32, or the input's dtype
+for ``stash_type=0``). ``SkipSimplifiedLayerNormalization``'s
 ``mean`` output is zeros, as ONNX Runtime writes it: an RMS norm has no centering term.
 """
 

@@ -196,6 +196,29 @@ class Concat(tvm_onnx.Concat):
         return relax.op.concat([_int64_tensor(bb, x) for x in inputs], axis=attr.get("axis", 0))
 
 
+class Gather(tvm_onnx.Gather):
+    """``Gather`` of a shape expression by a constant vector of indices: the shape
+    expression of the dims picked.
+
+    onnxruntime's transpose optimizer reads a transposed tensor's dims this way
+    (``Gather(Shape(k), [0, 2, 1, 3])``). TVM gathers from the shape turned into a run-time
+    tensor: the dims' values are lost, and what is computed from them (Llama's rotary
+    ``Slice`` to half the head size) gets an unknown shape.
+    """
+
+    @classmethod
+    def _impl_v13(cls, bb, inputs, attr, params):
+        data, indices = inputs
+        picked = tvm_onnx.get_constant(indices, params)
+        if isinstance(data, relax.ShapeExpr) and isinstance(picked, tvm.ir.GenericConst) and \
+                attr.get("axis", 0) in (0, -1) and picked.value.numpy().ndim == 1:
+            dims, rank = data.values, len(data.values)
+            positions = [int(i) for i in picked.value.numpy()]
+            if all(-rank <= i < rank for i in positions):
+                return relax.ShapeExpr([dims[i % rank] for i in positions])
+        return super()._impl_v13(bb, inputs, attr, params)
+
+
 class Size(tvm_onnx.Size):
     """``Size`` known at import time: of a shape expression (``Shape``'s output, so a rank)
     or of a tensor of constant shape, a constant.
@@ -471,7 +494,7 @@ REDUCE_CONVERTERS = {
     for name in REDUCE_OPS}
 """Every ``Reduce*`` op whose axes are an input: ReduceSum from opset 13, the others 18."""
 
-SHAPE_TENSOR_CONVERTERS = {"Concat": Concat, "ConstantOfShape": ConstantOfShape,
+SHAPE_TENSOR_CONVERTERS = {"Concat": Concat, "ConstantOfShape": ConstantOfShape, "Gather": Gather,
                            "Reshape": Reshape, "Size": Size, **REDUCE_CONVERTERS,
                            "Add": Add, "Sub": Sub, "Mul": Mul, "Div": Div}
 """The converters of this module, by ONNX op."""

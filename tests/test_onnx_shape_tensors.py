@@ -205,6 +205,32 @@ def test_reshape_of_a_dim(target, tmp_path):
                                         for b, p in ((1, 1), (2, 5), (4, 31))])
 
 
+def test_gather_of_a_shape_by_a_constant_vector(tmp_path):
+    """onnxruntime's transpose optimizer in Llama's rotary half: the head size read as
+    ``Gather(Gather(Shape(k), [0, 2, 1, 3]), 3)``, halved, ends a ``Slice``. TVM gathered
+    the shape as a run-time tensor; the slice's extent was lost and the next ``Shape`` of it
+    failed ("shape_of expects a tensor input")."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "perm"], ["permuted"], axis=0),
+             helper.make_node("Gather", ["permuted", "three"], ["head"], axis=0),
+             helper.make_node("Div", ["head", "two"], ["half"]),
+             helper.make_node("Unsqueeze", ["half", "zero"], ["end"]),
+             helper.make_node("Slice", ["x", "zero", "end", "three_1d"], ["y"]),
+             helper.make_node("Shape", ["y"], ["t"]),
+             helper.make_node("Gather", ["t", "three"], ["width"], axis=0),
+             helper.make_node("Cast", ["width"], ["w"], to=TensorProto.FLOAT),
+             helper.make_node("Mul", ["y", "w"], ["z"])]
+    inits = [numpy_helper.from_array(np.array(value, np.int64), name) for name, value in
+             [("perm", [0, 2, 1, 3]), ("three", 3), ("two", 2), ("zero", [0]),
+              ("three_1d", [3])]]
+    model = _model(nodes, [info("x", TensorProto.FLOAT, ["b", 2, "p", 16])],
+                   [info("z", TensorProto.FLOAT, None)], inits=inits)
+    path, _, executor = _executor(model, tmp_path, dims={"b": (1, 4), "p": (1, 32)})
+    _equal_onnxruntime(path, executor, [
+        {"x": np.arange(b * 2 * p * 16, dtype=np.float32).reshape(b, 2, p, 16)}
+        for b, p in ((1, 1), (2, 5), (4, 32))])
+
+
 def make_head_split_model() -> onnx.ModelProto:
     """``y = Reshape(x, Concat(Shape(x)[:2], [heads], Div(Shape(x)[2:], heads)))`` with
     ``heads = Div(Shape(h)[0:1], [2])``: an attention export's shape arithmetic (Div, a

@@ -48,17 +48,15 @@ def test_zoo_model_by_the_dynamo_exporter_equals_onnxruntime(name, tmp_path):
     _equals_onnxruntime(arch, replace(arch.exports[-1], dynamo=True), tmp_path)
 
 
-# onnxruntime's transformer optimizer: its model type for each architecture whose fused
-# export grape imports. Its Llama fusion (model type gpt2) does not import yet: a Gather of
-# the Shape of a one-input Concat fails ("shape_of expects a tensor input, but received
-# R.Shape"), not diagnosed further.
+# onnxruntime's transformer optimizer: its model type for each architecture
 ONNXRUNTIME_OPTIMIZED = {"bert": "bert", "vit": "vit", "bart_encoder": "bart",
-                         "whisper_decode": "bart"}
+                         "whisper_decode": "bart", "llama": "gpt2", "llama_decode": "gpt2"}
 
 
 @pytest.mark.parametrize("name", sorted(ONNXRUNTIME_OPTIMIZED))
 def test_zoo_model_fused_by_onnxruntime_equals_onnxruntime(name, tmp_path):
-    """The export as onnxruntime's transformer optimizer fuses it (``SkipLayerNormalization``:
+    """The export as onnxruntime's transformer optimizer fuses it (``SkipLayerNormalization``,
+    ``SkipSimplifiedLayerNormalization``, ``SimplifiedLayerNormalization``:
     ``grape_tvm/onnx_contrib.py``; ``BiasGelu``: TVM's), against onnxruntime on the unfused
     one."""
     from onnxruntime.transformers import optimizer  # pylint: disable=import-outside-toplevel

@@ -494,7 +494,7 @@ REDUCE_CONVERTERS = {
     for name in REDUCE_OPS}
 """Every ``Reduce*`` op whose axes are an input: ReduceSum from opset 13, the others 18."""
 
-SHAPE_TENSOR_CONVERTERS = {"Concat": Concat, "ConstantOfShape": ConstantOfShape, "Gather": Gather,
-                           "Reshape": Reshape, "Size": Size, **REDUCE_CONVERTERS,
-                           "Add": Add, "Sub": Sub, "Mul": Mul, "Div": Div}
+SHAPE_TENSOR_CONVERTERS = {"Concat": Concat, "ConstantOfShape": ConstantOfShape,
+                           "Gather": Gather, "Reshape": Reshape, "Size": Size,
+                           **REDUCE_CONVERTERS, "Add": Add, "Sub": Sub, "Mul": Mul, "Div": Div}
 """The converters of this module, by ONNX op."""

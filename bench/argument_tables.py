@@ -337,7 +337,8 @@ def main() -> None:
     memory, cold, detail = measure_memory_and_cold_start(args.artifacts, h)
     result = {
         "machine": machine,
-        "command": "bash bench/gpu/run_all.sh (python3 bench/argument_tables.py --artifacts build/gpu --out $OUT)",
+        "command": "bash bench/gpu/run_all.sh (python3 bench/argument_tables.py "
+                   f"{' '.join(sys.argv[1:])})",
         "model": f"{DEPTH} blocks x + gelu(layer_norm(x) @ W + b), width {WIDTH}, fp32, n = 1..{HI}",
         "latency_us": latency,
         "gpu_busy_us": busy,

@@ -50,6 +50,7 @@ from export_hf import (  # noqa: E402  pylint: disable=wrong-import-position
     cache_argument, dynamic_cache, hf_weights, make_model, returned_cache)
 
 PAST = [1, 64, 256, 512, 1024]
+PREFILL_LENGTHS = (16, 128, 512, 1024)  # prompt lengths the prefill is timed at
 STEP_SYSTEMS = ["grape", "vm_grape_kernels", "tvm_vm", "tvm_cuda_graph", "torch_eager",
                 "torch_graph_per_shape", "torch_compiled"]
 GEN_SYSTEMS = ["torch_eager", "torch_compiled", "tvm_vm", "tvm_cuda_graph", "vm_grape_kernels",
@@ -389,6 +390,58 @@ class Gpt2Bench:
                 flush=True)
         return {s: v for s, v in out.items() if v}
 
+    # -- (1b) the prefill of a prompt ----------------------------------------------------
+    def prefill_latency(self, lengths: list[int]) -> dict:
+        """A prompt of each length, batch 1, through the prefill (logits and the cache):
+        grape, TVM's VM, PyTorch eager and ``torch.compile(mode="reduce-overhead")`` of the
+        forward without its cache (compiled once per length, a static shape; the compile
+        untimed). Into a ``StaticCache`` the compiled prefill crashed the process on the
+        H200 (a segfault in an Inductor kernel launch, cudagraphs skipped for the cache's
+        mutated inputs); without the cache it computes the same keys and values and does
+        not return them (a few MB of writes less)."""
+        torch, tm = self.torch, self.tm
+        out: dict[str, dict] = {}
+        mode = "reduce-overhead" if self.env.cuda else "default"
+        compiled = None
+        if self.compiled is not None:
+            def prefill(ids):
+                return tm.model(ids, use_cache=False).logits
+
+            compiled = torch.compile(prefill, mode=mode, fullgraph=True, dynamic=False)
+        for length in lengths:
+            ids_np = np.random.default_rng(length).integers(0, tm.vocab, (1, length))
+            ids_t = torch.from_numpy(ids_np.astype(np.int64)).to(self.env.device)
+            feeds = {"input_ids": self.tvm.runtime.tensor(ids_np.astype(np.int64), self.dev)}
+            ex = self.grape["gpt2_prefill"]
+            calls = {"grape": lambda: (ex.run(feeds, return_numpy=False), self.grape_sync(ex))}
+            for system, vms in self.vms.items():
+                calls[system] = lambda v=vms["gpt2_prefill"]: (v(feeds), self.dev.sync())
+
+            def eager():
+                with torch.no_grad():
+                    tm.model(ids_t, use_cache=True)
+                self.env.sync()
+
+            calls["torch_eager"] = eager
+            if compiled is not None:
+                def compiled_call():
+                    with torch.no_grad():
+                        compiled(ids_t)
+                    self.env.sync()
+
+                calls["torch_compiled"] = compiled_call
+            for system, call in calls.items():
+                try:
+                    out.setdefault(system, {})[str(length)] = _median_us(
+                        call, self.reps, warmup=3 if system == "torch_compiled" else 2)
+                except Exception as err:  # pylint: disable=broad-except
+                    traceback.print_exc()
+                    self.errors.setdefault(f"prefill/{system}", {})[str(length)] = _error(err)
+            print(f"  prefill {length:5d}: " + " ".join(
+                f"{s}={v[str(length)]:.0f}" for s, v in out.items() if str(length) in v),
+                flush=True)
+        return out
+
     # -- (2) greedy generation ------------------------------------------------------------
     def _from_tvm(self, tensor):
         return self.torch.from_dlpack(tensor)
@@ -560,6 +613,9 @@ def run_gpt2(env: Env, args) -> dict:
     lengths = past_lengths(bench.tm, bench.hi)
     print(f"GPT-2 decode step, batch 1, us (median of {args.reps})", flush=True)
     step_us = bench.step_latency(lengths)
+    prompts = [n for n in PREFILL_LENGTHS if n <= bench.grape["gpt2_prefill"].signature.dims["seq"].hi]
+    print(f"GPT-2 prefill, batch 1, us (median of {args.reps})", flush=True)
+    prefill_us = bench.prefill_latency(prompts)
     print(f"GPT-2 greedy generation: prompt {args.prompt_len}, {args.max_new_tokens} new tokens",
           flush=True)
     # Fresh executors for the generation: their graphs serve exactly its calls, for (3).
@@ -584,6 +640,11 @@ def run_gpt2(env: Env, args) -> dict:
                   "random weights from config and seed"),
         "tokens_per_s": gen["tokens_per_s"],
         "decode_step_us": step_us,
+        "prefill_us": prefill_us,
+        "prefill_lengths": prompts,
+        "prefill_torch_compiled": ("torch.compile(mode='reduce-overhead', fullgraph=True, "
+                                   "dynamic=False) of the forward without its cache "
+                                   "(use_cache=False), per length"),
         "graph_memory_bytes": memory,
         "past_lengths": lengths,
         "generation": {k: v for k, v in gen.items() if k != "tokens_per_s"},
@@ -599,10 +660,13 @@ def run_gpt2(env: Env, args) -> dict:
         "decode_step_errors": bench.errors,
         "backend": graphs,
     }
-    if memory.get("grape") and memory.get("graph_per_shape"):
-        result["graph_memory_per_shape_over_grape"] = memory["graph_per_shape"] / memory["grape"]
+    if memory.get("graph_per_shape", 0) > 0:
         per_graph = memory["graph_per_shape"] / max(instantiated.get("graph_per_shape", 1), 1)
         result["graph_per_shape_bytes_per_graph"] = per_graph
+    # cudaMemGetInfo moves in 2 MiB pages and other frees land in the same window, so grape's
+    # few graphs can read 0 or less: a ratio is only meaningful above that granularity.
+    if memory.get("grape", 0) > 0 and memory.get("graph_per_shape", 0) > 0:
+        result["graph_memory_per_shape_over_grape"] = memory["graph_per_shape"] / memory["grape"]
     for ex in (*[e for pair in fresh.values() for e in pair], *bench.grape.values()):
         ex.close()
     return result
@@ -733,19 +797,24 @@ def run_wav2vec2(env: Env, args) -> dict:
 
 # -- output ----------------------------------------------------------------------------------
 
+def _print_series(title: str, prefix: str, lengths: list[str], series_by_row: dict) -> None:
+    print(f"\n{title:25s}" + " ".join(f"{prefix + n:>9s}" for n in lengths))
+    for row, series in series_by_row.items():
+        print(f"  {row:22s} " + " ".join(
+            f"{series[n]:9.0f}" if n in series else f"{'-':>9s}" for n in lengths))
+
+
 def print_tables(result: dict) -> None:
     gpt2 = result.get("gpt2", {})
     steps = gpt2.get("decode_step_us", {})
     if steps:
-        lengths = [str(n) for n in gpt2["past_lengths"]]
-        print("\nGPT-2 decode step (us)   " + " ".join(f"{'L=' + n:>9s}" for n in lengths))
-        for system, series in steps.items():
-            print(f"  {system:22s} " + " ".join(
-                f"{series[n]:9.0f}" if n in series else f"{'-':>9s}" for n in lengths))
-        busy = gpt2.get("gpu_busy_us") or {}
-        if busy:
-            print(f"  {'grape gpu_busy (floor)':22s} " + " ".join(
-                f"{busy[n]:9.0f}" if n in busy else f"{'-':>9s}" for n in lengths))
+        rows = dict(steps)
+        if gpt2.get("gpu_busy_us"):
+            rows["grape gpu_busy (floor)"] = gpt2["gpu_busy_us"]
+        _print_series("GPT-2 decode step (us)", "L=", [str(n) for n in gpt2["past_lengths"]], rows)
+    if gpt2.get("prefill_us"):
+        _print_series("GPT-2 prefill (us)", "S=", [str(n) for n in gpt2["prefill_lengths"]],
+                      gpt2["prefill_us"])
     if gpt2.get("tokens_per_s"):
         print("\nGPT-2 greedy generation (tokens/s, tokens equal torch_eager's)")
         for system, rate in gpt2["tokens_per_s"].items():

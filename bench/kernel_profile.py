@@ -11,7 +11,9 @@ every kernel node's own time, ``bench/gpu/run_all.sh``'s ``ncu_gpt2`` step).
     python3 bench/kernel_profile.py --ncu-summary OUT/gpt2_step_ncu.csv --json OUT.json
 
 ``--ncu-summary`` reads ncu's CSV of such a run (the graph launched twice: recording, then
-one step) and sums the last launch's kernels by name and launch configuration.
+one step) and sums the last launch's kernels by name and launch configuration: time, share
+of the step and, where ncu measured DRAM bytes, the bytes and the time over their bound at
+the copy bandwidth (``--copy-tbps``).
 """
 
 from __future__ import annotations
@@ -27,30 +29,68 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
-def ncu_summary(csv_path: Path, json_path: Path | None, top: int) -> None:
-    """The last graph launch's kernels from ncu's CSV, summed by name and launch shape."""
+# ncu's units, to microseconds and bytes
+_UNITS = {"ns": 1e-3, "nsecond": 1e-3, "us": 1.0, "usecond": 1.0, "ms": 1e3, "msecond": 1e3,
+          "byte": 1.0, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
+TIME = "gpu__time_duration.sum"
+BYTES = ("dram__bytes_read.sum", "dram__bytes_write.sum")
+
+
+def _ncu_kernels(csv_path: Path) -> list[dict]:
+    """One dict per profiled kernel (in launch order) from ncu's CSV: name, block, grid,
+    and each metric in microseconds or bytes."""
     import csv  # pylint: disable=import-outside-toplevel
     import io  # pylint: disable=import-outside-toplevel
-    import json  # pylint: disable=import-outside-toplevel
 
     lines = [line for line in csv_path.read_text().splitlines() if line.startswith('"')]
-    rows = list(csv.DictReader(io.StringIO("\n".join(lines))))
-    step = rows[len(rows) // 2:]  # two launches of one graph: the second is the step
-    groups: dict[tuple, list[float]] = defaultdict(list)
-    for row in step:
-        key = (row["Kernel Name"].split("(")[0][:100], row["Block Size"], row["Grid Size"])
-        groups[key].append(float(row["Metric Value"].replace(",", "")) / 1e3)
-    total = sum(sum(v) for v in groups.values())
-    ranked = sorted(groups.items(), key=lambda kv: -sum(kv[1]))
+    kernels: dict[tuple, dict] = {}
+    for row in csv.DictReader(io.StringIO("\n".join(lines))):
+        kernel = kernels.setdefault((row["Process ID"], row["ID"]), {
+            "name": row["Kernel Name"].split("(")[0][:100], "block": row["Block Size"],
+            "grid": row["Grid Size"]})
+        value = float(row["Metric Value"].replace(",", ""))
+        kernel[row["Metric Name"]] = value * _UNITS.get(row.get("Metric Unit", ""), 1.0)
+    return list(kernels.values())
+
+
+def ncu_summary(csv_path: Path, json_path: Path | None, top: int, copy_tbps: float) -> None:
+    """The last graph launch's kernels from ncu's CSV, summed by name and launch shape: time,
+    DRAM bytes (where ncu measured them) and the time over their bound at ``copy_tbps``."""
+    import json  # pylint: disable=import-outside-toplevel
+
+    kernels = _ncu_kernels(csv_path)
+    step = kernels[len(kernels) // 2:]  # two launches of one graph: the second is the step
+    groups: dict[tuple, list[dict]] = defaultdict(list)
+    for kernel in step:
+        groups[(kernel["name"], kernel["block"], kernel["grid"])].append(kernel)
+    total = sum(k[TIME] for k in step)
+    summary = []
+    for (name, block, grid), calls in groups.items():
+        us = sum(k[TIME] for k in calls)
+        entry = {"name": name, "block": block, "grid": grid, "calls": len(calls), "us": us,
+                 "share": us / total}
+        measured = [m for m in BYTES if m in calls[0]]
+        if measured:
+            moved = sum(k[m] for k in calls for m in measured)
+            bound = moved / (copy_tbps * 1e12) * 1e6
+            entry.update(bytes=moved, bound_us=bound, over_bound=us / bound if bound else None)
+        summary.append(entry)
+    summary.sort(key=lambda e: -e["us"])
     print(f"{len(step)} kernels, {total:.1f} us of GPU time (ncu, each kernel alone)")
-    for (name, block, grid), times in ranked[:top]:
-        print(f"  {sum(times):8.1f} us {len(times):4d} x {sum(times) / len(times):6.2f}  "
-              f"block {block} grid {grid}  {name}")
+    for e in summary[:top]:
+        moved = (f"  {e['bytes'] / 1e6:8.2f} MB  {e['over_bound']:6.1f}x bound"
+                 if e.get("over_bound") else "")
+        print(f"  {e['us']:8.1f} us {e['share']:6.1%} {e['calls']:4d} x "
+              f"{e['us'] / e['calls']:6.2f}{moved}  block {e['block']} grid {e['grid']}  "
+              f"{e['name']}")
     if json_path is not None:
         json_path.write_text(json.dumps({
             "source": str(csv_path), "kernels": len(step), "total_us": total,
-            "by_kernel": [{"name": n, "block": b, "grid": g, "calls": len(t), "us": sum(t)}
-                          for (n, b, g), t in ranked]}, indent=1))
+            "copy_tbps": copy_tbps,
+            "what": "us: ncu's gpu__time_duration of each kernel alone; bytes: DRAM bytes "
+                    "read and written; bound_us: bytes at the device copy bandwidth; "
+                    "over_bound: us / bound_us; share: of the step's kernel time",
+            "by_kernel": summary}, indent=1))
 
 
 def main() -> None:
@@ -58,6 +98,8 @@ def main() -> None:
     parser.add_argument("artifact", type=Path, nargs="?")
     parser.add_argument("--ncu-summary", type=Path, help="ncu's CSV of an --executor-steps run")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--copy-tbps", type=float, default=4.25,
+                        help="the bandwidth bound, TB/s (bench/results/matmul.json measures it)")
     parser.add_argument("--dim", action="append", default=[], help="NAME=VALUE")
     parser.add_argument("--weights", type=Path, help="a weights.json of bench/export_hf.py")
     parser.add_argument("--top", type=int, default=15)
@@ -73,7 +115,7 @@ def main() -> None:
 
         topology_graph.STAGED_BYTES = args.patch_staged_bytes
     if args.ncu_summary is not None:
-        ncu_summary(args.ncu_summary, args.json, args.top)
+        ncu_summary(args.ncu_summary, args.json, args.top, args.copy_tbps)
         return
     if args.artifact is None:
         parser.error("an artifact is needed (or --ncu-summary)")

@@ -5,8 +5,11 @@ TVM's dlight schedules, GPT-2's matmuls.
 GPT-2 124M's five shapes and M in {1, 8, 64, 512}, fp32 and fp16. Artifacts built on the CPU
 machine (``bench/gpu/build_artifacts.py``, step ``matmul``), M symbolic 1..1024:
 
-- ``cublaslt``: grape's default on CUDA (``matmul="cublaslt"``): a cuBLASLt call captured in
-  grape's graph (``runtime/cublaslt.py``); reported as ``grape_us`` and ``impl``
+- ``auto``: grape's default on CUDA (``matmul="auto"``): grape's GEMV kernels where M is in
+  ``GEMV_ROWS`` of the weight's layout (``passes/few_rows_gemv.py``), cuBLASLt above;
+  reported as ``grape_us`` and ``impl`` (``auto_nk``: the same with W as (N, K))
+- ``cublaslt``: ``matmul="cublaslt"``: a cuBLASLt call captured in grape's graph at every M
+  (``runtime/cublaslt.py``)
 - ``gemv``: ``matmul="grape"``: grape's GEMV rule takes M <= 8, dlight's Matmul M > 8
 - ``tvm_dlight``: ``matmul="tvm"``: TVM's dlight schedules alone (the baseline)
 - ``gemv_nk``: ``gemv`` with W as (N, K) (``nn.Linear``'s layout, the transpose fused)
@@ -52,7 +55,10 @@ from models import GPT2_MATMULS  # noqa: E402  pylint: disable=wrong-import-posi
 
 ROWS = (1, 8, 64, 512)
 DTYPES = ("float32", "float16")
-SYSTEMS = ("cublaslt", "gemv", "tvm_dlight", "gemv_nk", "cublas")
+SYSTEMS = ("auto", "auto_nk", "cublaslt", "gemv", "tvm_dlight", "gemv_nk", "cublas")
+# (name, W's layout, the artifact's system: bench/gpu/build_artifacts.py's MATMUL_SYSTEMS)
+ARTIFACTS = (("auto", "kn", "auto"), ("auto_nk", "nk", "auto"), ("cublaslt", "kn", "cublaslt"),
+             ("gemv", "kn", "gemv"), ("tvm_dlight", "kn", "tvm_dlight"), ("gemv_nk", "nk", "gemv"))
 REGION = "grape_region_0"
 FLUSH_BYTES = 256 * 2**20
 SPIN_CYCLES = 4_000_000  # about 2 ms at the H200's clock: longer than queuing 50 launches
@@ -225,9 +231,7 @@ def measure_shape(torch, artifacts: Path, dtype: str, k: int, n: int, rows, band
     size = torch.tensor([], dtype=tdtype).element_size()
     systems = {name: Artifact(artifacts / f"matmul_{layout}_{dtype}_{k}x{n}.{built}.cuda.grape",
                               w if layout == "kn" else w_nk, torch)
-               for name, layout, built in (("cublaslt", "kn", "cublaslt"), ("gemv", "kn", "gemv"),
-                                           ("tvm_dlight", "kn", "tvm_dlight"),
-                                           ("gemv_nk", "nk", "gemv"))}
+               for name, layout, built in ARTIFACTS}
     cublas_stream = torch.cuda.Stream()
     clock_of = {name: Clock(torch, a.stream_handle) for name, a in systems.items()}
     clock_of["cublas"] = Clock(torch, cublas_stream.cuda_stream)
@@ -258,8 +262,8 @@ def measure_shape(torch, artifacts: Path, dtype: str, k: int, n: int, rows, band
             nbytes = (k * n + m * k + m * n) * size
             entry["bytes"] = nbytes
             entry["roofline_us"] = nbytes / bandwidth * 1e6
-            entry["grape_us"], entry["grape_cold_us"] = entry["cublaslt_us"], entry["cublaslt_cold_us"]
-            entry["impl"] = "cuBLASLt: " + entry.pop("cublaslt_impl")
+            entry["grape_us"], entry["grape_cold_us"] = entry["auto_us"], entry["auto_cold_us"]
+            entry["impl"] = entry.pop("auto_impl")
             entry["bandwidth_fraction"] = entry["roofline_us"] / entry["grape_cold_us"]
             entry["gemv_bandwidth_fraction"] = entry["roofline_us"] / entry["gemv_cold_us"]
             out[f"{m}x{k}x{n}"] = entry
@@ -272,17 +276,19 @@ def measure_shape(torch, artifacts: Path, dtype: str, k: int, n: int, rows, band
     return out
 
 
-HEADER = (f"{'dtype':8s} {'M':>5s} {'K':>5s} {'N':>6s} | {'cuBLASLt':>8s} {'gemv':>8s} "
-          f"{'dlight':>8s} {'gemv_nk':>8s} {'cuBLAS':>8s} {'roofline':>8s} | {'cuBLASLt':>8s} "
-          f"{'gemv':>7s} {'dlight':>7s} {'cuBLAS':>7s} | {'LT/cuBLAS':>9s} {'gemv HBM':>8s}")
+HEADER = (f"{'dtype':8s} {'M':>5s} {'K':>5s} {'N':>6s} | {'grape':>7s} {'grapeNK':>7s} "
+          f"{'cuBLASLt':>8s} {'gemv':>7s} {'dlight':>7s} {'gemv_nk':>7s} {'cuBLAS':>7s} "
+          f"{'roofline':>8s} | {'grape':>7s} {'grapeNK':>7s} {'cuBLASLt':>8s} {'cuBLAS':>7s} | "
+          f"{'grape/cuBLAS':>12s} {'grape HBM':>9s}")
 
 
 def _row(dtype: str, m: int, k: int, n: int, e: dict) -> str:
-    return (f"{dtype:8s} {m:5d} {k:5d} {n:6d} | {e['cublaslt_us']:8.2f} {e['gemv_us']:8.2f} "
-            f"{e['tvm_dlight_us']:8.2f} {e['gemv_nk_us']:8.2f} {e['cublas_us']:8.2f} "
-            f"{e['roofline_us']:8.2f} | {e['cublaslt_cold_us']:8.2f} {e['gemv_cold_us']:7.2f} "
-            f"{e['tvm_dlight_cold_us']:7.2f} {e['cublas_cold_us']:7.2f} | "
-            f"{e['cublaslt_us'] / e['cublas_us']:9.2f} {e['gemv_bandwidth_fraction']:8.2f}")
+    return (f"{dtype:8s} {m:5d} {k:5d} {n:6d} | {e['auto_us']:7.2f} {e['auto_nk_us']:7.2f} "
+            f"{e['cublaslt_us']:8.2f} {e['gemv_us']:7.2f} {e['tvm_dlight_us']:7.2f} "
+            f"{e['gemv_nk_us']:7.2f} {e['cublas_us']:7.2f} {e['roofline_us']:8.2f} | "
+            f"{e['auto_cold_us']:7.2f} {e['auto_nk_cold_us']:7.2f} {e['cublaslt_cold_us']:8.2f} "
+            f"{e['cublas_cold_us']:7.2f} | {e['auto_us'] / e['cublas_us']:12.2f} "
+            f"{e['bandwidth_fraction']:9.2f}")
 
 
 def main() -> None:
@@ -319,13 +325,15 @@ def main() -> None:
         "machine": machine,
         "command": "bash bench/gpu/run_all.sh (python3 bench/matmul.py "
                    f"{' '.join(sys.argv[1:])})",
-        "what": "y = x @ W, W (K, N) as HF GPT-2's Conv1D, M symbolic 1..1024 in every artifact",
+        "what": "y = x @ W, W (K, N) as HF GPT-2's Conv1D (auto_nk, gemv_nk: W as (N, K)), M "
+                "symbolic 1..1024 in every artifact",
         "method": (f"*_us: one CUDA graph holding the operation alone, {launches} launches back "
                    f"to back (CUDA events), per launch, median of {rounds} rounds (L2-warm); "
                    f"*_cold_us: single launches after a 256 MiB write, median of {cold_reps} "
                    "(HBM); both include the GPU's "
-                   "cost of a one-node graph (empty_graph_us), not subtracted; grape and "
-                   "tvm_dlight: the graph grape's executor captured (per-shape mode); cublas: "
+                   "cost of a one-node graph (empty_graph_us), not subtracted; grape (auto) "
+                   "and the other artifacts: the graph grape's executor captured (per-shape "
+                   "mode); cublas: "
                    "torch.matmul, TF32 off, in a torch CUDA graph; roofline_us: bytes of W, x "
                    "and y at the measured device copy bandwidth; bandwidth_fraction: "
                    "roofline_us / grape_cold_us"),
@@ -343,14 +351,16 @@ def main() -> None:
         t0 = time.perf_counter()
         for dtype in DTYPES:
             for k, n in GPT2_MATMULS:
-                w, _ = _weights(torch, k, n, dtype)
+                w, w_nk = _weights(torch, k, n, dtype)
                 # dlight's one kernel is one topology: counted once, for comparison
                 baseline = (dtype, k, n) == (DTYPES[0], *GPT2_MATMULS[0])
-                for system in ("cublaslt", "gemv", "tvm_dlight") if baseline else \
-                        ("cublaslt", "gemv"):
-                    name = f"matmul_kn_{dtype}_{k}x{n}.{system}"
+                counted = [("kn", s) for s in ("auto", "cublaslt", "gemv")] + [("nk", "auto")]
+                if baseline:
+                    counted.append(("kn", "tvm_dlight"))
+                for layout, system in counted:
+                    name = f"matmul_{layout}_{dtype}_{k}x{n}.{system}"
                     result["topologies"][f"{name}/{REGION}"] = topologies(
-                        args.artifacts / f"{name}.cuda.grape", w)
+                        args.artifacts / f"{name}.cuda.grape", w if layout == "kn" else w_nk)
         print(f"topologies over M = 1..1024 ({time.perf_counter() - t0:.0f} s): "
               f"{json.dumps(result['topologies'], indent=1)}")
     args.out.mkdir(parents=True, exist_ok=True)

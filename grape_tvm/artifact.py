@@ -119,6 +119,10 @@ class Artifact:
 
 # -- the manifest's fields ---------------------------------------------------------------
 
+# What may run an artifact's matmuls (``build(matmul=...)``, recorded as ``plan["matmul"]``).
+MATMUL_IMPLEMENTATIONS = ("auto", "cublaslt", "grape", "tvm")
+
+
 class _Each:
     """A JSON object of any keys, each value fitting ``schema``."""
 
@@ -148,6 +152,8 @@ _MANIFEST = {
                            "else_calls": [str], "kernels": int}],
         "branches?": _Each({"condition": int, "dims": [str], "branches": [[_BRANCH_CALL]]}),
         "libraries?": [frozenset({CUBLASLT})],
+        "matmul?": frozenset(MATMUL_IMPLEMENTATIONS),
+        "gemv_rows?": _Each([int]),  # a library function -> its GEMV kernels' row buckets
         "call_program?": dict,  # runtime.call_program's format (checked where it is read)
     },
     "loop?": {"carried": [str], "stop": str, "max_steps": int, "onnx?": _ONNX_LOOP},

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from grape_tvm.artifact import Artifact, write_atomically
+from grape_tvm.artifact import MATMUL_IMPLEMENTATIONS, Artifact, write_atomically
 from grape_tvm.loader import load
 from grape_tvm.loop import load_onnx_loop
 from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX
@@ -154,12 +154,20 @@ def describe(manifest: dict) -> dict:
 def _matmul_description(plan: dict) -> str:
     """What runs the model's matmuls (``build(matmul=...)``)."""
     chosen = plan.get("matmul", "tvm")
-    if chosen == CUBLASLT:
+    if chosen in (CUBLASLT, "auto"):
         calls = sorted({k for r in plan["regions"] for k in r["kernels"]
                         if k.startswith(FUNCTION_PREFIX)})
-        return ("cuBLASLt, called inside the graphs (an algorithm per power-of-two bucket of "
+        text = ("cuBLASLt, called inside the graphs (an algorithm per power-of-two bucket of "
                 f"the rows; inspect --record lists them): {', '.join(calls) or 'none matched'}; "
-                "other matmuls TVM's schedules")
+                "other matmuls TVM's schedules with grape's rules")
+        gemv = plan.get("gemv_rows", {})
+        if gemv:
+            text = ("grape's GEMV kernels (epilogue fused) where the rows M are few ("
+                    + ", ".join(f"{f}: M <= {max(rows)}" for f, rows in sorted(gemv.items()))
+                    + "); above them, and for every other matmul with a weight, " + text)
+        elif chosen == "auto":
+            text = "grape's GEMV kernels took no matmul (none had one symbolic row dim); " + text
+        return text
     return "TVM's schedules" + (" with grape's rules" if chosen == "grape" else "")
 
 
@@ -300,10 +308,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "0: every if a conditional region)")
     p.add_argument("--dim", action="append", default=[], metavar="NAME=LO:HI",
                    help="range of a symbolic dimension (an ONNX dim_param); repeat per dimension")
-    p.add_argument("--matmul", choices=("cublaslt", "grape", "tvm"), default=None,
-                   help="what runs matmuls with a weight: cublaslt (the default on cuda: "
-                        "cuBLASLt calls captured into the graphs), grape (grape's GEMV kernels "
-                        "for few rows; cuda) or tvm (TVM's schedules; the default on llvm)")
+    p.add_argument("--matmul", choices=MATMUL_IMPLEMENTATIONS, default=None,
+                   help="what runs matmuls with a weight: auto (the default on cuda: grape's "
+                        "GEMV kernels for few rows, cuBLASLt calls captured into the graphs "
+                        "above), cublaslt (cuBLASLt at every row count), grape (grape's GEMV "
+                        "kernels for few rows, TVM's schedules above; cuda) or tvm (TVM's "
+                        "schedules; the default on llvm)")
     p.add_argument("--max-memory", type=float, default=64, metavar="GIB",
                    help="refuse ranges whose memory, planned at their upper bounds and allocated "
                         "by every call, exceeds this many GiB (default 64)")

@@ -148,10 +148,11 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     warning, and a note in ``plan["notes"]``). For a CUDA target the kernels are compiled
     to cubin here when nvcc is present (else on first load, then cached). ``dim_names``
     maps a dim of ``mod`` to the name users know it by, where they differ
-    (``frontend.with_identifier_dims``). ``matmul`` chooses what runs matmuls: "cublaslt"
-    (the default on CUDA: calls of cuBLASLt captured into the graphs; the deployment host
-    needs ``libcublasLt``), "grape" (grape's GEMV kernels for few rows; CUDA) or "tvm"
-    (TVM's schedules; the default elsewhere).
+    (``frontend.with_identifier_dims``). ``matmul`` chooses what runs matmuls: "auto"
+    (the default on CUDA: grape's GEMV kernels where the rows are few, cuBLASLt captured
+    into the graphs above; the deployment host needs ``libcublasLt``), "cublaslt" (cuBLASLt
+    at every row count), "grape" (grape's GEMV kernels for few rows, TVM's schedules above;
+    CUDA) or "tvm" (TVM's schedules; the default elsewhere).
     """
     tgt = parse_target(target)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}

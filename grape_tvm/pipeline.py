@@ -8,6 +8,7 @@ import tvm
 from tvm import relax
 from tvm.ir.transform import PassContext, module_pass
 
+from grape_tvm.artifact import MATMUL_IMPLEMENTATIONS
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
                               DescribeCallProgram, DescribeConditionals, FoldShapeTensors,
@@ -17,11 +18,10 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
                               gpu_legalize_passes, numerics_legalize_map)
+from grape_tvm.passes.few_rows_gemv import GemvForFewRows
 from grape_tvm.passes.fused_scalars import before_fuse_tir
 from grape_tvm.passes.library_matmul import OffloadMatmul
 from grape_tvm.runtime.signature import ShapeRange
-
-MATMUL_IMPLEMENTATIONS = ("cublaslt", "grape", "tvm")
 
 
 def _finalize_passes(device_branches: bool = True) -> list[tvm.transform.Pass]:
@@ -116,7 +116,7 @@ class GrapePipeline:
             # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
             matmul = matmul_implementation(target, self.matmul)
-            if matmul == "cublaslt":
+            if matmul in ("auto", "cublaslt"):
                 passes.append(OffloadMatmul())
             passes += lowering.library_dispatch_passes(target)
             decode_gemv = matmul != "tvm"  # the matmuls left to schedules: grape's rules first
@@ -128,7 +128,10 @@ class GrapePipeline:
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).
-                passes += gpu_legalize_passes(numerics, decode_gemv) + [CheckDeviceKernels()]
+                passes += gpu_legalize_passes(numerics, decode_gemv)
+                if matmul == "auto":  # few rows: grape's GEMV kernels, not the library's
+                    passes.append(GemvForFewRows())
+                passes.append(CheckDeviceKernels())
             else:
                 passes += [relax.transform.LegalizeOps(numerics) if p.info.name == "LegalizeOps"
                            else p for p in lowering.legalize_passes(target)]
@@ -143,16 +146,18 @@ class GrapePipeline:
 
 
 def matmul_implementation(target: tvm.target.Target, asked: str | None) -> str:
-    """What runs a model's matmuls: ``asked``, or by default cuBLASLt on CUDA and TVM's
-    schedules elsewhere. On the H200, GPT-2's matmuls at M = 1 to 512, fp32 and fp16:
-    cuBLASLt in grape's graphs takes 0.96x to 1.05x torch.matmul's (cuBLAS) time, TVM's
-    dlight schedules 1.0x to 17x cuBLASLt's (bench/results/matmul.json)."""
+    """What runs a model's matmuls: ``asked``, or by default ("auto") grape's GEMV kernels
+    for few rows and cuBLASLt above on CUDA, TVM's schedules elsewhere. On the H200, GPT-2's
+    matmuls at M = 1 to 512, fp32 and fp16 (bench/results/matmul.json): cuBLASLt in grape's
+    graphs takes 0.97x to 1.03x torch.matmul's (cuBLAS) time, TVM's dlight schedules 1.6x
+    to 18x cuBLASLt's, and "auto" 0.52x to 1.18x cuBLAS's (``passes/few_rows_gemv.py`` says
+    which rows it gives the GEMV kernels)."""
     if asked is None:
-        return "cublaslt" if target.kind.name == "cuda" else "tvm"
+        return "auto" if target.kind.name == "cuda" else "tvm"
     if asked not in MATMUL_IMPLEMENTATIONS:
         raise ValueError(f"matmul must be one of {MATMUL_IMPLEMENTATIONS}, got {asked!r}")
-    if asked == "cublaslt" and target.kind.name != "cuda":
-        raise ValueError(f"matmul='cublaslt' needs a CUDA target, not {target.kind.name}")
+    if asked in ("auto", "cublaslt") and target.kind.name != "cuda":
+        raise ValueError(f"matmul={asked!r} needs a CUDA target, not {target.kind.name}")
     return asked
 
 
@@ -163,12 +168,13 @@ def grape_pipeline(target: tvm.target.Target | None = None,
     """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes.
 
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
-    0 keeps every ``if``. ``matmul``: "cublaslt" (matmuls with a weight become cuBLASLt
-    calls captured in the graphs; CUDA's default), "grape" (grape's GEMV kernels for
-    matmuls with few rows, ``passes/gemv_schedule.py``, a transposed 2-D weight read in
-    place, ``FuseWeightTranspose``; dlight above them) or "tvm" (dlight's rules alone, a
-    transpose kernel; the default elsewhere). Under "cublaslt" the matmuls it does not take get
-    grape's rules.
+    0 keeps every ``if``. ``matmul``: "auto" (CUDA's default: "cublaslt", with grape's GEMV
+    kernels where the rows are few, ``passes/few_rows_gemv.py``), "cublaslt" (matmuls with
+    a weight become cuBLASLt calls captured in the graphs, at every M), "grape" (grape's
+    GEMV kernels for matmuls with few rows, ``passes/gemv_schedule.py``, a transposed 2-D
+    weight read in place, ``FuseWeightTranspose``; dlight above them) or "tvm" (dlight's
+    rules alone, a transpose kernel; the default elsewhere). Under "auto" and "cublaslt" the
+    matmuls the library does not take get grape's rules.
     ``device_branches``: the ``if``s left become conditional regions (no host read of the
     condition); False leaves them to the VM, which reads it.
     """

@@ -22,6 +22,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
   ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).
+- ``GemvForFewRows``: a cuBLASLt matmul (``OffloadMatmul``) whose rows are few runs on
+  ``DecodeGemv``'s kernels, cuBLASLt above, one PrimFunc choosing on the host (CUDA).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
 - ``numerics_legalize_map``: legalizations that keep NaN through relu, clip, maximum,
   minimum and sign, and give empty max/min/mean reductions onnxruntime's values;

@@ -166,7 +166,7 @@ def match_gemv(func: tirx.PrimFunc) -> GemvShape | None:
     One reduction block ``C[m.., n] += x[m.., k] * w[k, n]`` (or ``w[n, k]``) and, once the
     spatial blocks are inlined, at most one more: an epilogue reading C elementwise. ``w``
     2-D with static K and N; x and w of one float dtype; the row iters (those of x and C
-    besides k) all of extent 1 but at most one.
+    besides k) all of extent 1 but at most one; every iter of one index dtype.
     """
     sch = s_tir.Schedule(func)
     infos = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
@@ -181,6 +181,10 @@ def match_gemv(func: tirx.PrimFunc) -> GemvShape | None:
             sch, infos[1].block_rv, found.store.buffer)):
         return None
     ivs = list(block.iter_vars)
+    if len({str(iv.var.ty) for iv in ivs}) > 1:
+        # Iters of mixed int32/int64: TVM 0.27's cross-thread reduction then keeps one
+        # thread's partial sum per output (wrong results on the GPU, no error).
+        return None
     k, n = _static(ivs[found.k].dom.extent), _static(ivs[found.n].dom.extent)
     weight_shape = found.weight.source.shape
     if k is None or n is None or len(weight_shape) != 2 or None in map(_static, weight_shape):
@@ -486,14 +490,40 @@ def lowers_to_static_kernels(func: tirx.PrimFunc, target: tvm.target.Target) -> 
     return not dynamic
 
 
+def gemv_by_rows(func: tirx.PrimFunc, shape: GemvShape, buckets: tuple[int, ...],
+                 target: tvm.target.Target, default: tirx.PrimFunc | None = None,
+                 before: tuple = ()) -> tirx.PrimFunc | None:
+    """``func`` (matched as ``shape``, summing in fp32) as GEMV kernels by buckets of M.
+
+    M static: the kernel of its bucket (None where M is 0 or above the last bucket). M
+    symbolic: ``dispatch_on_rows`` over ``before`` (``(bound, PrimFunc)`` pairs tested
+    first), one kernel per bucket, and ``default`` above the last; where ``default`` is None
+    the last bucket's kernel takes every M above it (it is correct for any M, one
+    blockIdx.y per tile of rows). None where TVM's lowering would leave a buffer of
+    symbolic size in a kernel (CUDA codegen refuses it).
+    """
+    if not shape.symbolic:
+        rows = int(shape.rows)
+        if not 1 <= rows <= buckets[-1]:
+            return None
+        bucket = next(b for b in buckets if b >= rows)
+        scheduled = schedule_gemv(func, shape, gemv_config(shape, bucket)).mod["main"]
+    else:
+        kernels = [(b, schedule_gemv(func, shape, gemv_config(shape, b)).mod["main"])
+                   for b in buckets]
+        if default is None:
+            kernels, default = kernels[:-1], kernels[-1][1]
+        scheduled = dispatch_on_rows(func, shape.rows, [*before, *kernels], default)
+    return scheduled if lowers_to_static_kernels(scheduled, target) else None
+
+
 class DecodeGemv(ScheduleRule):
     """GEMV kernels for matmuls with few rows, by buckets of M, dispatched on the host.
 
-    Takes what ``match_gemv`` matches on a CUDA target. M static: one GEMV kernel when M is
-    at most the largest bucket (else None: dlight's rules follow). M symbolic: one kernel per
-    bucket and, above the largest, ``large`` (dlight's Matmul on CUDA cores), chosen by
-    ``dispatch_on_rows``; where ``large`` declines, the largest bucket's kernel takes every M
-    above it (it is correct for any M, one blockIdx.y per tile of rows).
+    Takes what ``match_gemv`` matches on a CUDA target (``gemv_by_rows``). M static: one
+    GEMV kernel when M is at most the largest bucket (else None: dlight's rules follow). M
+    symbolic: one kernel per bucket and, above the largest, ``large`` (dlight's Matmul on
+    CUDA cores); where ``large`` declines, the largest bucket's kernel.
     """
 
     def __init__(self, buckets: tuple[int, ...] = BUCKETS, large: ScheduleRule | None = None):
@@ -510,28 +540,16 @@ class DecodeGemv(ScheduleRule):
         if not isinstance(func, tirx.PrimFunc) or target.kind.name != "cuda":
             return None
         shape = match_gemv(func)
-        if shape is None:
-            return None
-        if not shape.symbolic and int(shape.rows) > self.buckets[-1]:
+        if shape is None or (not shape.symbolic and int(shape.rows) > self.buckets[-1]):
             return None
         if shape.acc_dtype != "float32":
             func = accumulate_in_fp32(func, shape.block)
-        if not shape.symbolic:
-            rows = int(shape.rows)
-            bucket = next(b for b in self.buckets if b >= rows)
-            sch = schedule_gemv(func, shape, gemv_config(shape, bucket))
-            return sch if lowers_to_static_kernels(sch.mod["main"], target) else None
-        kernels = [(b, schedule_gemv(func, shape, gemv_config(shape, b)).mod["main"])
-                   for b in self.buckets]
-        large = self.large.apply(func, target, tunable)
+        large = self.large.apply(func, target, tunable) if shape.symbolic else None
         if isinstance(large, list):
             large = large[0] if large else None
-        if large is None:
-            kernels, default = kernels[:-1], kernels[-1][1]
-        else:
-            default = large.mod["main"]
-        dispatch = dispatch_on_rows(func, shape.rows, kernels, default)
-        return s_tir.Schedule(dispatch) if lowers_to_static_kernels(dispatch, target) else None
+        scheduled = gemv_by_rows(func, shape, self.buckets, target,
+                                 default=None if large is None else large.mod["main"])
+        return None if scheduled is None else s_tir.Schedule(scheduled)
 
     def __repr__(self) -> str:
         return f"DecodeGemv(buckets={self.buckets})"

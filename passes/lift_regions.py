@@ -15,6 +15,7 @@ from grape_tvm.runtime.call_program import (BRANCHES_ATTR, CONDITIONAL_ATTR, CON
 from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX as LIBRARY_FUNCTION_PREFIX
 from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
 
+from .few_rows_gemv import GEMV_ROWS_ATTR, LIBRARY_FUNCTION_ATTR
 from .if_to_select import NOTES_ATTR as IF_NOTES_ATTR
 
 # Bindings that do no device work and read no tensor contents: while a region is open they
@@ -81,6 +82,9 @@ class GraphPlan:
     notes: list[str] = field(default_factory=list)  # what a rewrite left as it was, and why
     # The entry's call program (DescribeCallProgram), or {"error": why it has none}.
     call_program: dict = field(default_factory=lambda: {"error": "not described"})
+    # Library matmuls that run on grape's GEMV kernels for few rows (GemvForFewRows): the
+    # library function -> the row buckets of its GEMV kernels.
+    gemv_rows: dict = field(default_factory=dict)
 
     @property
     def libraries(self) -> list[str]:
@@ -98,6 +102,7 @@ class GraphPlan:
             "notes": self.notes,
             "libraries": self.libraries,
             "call_program": self.call_program,
+            "gemv_rows": self.gemv_rows,
         }
 
 
@@ -139,6 +144,10 @@ def classify(binding: relax.Binding, mod: IRModule) -> tuple[str, str, str]:
             if isinstance(callee, tirx.PrimFunc):
                 if callee.attrs is not None and callee.attrs.get("tirx.is_host_func", False):
                     return "bookkeeping", op.name_hint, ""
+                if callee.attrs is not None and LIBRARY_FUNCTION_ATTR in callee.attrs:
+                    # GEMV kernels, or the library above their rows (GemvForFewRows): named
+                    # by the library function, which the runtime must provide.
+                    return "kernel", str(callee.attrs[LIBRARY_FUNCTION_ATTR]), ""
                 return "kernel", op.name_hint, ""
             if callee.attrs is not None and REGION_ATTR in callee.attrs:
                 return "region", op.name_hint, ""
@@ -359,6 +368,10 @@ def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
                   for var, why in unselected.items()]
     if func.attrs is not None and PROGRAM_ATTR in func.attrs:
         plan.call_program = json.loads(str(func.attrs[PROGRAM_ATTR]))
+    plan.gemv_rows = {str(f.attrs[LIBRARY_FUNCTION_ATTR]): [int(b) for b in f.attrs[GEMV_ROWS_ATTR]]
+                      for _, f in mod.functions_items()
+                      if isinstance(f, tirx.PrimFunc) and f.attrs is not None and
+                      GEMV_ROWS_ATTR in f.attrs}
     for block in func.body.blocks:
         for binding in block.bindings:
             kind, op, reason = classify(binding, mod)

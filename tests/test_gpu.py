@@ -688,9 +688,45 @@ def test_cublaslt_attention_products_equal_numpy(dtype):
         executor.close()
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_few_rows_on_gemv_kernels_and_cublaslt_above_equal_numpy(dtype):
+    """The same MLP built with the default ``matmul="auto"``: grape's GEMV kernels where the
+    rows are few (``passes/few_rows_gemv.py``: n = 1 for the [K, N] weight, n <= 8 for the
+    [N, K] one, epilogues fused), cuBLASLt called from the same kernel function above, both
+    captured in the region's graph. Every n on both sides of each bucket, first seen and
+    replayed in a random order at new input addresses, equals numpy, and cuBLASLt ran only
+    the rows above each weight's GEMV buckets."""
+    sizes = [1, 2, 3, 4, 5, 8, 9, 16, 17, 64, 300, 1024]
+    with _library_executor(dtype, "auto") as run:
+        worst, executor = run(sizes, rounds=2)
+        groups = executor.backend.describe()["topology_groups"]
+        topologies = sum(len(region) for region in groups.values())
+        chosen = executor.backend.describe()["cublaslt_algorithms"]
+        print(f"{dtype}: worst relative error {worst:.2e}; topologies {topologies} for "
+              f"{len(sizes)} sizes; {executor.stats}; cuBLASLt's buckets {sorted(chosen)}")
+        assert executor.stats.planned_calls == 2 * len(sizes)
+        assert executor.stats.region_replays >= len(sizes)
+
+        def library_rows(function: str) -> set[int]:  # the buckets cuBLASLt ran
+            return {int(key.split("/M<=")[1].split("/")[0]) for key in chosen
+                    if key.startswith(f"grape.cublaslt.{function}/")}
+
+        # [K, N]: n = 1 on the GEMV kernel; [N, K]: n <= 8; cuBLASLt above both
+        assert min(library_rows("matmul_bias_gelu")) == 2
+        assert min(library_rows("matmul_residual_nt")) == 16
+
+
+def _library_artifact(dtype: str, matmul: str) -> Path:
+    """``models.library_layer`` built with ``matmul`` (bench/gpu/build_artifacts.py)."""
+    return _artifact(f"library_{dtype}.cuda.grape" if matmul == "cublaslt"
+                     else f"library_{matmul}_{dtype}.cuda.grape")
+
+
 @contextlib.contextmanager
-def _library_executor(dtype: str):
-    """``models.library_layer`` loaded with its weights bound; yields ``run(sizes, rounds)``,
+def _library_executor(dtype: str, matmul: str = "cublaslt"):
+    """``models.library_layer`` (built with ``matmul``: ``library_{dtype}`` is cuBLASLt's
+    alone, ``library_auto_{dtype}`` the default) loaded with its weights bound; yields
+    ``run(sizes, rounds)``,
     which runs every n of ``sizes`` in a random order per round, checks y and h against
     numpy (float64) and returns the worst relative error and the executor."""
     import sys  # pylint: disable=import-outside-toplevel
@@ -702,7 +738,7 @@ def _library_executor(dtype: str):
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
     from models import library_numpy, library_weights  # pylint: disable=import-outside-toplevel
 
-    executor = load(_artifact(f"library_{dtype}.cuda.grape"), "cuda")
+    executor = load(_library_artifact(dtype, matmul), "cuda")
     weights = library_weights(dtype)
     executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device) for k, v in weights.items()})
     tolerance = 1e-4 if dtype == "float32" else 2e-2
@@ -792,13 +828,15 @@ def test_gemv_buckets_are_the_topologies():
 # A GPU hang never returns: the timeout's thread method dumps every thread and ends the
 # process, so that it fails instead of stalling (a hung context serves no later test).
 @pytest.mark.timeout(240, method="thread")
+@pytest.mark.parametrize("matmul", ["cublaslt", "auto"])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
-def test_cublaslt_topologies_over_the_whole_range(dtype):
+def test_cublaslt_topologies_over_the_whole_range(dtype, matmul):
     """Algorithms chosen per bucket of n (powers of two, 11 over 1..1024): recording n over
     the range (each bucket's ends and every 9th n between) makes at most 16 topologies
     (graphs) per region. Not one per bucket: inside one algorithm cuBLAS still picks its
-    kernel by M's alignment, and a split-K's counter memset follows M (measured on the
-    H200: 14 topologies in fp32, 8 in fp16)."""
+    kernel by M's alignment (measured on the H200: 13 topologies in fp32, 8 in fp16).
+    ``matmul="auto"``: the GEMV kernels' buckets (one kernel each) stand in for cuBLASLt's
+    at few rows (13 in fp32, 11 in fp16)."""
     import sys  # pylint: disable=import-outside-toplevel
 
     import tvm  # pylint: disable=import-outside-toplevel
@@ -808,7 +846,7 @@ def test_cublaslt_topologies_over_the_whole_range(dtype):
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
     from models import library_weights  # pylint: disable=import-outside-toplevel
 
-    executor = load(_artifact(f"library_{dtype}.cuda.grape"), "cuda")
+    executor = load(_library_artifact(dtype, matmul), "cuda")
     try:
         executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device)
                               for k, v in library_weights(dtype).items()})
@@ -817,8 +855,10 @@ def test_cublaslt_topologies_over_the_whole_range(dtype):
         seconds = executor.record_all({"n": sizes}, progress=False)
         groups = executor.backend.describe()["topology_groups"]
         counts = {region: len(g) for region, g in groups.items()}
-        print(f"{dtype}: recorded {len(sizes)} n in 1..1024 in {seconds:.1f} s: topologies "
-              f"per region {counts}")
+        spans = {region: [f"{min(s[0] for s in t['shape_keys'])}..{max(s[0] for s in t['shape_keys'])}"
+                          for t in g] for region, g in groups.items()}
+        print(f"{matmul} {dtype}: recorded {len(sizes)} n in 1..1024 in {seconds:.1f} s: "
+              f"topologies per region {counts}, the n of each (lowest..highest): {spans}")
         assert counts and max(counts.values()) <= 16
     finally:
         executor.close()

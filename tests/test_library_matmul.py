@@ -172,7 +172,7 @@ def test_library_calls_join_a_graph_region_and_the_plan_names_the_library():
     assert not module.plan["host_steps"]
     default = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
                               prebuild_cubin=False)
-    assert default.plan["libraries"] == ["cublaslt"] and default.plan["matmul"] == "cublaslt"
+    assert default.plan["libraries"] == ["cublaslt"] and default.plan["matmul"] == "auto"
     tvm_only = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y", "s"],
                                prebuild_cubin=False, matmul="tvm")
     assert tvm_only.plan["libraries"] == [] and tvm_only.plan["matmul"] == "tvm"

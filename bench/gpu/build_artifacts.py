@@ -351,14 +351,15 @@ def build_gemv_tests(out: Path) -> None:
 
 
 # bench/matmul.py's systems: what build(matmul=...) each is built with.
-MATMUL_SYSTEMS = {"cublaslt": "cublaslt", "gemv": "grape", "tvm_dlight": "tvm"}
+MATMUL_SYSTEMS = {"auto": "auto", "cublaslt": "cublaslt", "gemv": "grape", "tvm_dlight": "tvm"}
 
 
 def build_matmul_bench(out: Path) -> None:
-    """GPT-2's matmul shapes with grape's GEMV rule and without it (``bench/matmul.py``)."""
+    """GPT-2's matmul shapes by every ``build(matmul=...)`` (``bench/matmul.py``)."""
     for dtype in ("float32", "float16"):
         for k, n in GPT2_MATMULS:
-            for layout, systems in (("kn", ("cublaslt", "gemv", "tvm_dlight")), ("nk", ("gemv",))):
+            for layout, systems in (("kn", ("auto", "cublaslt", "gemv", "tvm_dlight")),
+                                    ("nk", ("auto", "gemv"))):
                 for system in systems:
                     name = f"matmul_{layout}_{dtype}_{k}x{n}.{system}"
                     module = _timed(name, lambda d=dtype, l=layout, k=k, n=n, s=system:
@@ -380,12 +381,14 @@ def build_attention(out: Path) -> None:
 
 def build_library(out: Path) -> None:
     """``models.library_layer`` and ``models.attention_products`` in fp32 and fp16: matmuls
-    as cuBLASLt calls (tests)."""
+    as cuBLASLt calls, and (``library_auto_*``) by default, grape's GEMV kernels for few
+    rows (tests)."""
     for dtype in ("float32", "float16"):
-        module = _timed(f"library_{dtype}", lambda d=dtype: grape_tvm.build(
-            library_layer(d), {"n": (1, 1024)}, CUDA, output_names=["y", "h"],
-            matmul="cublaslt"))
-        module.export(out / f"library_{dtype}.cuda.grape")
+        for matmul in ("cublaslt", "auto"):
+            name = f"library_{dtype}" if matmul == "cublaslt" else f"library_{matmul}_{dtype}"
+            module = _timed(name, lambda d=dtype, m=matmul: grape_tvm.build(
+                library_layer(d), {"n": (1, 1024)}, CUDA, output_names=["y", "h"], matmul=m))
+            module.export(out / f"{name}.cuda.grape")
         module = _timed(f"attention_products_{dtype}", lambda d=dtype: grape_tvm.build(
             attention_products(d), {"b": (1, 4), "p": (1, 1024)}, CUDA, output_names=["o"],
             matmul="cublaslt"))

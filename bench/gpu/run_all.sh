@@ -23,10 +23,12 @@ want inspect && { python3 -P -m grape_tvm.cli inspect build/gpu/blocks.cuda.grap
 want argument_tables && { python3 -P bench/argument_tables.py --artifacts build/gpu --out "$out" ${GRAPE_BENCH_ARGS:-} || status=1; }
 want host_path && { python3 -P bench/host_path.py --device cuda --artifact build/gpu/blocks24.grape.cuda.grape --width 768 --out "$out" || status=1; }
 want driver_calls && { python3 -P bench/driver_calls.py --out "$out" || status=1; }
-# Every kernel node of GPT-2's decode step (past 256) in grape's graph, timed by ncu (warm
-# caches, clocks as they are; per-shape graphs: ncu cannot profile device-updatable nodes).
+# Every kernel node of GPT-2's decode step (past 256) in grape's graph, timed by ncu with
+# caches flushed before each kernel (its own DRAM traffic), clocks as they are; per-shape
+# graphs: ncu cannot profile device-updatable nodes. Summed by kernel: time, share of the
+# step, DRAM bytes and the time over their bound at the copy bandwidth.
 ncu_bin=$(command -v ncu || echo /usr/local/cuda/bin/ncu)
-want ncu_gpt2 && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv --log-file "$out/gpt2_step_ncu.csv" python3 -P bench/kernel_profile.py build/gpu/gpt2_decode.cuda.grape --dim batch=1 --dim past=256 --weights build/gpu/gpt2_decode.weights.json --executor-steps 1 --graph-mode per-shape || status=1; }
+want ncu_gpt2 && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --cache-control all --clock-control none --csv --log-file "$out/gpt2_step_ncu.csv" python3 -P bench/kernel_profile.py build/gpu/gpt2_decode.cuda.grape --dim batch=1 --dim past=256 --weights build/gpu/gpt2_decode.weights.json --executor-steps 1 --graph-mode per-shape && python3 -P bench/kernel_profile.py --ncu-summary "$out/gpt2_step_ncu.csv" --json "$out/gpt2_step_kernels.json" --top 25 || status=1; }
 # grape's GEMV kernels at M = 1 on GPT-2's shapes (weights as [N, K]), timed by ncu with
 # caches flushed before each kernel: what they read from HBM, and how fast.
 want ncu_gemv && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed --clock-control none --csv --log-file "$out/gemv_ncu.csv" bash -c 'for a in build/gpu/matmul_nk_*.gemv.cuda.grape; do echo "== $a"; python3 -P bench/kernel_profile.py "$a" --dim m=1 --executor-steps 1 --graph-mode per-shape; done' || status=1; }

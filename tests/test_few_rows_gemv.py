@@ -1,0 +1,224 @@
+"""``GemvForFewRows``: a cuBLASLt matmul with few rows on grape's GEMV kernels, the library
+above, on the IR and in what the dispatch computes. The kernels and the library calls run
+on the GPU (tests/test_gpu.py, ``test_few_rows_on_gemv_kernels_and_cublaslt_above...``)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import tirx
+from tvm.script import ir as I
+from tvm.script import relax as R
+from tvm_ffi.structural import structural_walk
+
+import grape_tvm
+from grape_tvm.passes.few_rows_gemv import (GEMV_ROWS, LIBRARY_FUNCTION_ATTR, GemvForFewRows,
+                                            few_rows_gemv, matmul_prim_func)
+from grape_tvm.passes.library_matmul import OffloadMatmul
+from grape_tvm.runtime.cublaslt import MATMUL_FUNCTIONS
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+
+
+@I.ir_module
+class Layer:
+    @R.function
+    def main(x: R.Tensor(("n", 64), "float32"), w: R.Tensor((64, 128), "float32"),
+             b: R.Tensor((128,), "float32"), wt: R.Tensor((64, 128), "float32"),
+             r: R.Tensor(("n", 64), "float32")):
+        with R.dataflow():
+            h = R.nn.gelu_tanh(R.add(R.matmul(x, w), b))     # [K, N]: bias, GELU
+            y = R.add(R.matmul(h, R.permute_dims(wt)), r)    # [N, K]: residual
+            R.output(y)
+        return y
+
+
+def _lowered(mod):
+    with CUDA:
+        return GemvForFewRows()(OffloadMatmul()(mod))
+
+
+def _bounds(func: tirx.PrimFunc) -> list[int]:
+    """The row bounds a dispatch tests on the host (``tvm_thread_invariant(m <= b)``)."""
+    found = []
+
+    def visit(node):
+        found.append(int(node.condition.args[0].b))
+
+    structural_walk(func.body, ((tirx.IfThenElse, visit),))
+    return sorted(found)
+
+
+def test_library_calls_become_gemv_kernels_for_few_rows_and_the_library_above():
+    lowered = _lowered(Layer)
+    prims = {gv.name_hint: f for gv, f in lowered.functions_items()
+             if isinstance(f, tirx.PrimFunc)}
+    assert sorted(prims) == ["matmul_bias_gelu_gemv", "matmul_residual_nt_gemv"]
+    for name, layout in (("matmul_bias_gelu_gemv", "kn"), ("matmul_residual_nt_gemv", "nk")):
+        func = prims[name]
+        library = "grape.cublaslt." + name[:-len("_gemv")]
+        assert str(func.attrs[LIBRARY_FUNCTION_ATTR]) == library
+        assert func.attrs["tirx.is_scheduled"]
+        assert "global_symbol" not in func.attrs
+        assert _bounds(func) == [0, *GEMV_ROWS[layout]]  # M = 0: the library's, no launch
+        assert func.script().count(f'T.call_packed("{library}"') == 2  # and above the last
+    calls = [b.value for b in lowered["main"].body.blocks[0].bindings]
+    assert all(c.op.name == "relax.call_tir" for c in calls)
+
+
+def test_static_rows_above_the_buckets_stay_the_librarys_and_few_get_one_kernel():
+    def layer(rows):
+        @I.ir_module
+        class Static:
+            @R.function
+            def main(x: R.Tensor((rows, 64), "float32"), w: R.Tensor((128, 64), "float32")):
+                with R.dataflow():
+                    y = R.matmul(x, R.permute_dims(w))
+                    R.output(y)
+                return y
+
+        return Static
+
+    many = _lowered(layer(64))
+    assert [b.value.op.name for b in many["main"].body.blocks[0].bindings] == \
+        ["relax.call_dps_packed"]
+    few = _lowered(layer(3))
+    (func,) = [f for _, f in few.functions_items() if isinstance(f, tirx.PrimFunc)]
+    assert _bounds(func) == [] and "call_packed" not in func.script()
+    assert LIBRARY_FUNCTION_ATTR not in func.attrs  # one GEMV kernel, no library call
+
+
+def test_other_targets_and_other_calls_are_left_alone():
+    offloaded = OffloadMatmul()(Layer)
+    with tvm.target.Target("llvm"):
+        assert GemvForFewRows()(offloaded).same_as(offloaded)
+
+    @I.ir_module
+    class Batched:  # attention's products: two activations, cuBLASLt's alone
+        @R.function
+        def main(q: R.Tensor(("b", 4, 1, 16), "float32"), k: R.Tensor(("b", 4, "p", 16), "float32")):
+            with R.dataflow():
+                s = R.matmul(q, R.permute_dims(k, [0, 1, 3, 2]))
+                R.output(s)
+            return s
+
+    lowered = _lowered(Batched)
+    assert [b.value.op.name for b in lowered["main"].body.blocks[0].bindings] == \
+        ["relax.call_dps_packed"]
+
+
+def _reference(function, x, w, bias, residual):
+    v = x.astype(np.float64) @ (w.T if function.transposed_weight else w).astype(np.float64)
+    if residual is not None:
+        v = v + residual
+    if bias is not None:
+        v = v + bias
+    if "gelu" in function.epilogue:
+        v = 0.5 * v * (1 + np.tanh(np.sqrt(2 / np.pi) * (v + 0.044715 * v ** 3)))
+    return v
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+@pytest.mark.parametrize("name", sorted(n for n, f in MATMUL_FUNCTIONS.items() if not f.batched))
+def test_what_the_gemv_kernels_compute_equals_the_library_functions_meaning(name, dtype):
+    """``matmul_prim_func`` (the computation the GEMV kernels are schedules of), built for
+    the CPU, against numpy in float64 at several row counts: the epilogue in cuBLASLt's
+    order (residual and bias added, then GELU), summed and finished in fp32, rounded once
+    (fp16: within one fp16 rounding of the float64 result)."""
+    function = MATMUL_FUNCTIONS[name]
+    m = tirx.Var("m", "int64")
+    k, n = 48, 40
+    lib = tvm.compile(tvm.IRModule({"main": matmul_prim_func(function, [m], k, n, dtype)}),
+                      target="llvm")
+    rng = np.random.default_rng(0)
+    rtol = 1e-5 if dtype == "float32" else 1e-3
+    for rows in (1, 5, 33):
+        x = rng.standard_normal((rows, k)).astype(dtype)
+        w = rng.standard_normal((n, k) if function.transposed_weight else (k, n)).astype(dtype)
+        bias = rng.standard_normal(n).astype(dtype) if function.has_bias else None
+        residual = rng.standard_normal((rows, n)).astype(dtype) if function.residual else None
+        args = [a for a in (x, w, bias, residual) if a is not None]
+        out = tvm.runtime.tensor(np.zeros((rows, n), dtype))
+        lib["main"](*[tvm.runtime.tensor(a) for a in args], out)
+        want = _reference(function, x, w, bias, residual)
+        np.testing.assert_allclose(out.numpy().astype(np.float64), want, rtol=rtol,
+                                   atol=rtol * np.abs(want).max())
+
+
+def test_auto_is_the_cuda_default_and_the_plan_says_what_took_the_gemv_kernels():
+    module = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y"],
+                             prebuild_cubin=False)
+    assert module.plan["matmul"] == "auto" and module.plan["libraries"] == ["cublaslt"]
+    kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
+    assert kernels == ["grape.cublaslt.matmul_bias_gelu", "grape.cublaslt.matmul_residual_nt"]
+    assert not module.plan["host_steps"]
+    # what GemvForFewRows rewrote, from the lowered module (cuBLASLt alone has none)
+    assert module.plan["gemv_rows"] == {"grape.cublaslt.matmul_bias_gelu": [1],
+                                        "grape.cublaslt.matmul_residual_nt": [1, 2, 4, 8]}
+    alone = grape_tvm.build(Layer, {"n": (1, 64)}, CUDA, output_names=["y"],
+                            prebuild_cubin=False, matmul="cublaslt")
+    assert alone.plan["gemv_rows"] == {}
+    with pytest.raises(ValueError, match="needs a CUDA target"):
+        grape_tvm.build(Layer, {"n": (1, 64)}, "llvm", matmul="auto")
+    # inspect says which rows run on which implementation, from the artifact alone
+    from grape_tvm.cli import describe  # pylint: disable=import-outside-toplevel
+
+    def said(plan):
+        return describe({"target": {"kind": "cuda"}, "plan": plan,
+                         "signature": module.signature.to_json()})["matmul"]
+
+    assert said(module.plan).startswith("grape's GEMV kernels")
+    assert "grape.cublaslt.matmul_residual_nt: M <= 8" in said(module.plan)
+    assert "grape.cublaslt.matmul_bias_gelu: M <= 1" in said(module.plan)
+    assert said(alone.plan).startswith("cuBLASLt")
+
+
+def test_static_rows_within_the_buckets_need_no_library():
+    @I.ir_module
+    class Few:
+        @R.function
+        def main(x: R.Tensor((3, 64), "float32"), w: R.Tensor((128, 64), "float32")):
+            with R.dataflow():
+                y = R.matmul(x, R.permute_dims(w))
+                R.output(y)
+            return y
+
+    module = grape_tvm.build(Few, {}, CUDA, output_names=["y"], prebuild_cubin=False)
+    assert module.plan["libraries"] == [] and module.plan["gemv_rows"] == {}
+    assert [k for r in module.plan["regions"] for k in r["kernels"]] == ["matmul_nt_gemv"]
+
+
+def test_every_gemv_kernel_sums_its_threads_partials():
+    """Regression: with the rows int64 and K, N int32 (te's default for Python ints), TVM's
+    cross-thread reduction left each output summed by one thread of its group, the other
+    partials dropped (wrong results on the H200 at every M in the GEMV buckets). The
+    computation is int64 throughout, as Relax's legalization writes it: each GEMV kernel of
+    the dispatch ends in a warp-shuffle sum of its group."""
+    function = MATMUL_FUNCTIONS["grape.cublaslt.matmul_bias"]
+    func = matmul_prim_func(function, [tirx.Var("n", "int64")], 64, 64, "float32")
+    assert all(str(d.ty) == "int64" for p in func.params for d in p.ty.shape)
+    with CUDA:
+        dispatch = few_rows_gemv(function, func, CUDA)
+    source = tvm.compile(tvm.IRModule({"main": dispatch.with_attr("global_symbol", "main")}),
+                         target=CUDA).mod.imports[0].inspect_source()
+    kernels = source.split('extern "C" __global__')[1:]
+    bodies = [k for k in kernels if "{" in k.split(";")[0]]  # definitions, not declarations
+    assert len(bodies) == len(GEMV_ROWS["kn"])
+    assert all("__shfl_down_sync" in body for body in bodies)
+
+
+def test_the_gemv_rule_declines_iters_of_mixed_index_dtypes():
+    """What the regression above came from, refused where it starts: ``match_gemv`` takes
+    no matmul whose iters mix int32 and int64 (its kernels would sum wrongly)."""
+    from tvm import te  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.passes.gemv_schedule import match_gemv  # pylint: disable=import-outside-toplevel
+
+    n = tirx.Var("n", "int64")
+    x, w = te.placeholder((n, 64), "float32", "x"), te.placeholder((64, 32), "float32", "w")
+    k = te.reduce_axis((0, 64), name="k")
+    y = te.compute((n, 32), lambda i, j: te.sum(x[i, k] * w[k, j], axis=k), name="y")
+    assert match_gemv(te.create_prim_func([x, w, y])) is None
+    function = MATMUL_FUNCTIONS["grape.cublaslt.matmul"]
+    assert match_gemv(matmul_prim_func(function, [n], 64, 32, "float32")) is not None

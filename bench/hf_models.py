@@ -82,6 +82,9 @@ class Env:
         import torch  # pylint: disable=import-outside-toplevel
         import tvm  # pylint: disable=import-outside-toplevel
 
+        # fp32 means fp32 on PyTorch's side too: cuDNN's convolutions default to TF32.
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
         self.torch, self.tvm = torch, tvm
         self.artifacts, self.device, self.tiny = artifacts, device, tiny
         self.cuda = device == "cuda"
@@ -739,6 +742,7 @@ def run_wav2vec2(env: Env, args) -> dict:
 
     latency: dict[str, dict] = {}
     err: dict[str, float] = {}
+    rel_err: dict[str, float] = {}  # over the largest |output| of PyTorch's
     reps = max(3, args.reps // 2)
     for n in lengths:
         key = f"{n / SAMPLE_RATE:g}"
@@ -780,7 +784,10 @@ def run_wav2vec2(env: Env, args) -> dict:
             try:
                 y = fn()
                 got = y.numpy() if hasattr(y, "numpy") and not hasattr(y, "detach") else y.detach().cpu().numpy()
-                err[system] = max(err.get(system, 0.0), float(np.abs(got - want_np).max()))
+                diff = float(np.abs(got - want_np).max())
+                err[system] = max(err.get(system, 0.0), diff)
+                rel_err[system] = max(rel_err.get(system, 0.0),
+                                      diff / float(np.abs(want_np).max()))
                 latency.setdefault(system, {})[key] = _median_us(fn, reps, warmup=1) / 1e3
             except Exception as error:  # pylint: disable=broad-except
                 notes[system] = _error(error)
@@ -789,7 +796,7 @@ def run_wav2vec2(env: Env, args) -> dict:
     grape.close()
     notes.setdefault("torch_compiled", "not run: a compiled graph per audio length")
     return {"status": "ok", "artifact": grape_path.name, "latency_ms": latency,
-            "max_abs_err_vs_torch_eager": err,
+            "max_abs_err_vs_torch_eager": err, "max_rel_err_vs_torch_eager": rel_err,
             "samples": lengths, "notes": notes,
             "model": f"Wav2Vec2 ({model.config.num_hidden_layers} layers, hidden "
                      f"{model.config.hidden_size}), fp32, batch 1"}
@@ -831,6 +838,9 @@ def print_tables(result: dict) -> None:
         for system, series in w2v["latency_ms"].items():
             print(f"  {system:22s} " + " ".join(
                 f"{series[k]:9.2f}" if k in series else f"{'-':>9s}" for k in keys))
+        rel = w2v.get("max_rel_err_vs_torch_eager", {})
+        print("  max |y - eager's| / max |eager's|: " +
+              ", ".join(f"{s} {e:.1e}" for s, e in rel.items() if s != "torch_eager"))
     elif w2v:
         print(f"\nWav2Vec2: {w2v.get('status')}: {w2v.get('reason', '')}")
 
@@ -951,7 +961,7 @@ def main() -> None:
     if args.dtype != "float32":
         skip.add("wav2vec2")  # exported in fp32 only
     stem = "models" if args.dtype == "float32" else "models_fp16"
-    result = {"machine": machine,
+    result = {"machine": machine, "tf32": False,
               "command": "python3 -P bench/hf_models.py " + " ".join(sys.argv[1:]) +
                          " (bash bench/gpu/run_all.sh runs it with --artifacts build/gpu --out $OUT)"}
     t0 = time.perf_counter()

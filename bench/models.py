@@ -584,3 +584,73 @@ def gemv_test_numpy(inputs: dict[str, np.ndarray], layout: str) -> tuple[np.ndar
     h = f["x"] @ w1 + f["b1"]
     y = gelu_numpy(h)
     return y, f["x"] @ w2 + f["b2"]
+
+
+# A Wav2Vec2-like front end: strided convs over raw audio, then a grouped convolution with
+# "same" padding (the positional embedding), as HF's ONNX export writes them.
+CONV_STACK = {"channels": 64, "groups": 4, "pos_kernel": 16}
+# (in channels, kernel, stride) of each feature conv: the first (1 channel, kernel 10) has a
+# reduction below passes/conv_matmul.py's MIN_REDUCTION and stays TVM's conv.
+CONV_LAYERS = ((1, 10, 5), (64, 3, 2), (64, 2, 2))
+
+
+def conv_stack(dtype: str = "float32", dim: str = "samples"):
+    """``feat = gelu(conv(... gelu(conv(x))))`` over (b, samples) audio, then ``pos =
+    gelu(grouped_conv(feat, padding k/2)[..., :t])``; outputs (feat, pos)."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    op = relax.op
+    b, s = tirx.Var("b", "int64"), tirx.Var(dim, "int64")
+    c, groups, pk = CONV_STACK["channels"], CONV_STACK["groups"], CONV_STACK["pos_kernel"]
+    x = relax.Var("x", relax.TensorType((b, s), dtype))
+    weights = [relax.Var(f"w{i}", relax.TensorType((c, cin, k), dtype))
+               for i, (cin, k, _) in enumerate(CONV_LAYERS)]
+    w_pos = relax.Var("w_pos", relax.TensorType((c, c // groups, pk), dtype))
+    b_pos = relax.Var("b_pos", relax.TensorType((c,), dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, *weights, w_pos, b_pos]):
+        with bb.dataflow():
+            h = bb.emit(op.expand_dims(x, 1))
+            for w, (_, _, stride) in zip(weights, CONV_LAYERS):
+                h = bb.emit(op.nn.gelu(op.nn.conv1d(h, w, strides=stride)))
+            feat = bb.emit_output(h)
+            length = h.ty.shape.values[2]
+            conv = bb.emit(op.add(op.nn.conv1d(h, w_pos, padding=pk // 2, groups=groups),
+                                  op.reshape(b_pos, (1, c, 1))))
+            pos = bb.emit_output(op.nn.gelu(op.strided_slice(conv, [2], [0], [length],
+                                                              assume_inbound=True)))
+        bb.emit_func_output(relax.Tuple([feat, pos]))
+    return bb.get()
+
+
+def conv_stack_weights(dtype: str = "float32", seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    c, groups, pk = CONV_STACK["channels"], CONV_STACK["groups"], CONV_STACK["pos_kernel"]
+    weights = {f"w{i}": rng.standard_normal((c, cin, k)) / np.sqrt(cin * k)
+               for i, (cin, k, _) in enumerate(CONV_LAYERS)}
+    weights["w_pos"] = rng.standard_normal((c, c // groups, pk)) / np.sqrt(c // groups * pk)
+    weights["b_pos"] = 0.1 * rng.standard_normal(c)
+    return {k: v.astype(dtype) for k, v in weights.items()}
+
+
+def conv1d_numpy(x: np.ndarray, w: np.ndarray, stride: int = 1, padding: int = 0,
+                 groups: int = 1) -> np.ndarray:
+    """conv1d (NCW, OIW) in float64 from numpy's sliding windows."""
+    x = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (padding, padding)))
+    w = w.astype(np.float64)
+    out_per_group, per_group, k = w.shape[0] // groups, w.shape[1], w.shape[2]
+    windows = np.lib.stride_tricks.sliding_window_view(x, k, axis=2)[:, :, ::stride]  # b c t k
+    parts = [np.einsum("bctk,ock->bot", windows[:, g * per_group:(g + 1) * per_group],
+                       w[g * out_per_group:(g + 1) * out_per_group]) for g in range(groups)]
+    return np.concatenate(parts, axis=1)
+
+
+def conv_stack_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``conv_stack`` in float64: (feat, pos)."""
+    h = x.astype(np.float64)[:, None, :]
+    for i, (_, _, stride) in enumerate(CONV_LAYERS):
+        h = gelu_numpy(conv1d_numpy(h, weights[f"w{i}"], stride))
+    groups, pk = CONV_STACK["groups"], CONV_STACK["pos_kernel"]
+    conv = conv1d_numpy(h, weights["w_pos"], padding=pk // 2, groups=groups)
+    conv = conv + weights["b_pos"].astype(np.float64)[None, :, None]
+    return h, gelu_numpy(conv[:, :, :h.shape[2]])

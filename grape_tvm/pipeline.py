@@ -18,6 +18,7 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
                               gpu_legalize_passes, numerics_legalize_map)
+from grape_tvm.passes.conv_matmul import Conv1dAsMatmul
 from grape_tvm.passes.few_rows_gemv import GemvForFewRows
 from grape_tvm.passes.fused_scalars import before_fuse_tir
 from grape_tvm.passes.library_matmul import OffloadMatmul
@@ -102,6 +103,11 @@ class GrapePipeline:
             # A conv trimmed by a slice ("same" padding, even kernel): less padding instead,
             # else the fused kernel's GPU schedule needs a symbolic-size shared buffer.
             passes.append(SliceIntoConvPadding())
+            matmul = matmul_implementation(target, self.matmul)
+            if matmul in ("auto", "cublaslt"):
+                # A conv1d as a gather of its windows and a matmul (OffloadMatmul's, below);
+                # before NameDerivedDims, which names the dims of the new tensors too.
+                passes.append(Conv1dAsMatmul())
             if is_gpu(target):
                 # A dim computed with a division defeats the GPU schedules: name it.
                 passes.append(NameDerivedDims())
@@ -115,7 +121,6 @@ class GrapePipeline:
                 passes.append(CopyPassThroughBranches())
             # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
-            matmul = matmul_implementation(target, self.matmul)
             if matmul in ("auto", "cublaslt"):
                 passes.append(OffloadMatmul())
             passes += lowering.library_dispatch_passes(target)

@@ -22,6 +22,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
   ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).
+- ``Conv1dAsMatmul``: a conv1d becomes a gather of its windows and a matmul (im2col),
+  batched over its groups, for ``OffloadMatmul`` to give to cuBLASLt (CUDA).
 - ``GemvForFewRows``: a cuBLASLt matmul (``OffloadMatmul``) whose rows are few runs on
   ``DecodeGemv``'s kernels, cuBLASLt above, one PrimFunc choosing on the host (CUDA).
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
@@ -43,6 +45,7 @@ from .branch_copy import CopyPassThroughBranches
 from .branch_fusion import InlineBranches, OutlineBranches
 from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .branch_storage import HoistBranchStorage, after_memory_planning
+from .conv_matmul import Conv1dAsMatmul
 from .conv_slice import SliceIntoConvPadding
 from .fused_scalars import FusedScalarsAsDims
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
@@ -65,6 +68,7 @@ __all__ = [
     "CONDITIONAL_ATTR",
     "CONDITIONAL_PREFIX",
     "CheckDeviceKernels",
+    "Conv1dAsMatmul",
     "CopyPassThroughBranches",
     "DecodeGemv",
     "DescribeCallProgram",

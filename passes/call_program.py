@@ -160,6 +160,11 @@ class _Builder:
             pattern if isinstance(pattern, relax.ShapeType) else None
         target_values = getattr(target, "values", None)
         if target_values is None:
+            if isinstance(pattern, relax.ShapeType) and pattern.ndim == len(values):
+                # A rank-only cast (NameDerivedDims erases the values before it names
+                # them): the values pass through to the cast that names them.
+                self.value_of[binding.var] = Arg("shape", value=list(values))
+                return
             raise NotAProgram(f"{binding.var.name}: a cast to {pattern} (rank unknown)")
         for value, expr in zip(target_values, values):
             if isinstance(value, tirx.Var) and value.name not in self.defined():

@@ -11,6 +11,7 @@ import tvm
 from tvm import relax
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 
 import grape_tvm
 from grape_tvm.artifact import Artifact, ArtifactError
@@ -300,3 +301,31 @@ def test_planned_calls_keep_no_finished_calls_inputs(tmp_path):
                if any(launch.values[pos] is not None
                       for launch in p.launches for pos, _ in launch.inputs)]
     assert len(placements) == 4 and len(holding) == 1
+
+
+@I.ir_module
+class EveryOther:  # a dim computed with a division: NameDerivedDims names it on the GPU
+    @R.function
+    def main(x: R.Tensor((1, "samples", 4), "float32")):
+        samples = T.int64()
+        with R.dataflow():
+            h = R.strided_slice(x, axes=[1], begin=[0], end=[samples], strides=[2],
+                                assume_inbound=True)
+            y = R.nn.gelu(R.add(h, R.const(1.0, "float32")))
+            R.output(y)
+        return y
+
+
+def test_derived_dims_of_a_gpu_build_are_in_the_program():
+    """NameDerivedDims casts the derived dims' values through a rank-only shape before it
+    names them; the program follows the values through that cast (it used to give up, and
+    every call of such a model, Wav2Vec2's, ran on the VM)."""
+    cuda = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+    module = grape_tvm.build(EveryOther, {"samples": (8, 64)}, cuda, output_names=["y"],
+                             prebuild_cubin=False)
+    assert "error" not in module.plan["call_program"], module.plan["call_program"]
+    program = module.program
+    for samples in (8, 9, 64):
+        dims = program.dims_of([(1, samples, 4)])
+        assert dims["samples"] == samples
+        assert (samples + 1) // 2 in [v for k, v in dims.items() if k != "samples"]

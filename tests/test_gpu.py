@@ -716,6 +716,45 @@ def test_few_rows_on_gemv_kernels_and_cublaslt_above_equal_numpy(dtype):
         assert min(library_rows("matmul_residual_nt")) == 16
 
 
+@pytest.mark.timeout(240, method="thread")
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_convs_as_windows_and_cublaslt_matmuls_equal_numpy(dtype):
+    """``models.conv_stack`` (``passes/conv_matmul.py``: its strided and grouped convs as
+    a gather of windows and cuBLASLt matmuls, batched over the groups for the grouped one)
+    at batch 1 and 2 and lengths across the range, each first seen then replayed at new
+    input addresses, equals numpy's convolutions (float64)."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import conv_stack_numpy, conv_stack_weights  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact(f"conv_stack_{dtype}.cuda.grape"), "cuda")
+    weights = conv_stack_weights(dtype)
+    executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device) for k, v in weights.items()})
+    tolerance = 1e-4 if dtype == "float32" else 2e-2
+    rng = np.random.default_rng(12)
+    sizes = [(1, 400), (2, 401), (1, 3999), (2, 8000), (1, 16000)]
+    try:
+        for batch, samples in sizes * 2:
+            x = rng.standard_normal((batch, samples)).astype(dtype)
+            got = executor.run({"x": x})
+            for name, want in zip(("feat", "pos"), conv_stack_numpy(x, weights)):
+                assert got[name].shape == want.shape, (name, batch, samples)
+                error = float(np.abs(got[name] - want).max() / np.abs(want).max())
+                assert error <= tolerance, (dtype, name, batch, samples, error)
+        kernels = [k for r in executor.manifest["plan"]["regions"] for k in r["kernels"]]
+        assert "grape.cublaslt.batched_matmul_nt" in kernels
+        # Every call from the call program (the derived dims' cast followed), none on the VM.
+        assert executor.stats.planned_calls == 2 * len(sizes)
+        print(f"{dtype}: {executor.stats}")
+    finally:
+        executor.close()
+
+
 def _library_artifact(dtype: str, matmul: str) -> Path:
     """``models.library_layer`` built with ``matmul`` (bench/gpu/build_artifacts.py)."""
     return _artifact(f"library_{dtype}.cuda.grape" if matmul == "cublaslt"

@@ -37,6 +37,9 @@
   test_branches.py's nested branches (tests, ``bench/branches.py``).
 - ``reductions.cuda.grape``: ``models.reductions_model``, means, sums, a max and a min over
   n = 0..1024 rows (tests: grape's ``FullReduction`` and dlight's ``Reduction``, empty too).
+- ``conv_stack_{float32,float16}.cuda.grape``: ``models.conv_stack``, a Wav2Vec2-like front
+  end (strided convs, a grouped "same" conv) over 400..16000 samples, batch 1..2, its convs
+  as windows and cuBLASLt matmuls (``passes/conv_matmul.py``; tests).
 """
 
 from __future__ import annotations
@@ -63,6 +66,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     GPT2_MATMULS,
     blocks_relax,
     branch_model,
+    conv_stack,
     decoder_state_names,
     decoder_step,
     gemv_test_relax,
@@ -395,6 +399,17 @@ def build_library(out: Path) -> None:
         module.export(out / f"attention_products_{dtype}.cuda.grape")
 
 
+CONV_STACK_DIMS = {"samples": (400, 16000), "b": (1, 2)}
+
+
+def build_conv_stack(out: Path) -> None:
+    """``models.conv_stack`` (convs as windows and cuBLASLt matmuls) in fp32 and fp16 (tests)."""
+    for dtype in ("float32", "float16"):
+        module = _timed(f"conv_stack_{dtype}", lambda d=dtype: grape_tvm.build(
+            conv_stack(d), CONV_STACK_DIMS, CUDA, output_names=["feat", "pos"]))
+        module.export(out / f"conv_stack_{dtype}.cuda.grape")
+
+
 def build_reductions(out: Path) -> None:
     """Reductions over a symbolic n that may be 0 (tests)."""
     module = _timed("reductions", lambda: grape_tvm.build(
@@ -444,7 +459,7 @@ def build_zoo(out: Path) -> None:
 STEPS = {
     "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
               build_onnx_loop, build_branches, build_reductions, build_library,
-              build_gemv_tests),
+              build_gemv_tests, build_conv_stack),
     "demo": (build_example,),
     "inspect": (build_example,),
     "argument_tables": (build_bench,),
@@ -456,6 +471,7 @@ STEPS = {
     "probe_cublaslt": (),
     "driver_calls": (),
     "ncu_gpt2": (build_hf_models,),
+    "ncu_wav2vec2": (build_wav2vec2,),
     "matmul": (build_matmul_bench,),
     "hf_models": (build_hf_models, build_wav2vec2),
     "hf_models_fp16": (lambda out: build_hf_models(out, dtype="float16"),),

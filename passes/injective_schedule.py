@@ -11,7 +11,7 @@ from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
 THREADS_PER_BLOCK = 256
-MIN_WIDTH, MAX_WIDTH = 32, 1024  # a warp at least; at most a block's threads
+MIN_WIDTH = 32  # a warp at least
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 # With a symbolic outermost loop (a batch) on blockIdx.y too, the static loops between it
 # and the rows may span at most this much: a batch up to 1024 then stays within the limit.
@@ -20,8 +20,10 @@ MAX_STATIC_UNDER_BATCH = 64
 
 class RowsOfStaticWidth(GPUScheduleRule):
     """An injective kernel whose innermost loop has a static extent (the row's width, a
-    multiple of 32 up to 1024), whose next loop (the rows) has a symbolic one and whose
-    loops above are static except the outermost (a batch).
+    multiple of 32), whose next loop (the rows) has a symbolic one and whose loops above
+    are static except the outermost (a batch). A row wider than a block's threads is split
+    over the largest multiple of 32 threads that divides it, each thread looping over its
+    part (a conv's windows, 6144 wide: 1024 threads, 6 elements each).
 
     dlight's ``Fallback`` fuses every loop into one index and recovers each loop's index
     by dividing by the product of the extents inside it: with a symbolic row count those
@@ -50,22 +52,22 @@ class RowsOfStaticWidth(GPUScheduleRule):
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
         if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
             return None
-        sch = s_tir.Schedule(func)
-        infos = normalize_prim_func(sch)
-        if infos is None:
+        found = _injective_loops(func)
+        if found is None:
             return None
-        infos = try_inline(sch, infos)
-        if len(infos) != 1 or any(kind != "S" for kind in infos[0].dom_kind()):
-            return None
-        block = infos[0].block_rv
-        loops = sch.get_loops(block)
+        sch, loops = found
         extents = [sch.get(loop).extent for loop in loops]
         if not self._fits(extents, base.max_threads_per_block(target)):
             return None
         width = int(extents[-1])
-        rows_per_block = max(1, THREADS_PER_BLOCK // width)
+        threads = _threads_per_row(width, base.max_threads_per_block(target))
+        rows_per_block = max(1, THREADS_PER_BLOCK // threads)
         block_x, thread_y = sch.split(loops[-2], factors=[None, rows_per_block])
-        sch.bind(loops[-1], "threadIdx.x")
+        if threads < width:  # a row wider than a block: each thread a strided part of it
+            _, thread_x = sch.split(loops[-1], factors=[None, threads])
+            sch.bind(thread_x, "threadIdx.x")
+        else:
+            sch.bind(loops[-1], "threadIdx.x")
         sch.bind(thread_y, "threadIdx.y")
         sch.bind(block_x, "blockIdx.x")
         if len(loops) > 2:
@@ -79,16 +81,45 @@ class RowsOfStaticWidth(GPUScheduleRule):
         width, rows = extents[-1], extents[-2]
         if not isinstance(width, tirx.IntImm) or isinstance(rows, tirx.IntImm):
             return False
-        if not MIN_WIDTH <= int(width) <= min(MAX_WIDTH, max_threads) or int(width) % 32:
+        if int(width) < MIN_WIDTH or _threads_per_row(int(width), max_threads) is None:
             return False
-        # Fused into blockIdx.y, the outer loops' indices divide by the extents below the
-        # outermost: those must be static, and the whole within gridDim.y's limit.
-        outer = extents[:-2]
-        if not all(isinstance(e, tirx.IntImm) for e in outer[1:]):
-            return False
-        static = 1
-        for extent in outer[1:]:
-            static *= int(extent)
-        if outer and not isinstance(outer[0], tirx.IntImm):
-            return static <= MAX_STATIC_UNDER_BATCH
-        return static * (int(outer[0]) if outer else 1) <= MAX_GRID_Y
+        return _outer_fit_grid_y(extents[:-2])
+
+
+def _threads_per_row(width: int, max_threads: int) -> int | None:
+    """The threads of one row: the whole row up to a block's threads; above, the largest
+    multiple of 32 within a block that divides it (each thread then writes width / threads
+    elements, a warp's 32 neighbours at a time); None for a row no such count divides."""
+    if width <= max_threads:
+        return width if width % 32 == 0 else None
+    for threads in range(max_threads - max_threads % 32, 0, -32):
+        if width % threads == 0:
+            return threads
+    return None
+
+
+def _outer_fit_grid_y(outer: list) -> bool:
+    """Whether the loops above the rows may be fused into blockIdx.y: their indices then
+    divide by the extents below the outermost, which must be static, and the whole must
+    stay within gridDim.y's limit."""
+    if not all(isinstance(e, tirx.IntImm) for e in outer[1:]):
+        return False
+    static = 1
+    for extent in outer[1:]:
+        static *= int(extent)
+    if outer and not isinstance(outer[0], tirx.IntImm):
+        return static <= MAX_STATIC_UNDER_BATCH
+    return static * (int(outer[0]) if outer else 1) <= MAX_GRID_Y
+
+
+def _injective_loops(func: tirx.PrimFunc):
+    """The schedule and loops of an injective PrimFunc of one spatial block (after
+    inlining), or None."""
+    sch = s_tir.Schedule(func)
+    infos = normalize_prim_func(sch)
+    if infos is None:
+        return None
+    infos = try_inline(sch, infos)
+    if len(infos) != 1 or any(kind != "S" for kind in infos[0].dom_kind()):
+        return None
+    return sch, sch.get_loops(infos[0].block_rv)

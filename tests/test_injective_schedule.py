@@ -63,3 +63,24 @@ def test_static_rows_and_narrow_rows_are_left_to_the_fallback():
     narrow = _kernel(lambda x: relax.op.add(x, x), relax.TensorType((n, 16), "float32"))
     assert RowsOfStaticWidth().apply(static, CUDA, False) is None
     assert RowsOfStaticWidth().apply(narrow, CUDA, False) is None
+
+
+def test_rows_wider_than_a_block_loop_over_their_part_in_each_thread():
+    n = tirx.Var("n", "int64")
+    for width, threads in ((1536, 768), (6144, 1024)):
+        sch = RowsOfStaticWidth().apply(
+            _kernel(lambda x: relax.op.add(x, x), relax.TensorType((n, width), "float32")),
+            CUDA, False)
+        assert sch is not None, width
+        scheduled = sch.mod["main"]
+        bound = {}
+
+        def visit(loop):
+            if loop.thread_binding is not None:
+                bound[loop.thread_binding.thread_tag] = int(loop.extent) \
+                    if isinstance(loop.extent, tirx.IntImm) else loop.extent
+        structural_walk(scheduled.body, ((tirx.For, visit),))
+        assert bound["threadIdx.x"] == threads, (width, bound)
+        assert _symbolic_divisions(scheduled) == []
+    odd = _kernel(lambda x: relax.op.add(x, x), relax.TensorType((n, 50257), "float32"))
+    assert RowsOfStaticWidth().apply(odd, CUDA, False) is None  # no multiple of 32 divides it

@@ -17,8 +17,11 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   before it (a TVM 0.27 planner bug, else the VM reads an undefined storage);
   ``after_memory_planning`` puts it after ``StaticPlanBlockMemory`` in a pass list.
 - ``gpu_legalize_passes``: TVM's GPU legalization with ``TolerantRule`` schedule rules
-  (a rule failing on a kernel passes it to the next) and ``FullReduction``, grape's rule
-  for reductions to one element (one thread block, an all-reduce over its threads).
+  (a rule failing on a kernel passes it to the next) and grape's rules: ``FullReduction``
+  for reductions to one element (one thread block, an all-reduce over its threads),
+  ``RowReductionPerWarp`` for row reductions over a sequence's rows (softmax, layer
+  norm: a warp per row), ``RowsOfStaticWidth`` and ``RowsOfSymbolicWidth`` for element-wise
+  kernels over a symbolic number of rows (no per-element division by a symbolic extent).
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
   ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).

@@ -10,6 +10,8 @@ from tvm.s_tir.schedule.schedule import ScheduleError
 
 from .injective_schedule import RowsOfStaticWidth
 from .reduction_schedules import FullReduction
+from .row_reduction import RowReductionPerWarp
+from .symbolic_width_schedule import RowsOfSymbolicWidth
 
 
 class TolerantRule(ScheduleRule):
@@ -70,15 +72,19 @@ def default_gpu_rules(decode_gemv: bool = True) -> list[ScheduleRule]:
     ``Matmul`` is ``CudaCoreMatmul``: see there. grape's ``FullReduction``
     (passes/reduction_schedules.py) comes before ``GeneralReduction``, which leaves the loops
     of a reduction to one element on the host; after ``Reduction``, whose schedules of sums
-    to one element it keeps. grape's ``RowsOfStaticWidth`` (passes/injective_schedule.py)
-    takes the element-wise kernels over a symbolic number of rows of static width before
-    ``Fallback``. ``decode_gemv=False``: no ``DecodeGemv``."""
+    to one element it keeps. grape's ``RowReductionPerWarp`` (passes/row_reduction.py)
+    takes row reductions over the rows of a sequence before ``GeneralReduction``;
+    ``RowsOfStaticWidth`` and ``RowsOfSymbolicWidth`` (passes/injective_schedule.py,
+    passes/symbolic_width_schedule.py) the element-wise kernels over a symbolic number of
+    rows before ``Fallback``. ``decode_gemv=False``: no ``DecodeGemv``."""
     from .gemv_schedule import DecodeGemv  # pylint: disable=import-outside-toplevel
 
     ours = (DecodeGemv(),) if decode_gemv else ()
     return [TolerantRule(rule) for rule in (*ours, CudaCoreMatmul(), dl.gpu.GEMV(),
                                             dl.gpu.Reduction(), FullReduction(),
-                                            dl.gpu.GeneralReduction(), RowsOfStaticWidth())] + \
+                                            RowReductionPerWarp(), dl.gpu.GeneralReduction(),
+                                            RowsOfStaticWidth(),
+                                            RowsOfSymbolicWidth())] + \
         [dl.gpu.Fallback()]
 
 

@@ -14,7 +14,7 @@ THREADS_PER_BLOCK = 256
 MIN_WIDTH = 32  # a warp at least
 MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y
 # With a symbolic outermost loop (a batch) on blockIdx.y too, the static loops between it
-# and the rows may span at most this much: a batch up to 1024 then stays within the limit.
+# and the rows may span at most this much: a batch up to 1023 then stays within the limit.
 MAX_STATIC_UNDER_BATCH = 64
 
 
@@ -50,13 +50,10 @@ class RowsOfStaticWidth(GPUScheduleRule):
     """
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
-        if not isinstance(func, tirx.PrimFunc) or not self.is_target_available(target):
-            return None
-        found = _injective_loops(func)
+        found = injective_loops(self, func, target)
         if found is None:
             return None
-        sch, loops = found
-        extents = [sch.get(loop).extent for loop in loops]
+        sch, loops, extents = found
         if not self._fits(extents, base.max_threads_per_block(target)):
             return None
         width = int(extents[-1])
@@ -83,7 +80,7 @@ class RowsOfStaticWidth(GPUScheduleRule):
             return False
         if int(width) < MIN_WIDTH or _threads_per_row(int(width), max_threads) is None:
             return False
-        return _outer_fit_grid_y(extents[:-2])
+        return outer_loops_fit_grid_y(extents[:-2])
 
 
 def _threads_per_row(width: int, max_threads: int) -> int | None:
@@ -98,7 +95,7 @@ def _threads_per_row(width: int, max_threads: int) -> int | None:
     return None
 
 
-def _outer_fit_grid_y(outer: list) -> bool:
+def outer_loops_fit_grid_y(outer: list) -> bool:
     """Whether the loops above the rows may be fused into blockIdx.y: their indices then
     divide by the extents below the outermost, which must be static, and the whole must
     stay within gridDim.y's limit."""
@@ -112,9 +109,11 @@ def _outer_fit_grid_y(outer: list) -> bool:
     return static * (int(outer[0]) if outer else 1) <= MAX_GRID_Y
 
 
-def _injective_loops(func: tirx.PrimFunc):
-    """The schedule and loops of an injective PrimFunc of one spatial block (after
-    inlining), or None."""
+def injective_loops(rule: GPUScheduleRule, func, target: Target):
+    """The schedule, loops and their extents of an injective PrimFunc of one spatial block
+    (after inlining) that ``rule`` may schedule for ``target``, or None."""
+    if not isinstance(func, tirx.PrimFunc) or not rule.is_target_available(target):
+        return None
     sch = s_tir.Schedule(func)
     infos = normalize_prim_func(sch)
     if infos is None:
@@ -122,4 +121,5 @@ def _injective_loops(func: tirx.PrimFunc):
     infos = try_inline(sch, infos)
     if len(infos) != 1 or any(kind != "S" for kind in infos[0].dom_kind()):
         return None
-    return sch, sch.get_loops(infos[0].block_rv)
+    loops = sch.get_loops(infos[0].block_rv)
+    return sch, loops, [sch.get(loop).extent for loop in loops]

@@ -10,18 +10,8 @@ from tvm.s_tir import dlight as dl
 from tvm_ffi.structural import structural_walk
 
 from grape_tvm.passes.injective_schedule import RowsOfStaticWidth
-from test_passes import CUDA, fused_kernel
-
-
-def _kernel(make, *types) -> tirx.PrimFunc:
-    """The one PrimFunc of ``make(*params)``, legalized and fused as grape does."""
-    params = [relax.Var(f"x{i}", ty) for i, ty in enumerate(types)]
-    bb = relax.BlockBuilder()
-    with bb.function("main", params):
-        with bb.dataflow():
-            out = bb.emit_output(make(*params))
-        bb.emit_func_output(out)
-    return fused_kernel(bb.get())
+from grape_tvm.passes.symbolic_width_schedule import RowsOfSymbolicWidth
+from test_passes import CUDA, fused_kernel_of
 
 
 def _symbolic_divisions(func: tirx.PrimFunc) -> list:
@@ -39,9 +29,9 @@ def _symbolic_divisions(func: tirx.PrimFunc) -> list:
 
 def _cache_concat() -> tirx.PrimFunc:
     b, p = tirx.Var("b", "int64"), tirx.Var("p", "int64")
-    return _kernel(lambda past, new: relax.op.concat([past, new], axis=2),
-                   relax.TensorType((b, 12, p, 64), "float32"),
-                   relax.TensorType((b, 12, 1, 64), "float32"))
+    return fused_kernel_of(lambda past, new: relax.op.concat([past, new], axis=2),
+                           relax.TensorType((b, 12, p, 64), "float32"),
+                           relax.TensorType((b, 12, 1, 64), "float32"))
 
 
 def test_a_cache_concat_binds_rows_and_width_without_symbolic_division():
@@ -59,8 +49,8 @@ def test_a_cache_concat_binds_rows_and_width_without_symbolic_division():
 
 def test_static_rows_and_narrow_rows_are_left_to_the_fallback():
     n = tirx.Var("n", "int64")
-    static = _kernel(lambda x: relax.op.add(x, x), relax.TensorType((8, 64), "float32"))
-    narrow = _kernel(lambda x: relax.op.add(x, x), relax.TensorType((n, 16), "float32"))
+    static = fused_kernel_of(lambda x: relax.op.add(x, x), relax.TensorType((8, 64), "float32"))
+    narrow = fused_kernel_of(lambda x: relax.op.add(x, x), relax.TensorType((n, 16), "float32"))
     assert RowsOfStaticWidth().apply(static, CUDA, False) is None
     assert RowsOfStaticWidth().apply(narrow, CUDA, False) is None
 
@@ -69,7 +59,7 @@ def test_rows_wider_than_a_block_loop_over_their_part_in_each_thread():
     n = tirx.Var("n", "int64")
     for width, threads in ((1536, 768), (6144, 1024)):
         sch = RowsOfStaticWidth().apply(
-            _kernel(lambda x: relax.op.add(x, x), relax.TensorType((n, width), "float32")),
+            fused_kernel_of(lambda x: relax.op.add(x, x), relax.TensorType((n, width), "float32")),
             CUDA, False)
         assert sch is not None, width
         scheduled = sch.mod["main"]
@@ -82,5 +72,40 @@ def test_rows_wider_than_a_block_loop_over_their_part_in_each_thread():
         structural_walk(scheduled.body, ((tirx.For, visit),))
         assert bound["threadIdx.x"] == threads, (width, bound)
         assert _symbolic_divisions(scheduled) == []
-    odd = _kernel(lambda x: relax.op.add(x, x), relax.TensorType((n, 50257), "float32"))
+    odd = fused_kernel_of(lambda x: relax.op.add(x, x), relax.TensorType((n, 50257), "float32"))
     assert RowsOfStaticWidth().apply(odd, CUDA, False) is None  # no multiple of 32 divides it
+
+
+def _scores_scale_and_mask() -> tirx.PrimFunc:
+    """Attention's scores scaled and masked, (b, 12, s, s) + (b, 1, s, s), as GPT-2's prefill."""
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+    scale = relax.const(0.125, "float16")
+    return fused_kernel_of(lambda x, m: relax.op.add(relax.op.multiply(x, scale), m),
+                           relax.TensorType((b, 12, s, s), "float16"),
+                           relax.TensorType((b, 1, s, s), "float16"))
+
+
+def test_rows_of_symbolic_width_stride_a_row_over_a_block_without_symbolic_division():
+    sch = RowsOfSymbolicWidth().apply(_scores_scale_and_mask(), CUDA, False)
+    assert sch is not None
+    scheduled = sch.mod["main"]
+    assert _symbolic_divisions(scheduled) == []
+    text = scheduled.script()
+    for axis in ("blockIdx.x", "blockIdx.y", "threadIdx.x"):
+        assert axis in text, axis
+    fallback = dl.gpu.Fallback().apply(_scores_scale_and_mask(), CUDA, False).mod["main"]
+    assert _symbolic_divisions(fallback)
+    assert RowsOfStaticWidth().apply(_scores_scale_and_mask(), CUDA, False) is None
+    assert RowsOfSymbolicWidth().apply(_cache_concat(), CUDA, False) is None  # static width
+
+
+def test_a_static_number_of_rows_of_symbolic_width_is_left_to_the_fallback():
+    """A decode step's scores (b, 12, 1, past) and Wav2Vec2's expand_dims of (b, samples):
+    a block per row would be a few blocks for the whole GPU."""
+    b, p = tirx.Var("b", "int64"), tirx.Var("p", "int64")
+    scores = fused_kernel_of(lambda x: relax.op.multiply(x, relax.const(0.125, "float32")),
+                             relax.TensorType((b, 12, 1, p), "float32"))
+    audio = fused_kernel_of(lambda x: relax.op.expand_dims(x, 1),
+                            relax.TensorType((b, p), "float32"))
+    for func in (scores, audio):
+        assert RowsOfSymbolicWidth().apply(func, CUDA, False) is None

@@ -496,6 +496,17 @@ def fused_kernel(mod: tvm.IRModule) -> tvm.tirx.PrimFunc:
     return func
 
 
+def fused_kernel_of(make, *types) -> tvm.tirx.PrimFunc:
+    """The one PrimFunc of ``make(*params)`` over parameters of ``types`` (``fused_kernel``)."""
+    params = [relax.Var(f"x{i}", ty) for i, ty in enumerate(types)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            out = bb.emit_output(make(*params))
+        bb.emit_func_output(out)
+    return fused_kernel(bb.get())
+
+
 def _scheduled(rule, func) -> tvm.IRModule:
     sch = rule.apply(func, CUDA, False)
     return tvm.IRModule({"k": sch.mod["main"].with_attr("global_symbol", "k")})

@@ -961,7 +961,8 @@ def main() -> None:
     if args.dtype != "float32":
         skip.add("wav2vec2")  # exported in fp32 only
     stem = "models" if args.dtype == "float32" else "models_fp16"
-    result = {"machine": machine, "tf32": False,
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or torch.backends.cudnn.allow_tf32
+    result = {"machine": machine, "tf32": tf32,
               "command": "python3 -P bench/hf_models.py " + " ".join(sys.argv[1:]) +
                          " (bash bench/gpu/run_all.sh runs it with --artifacts build/gpu --out $OUT)"}
     t0 = time.perf_counter()

@@ -57,7 +57,7 @@ def use_form(form: str) -> None:
     elif form == "unrestricted":  # as run: any symbolic rows, no check of the reductions
         RowReductionPerWarp.rows_of_a_sequence = staticmethod(
             lambda rows: any(not isinstance(e, tirx.IntImm) for e in rows))
-        RowsOfSymbolicWidth.rows_of_a_sequence = staticmethod(lambda loops: True)
+        RowsOfSymbolicWidth.rows_of_a_sequence = staticmethod(lambda loops: len(loops) >= 1)
         row_reduction._is_one = lambda extent: True  # pylint: disable=protected-access
 
 

@@ -4,8 +4,10 @@ TVM 0.27 has no fast GPU schedule for ``conv1d`` over a symbolic length: Wav2Vec
 feature-extractor convolutions and its grouped positional convolution (kernel 128) take 65%
 of its GPU time at 16 s of audio (``bench/results/wav2vec2_kernels.tvm_conv.json``). As a matmul,
 the convolution runs on cuBLASLt (``OffloadMatmul`` takes the product, batched over the
-groups), and the gather is one injective kernel that fuses with whatever produced its input
-(the previous layer's GELU).
+groups), and the gather is a kernel of its own. It is not marked injective: fused with its
+producer (the previous layer's GELU) FuseTIR fails, as the gather's PrimFunc, made here,
+spells a derived length in the model's dims and the producer, legalized after
+``NameDerivedDims``, in the dim that pass names.
 """
 
 from __future__ import annotations
@@ -15,22 +17,12 @@ from tvm.ir import Op
 from tvm.relax.expr_functor import PyExprMutator, mutator
 from tvm.ir.transform import PassContext, module_pass
 
-from .library_matmul import LIBRARY_DTYPES
+from .library_matmul import LIBRARY_DTYPES, static_dims
 
 _CONV1D = Op.get("relax.nn.conv1d")
 # Below this many products per output, the matmul's reduction is too short to pay for the
 # gathered copy of the input (Wav2Vec2's first layer, 1 channel by kernel 10, stays TVM's).
 MIN_REDUCTION = 32
-
-
-def _static(values) -> list[int] | None:
-    if not all(isinstance(v, tirx.IntImm) for v in values):
-        return None
-    return [int(v) for v in values]
-
-
-def _ints(values) -> list[int]:
-    return [int(v) for v in values]
 
 
 def windows(x: te.Tensor, rows: tirx.PrimExpr, groups: int, kernel: int, stride: int,
@@ -84,18 +76,18 @@ class _ConvToMatmul(PyExprMutator):
         dtype = str(out_ty.dtype)
         if dtype not in LIBRARY_DTYPES or str(x_ty.dtype) != dtype or str(w_ty.dtype) != dtype:
             return None
-        if x_ty.shape is None or out_ty.shape is None or w_ty.shape is None:
+        w_dims = static_dims(w_ty)
+        if x_ty.shape is None or out_ty.shape is None or w_dims is None:
             return None
-        w_dims = _static(w_ty.shape.values)
-        channels = _static(x_ty.shape.values[1:2])
-        if w_dims is None or channels is None:
-            return None
+        channels = x_ty.shape.values[1]
         out_channels, per_group, kernel = w_dims
         groups = int(attrs.groups)
-        if per_group * kernel < MIN_REDUCTION or per_group * groups != channels[0]:
+        if not isinstance(channels, tirx.IntImm) or per_group * groups != int(channels):
             return None
-        (stride,), (dilation,) = _ints(attrs.strides), _ints(attrs.dilation)
-        pad_left = _ints(attrs.padding)[0]
+        if per_group * kernel < MIN_REDUCTION:
+            return None
+        (stride,), (dilation,) = attrs.strides, attrs.dilation
+        stride, dilation, pad_left = int(stride), int(dilation), int(attrs.padding[0])
         batch, _, length = out_ty.shape.values
         cols = self.builder_.call_te(windows, x, length, groups, kernel, stride, dilation,
                                      pad_left, primfunc_name_hint="conv_windows")

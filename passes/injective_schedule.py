@@ -95,6 +95,13 @@ def _threads_per_row(width: int, max_threads: int) -> int | None:
     return None
 
 
+def symbolic_below_the_batch(extents: list) -> bool:
+    """Whether a loop below the outermost has a symbolic extent: rows of a sequence (a
+    prefill's tokens, audio frames), many of them, not rows of a batch alone (a decode
+    step's), too few to fill the GPU one block or warp a row."""
+    return any(not isinstance(extent, tirx.IntImm) for extent in extents[1:])
+
+
 def outer_loops_fit_grid_y(outer: list) -> bool:
     """Whether the loops above the rows may be fused into blockIdx.y: their indices then
     divide by the extents below the outermost, which must be static, and the whole must

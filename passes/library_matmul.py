@@ -22,7 +22,8 @@ LIBRARY_DTYPES = ("float32", "float16", "bfloat16")
 _ACTIVATIONS = {"relax.nn.gelu_tanh": "gelu"}
 
 
-def _static_dims(ty) -> list[int] | None:
+def static_dims(ty) -> list[int] | None:
+    """The dims of a tensor type when all are static, else None."""
     if not isinstance(ty, relax.TensorType) or ty.shape is None:
         return None
     dims = ty.shape.values
@@ -105,7 +106,7 @@ def _rewrite(root, matched: dict, pattern: "_Pattern") -> relax.Expr:
             str(product_ty.dtype) != dtype:
         return root
     stored, transposed = _stored(match.w)
-    w_dims = _static_dims(stored.ty)
+    w_dims = static_dims(stored.ty)
     if w_dims is None or len(w_dims) != 2 or str(stored.ty.dtype) != dtype:
         return root
     n, k = w_dims if transposed else w_dims[::-1]
@@ -114,7 +115,7 @@ def _rewrite(root, matched: dict, pattern: "_Pattern") -> relax.Expr:
         return root
     args, epilogue, residual = [match.x, stored], "", False
     if match.bias is not None:
-        if _static_dims(match.bias.ty) == [n] and str(match.bias.ty.dtype) == dtype:
+        if static_dims(match.bias.ty) == [n] and str(match.bias.ty.dtype) == dtype:
             args.append(match.bias)
             epilogue = "bias"
         elif pattern.residual_or_bias and _same_shape(match.bias.ty, product_ty):

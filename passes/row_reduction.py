@@ -9,6 +9,8 @@ from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
+from .injective_schedule import symbolic_below_the_batch
+
 WARP = 32
 
 
@@ -25,9 +27,7 @@ def _row_reduction(infos) -> int | None:
         return None
     kinds = infos[0].dom_kind()
     leading = len(kinds) - len(kinds.lstrip("S"))
-    if leading == 0 or kinds != "S" * leading + "R" * (len(kinds) - leading):
-        return None
-    if len(kinds) == leading:
+    if not 0 < leading < len(kinds) or kinds[leading:].strip("R"):
         return None
     if any(info.dom_kind() != kinds for info in infos[1:-1]):
         return None
@@ -91,16 +91,12 @@ class RowReductionPerWarp(GPUScheduleRule):
             self._over_warp(sch, sch.fuse(*sch.get_loops(info.block_rv)[-reduced:]))
         return sch
 
-    @staticmethod
-    def rows_of_a_sequence(rows: list) -> bool:
-        """Whether a row loop below the outermost is symbolic: rows over a sequence (a
-        prefill's tokens, audio frames), many of them. Rows over a batch alone (a decode
-        step: b rows of layer norm, b x 12 of softmax) stay with ``GeneralReduction``,
-        whose 256 threads a row read it faster when the rows are too few to fill the GPU:
-        with a warp per row, GPT-2's decode step at past 256 spent 24 us more on its layer
-        norms and softmaxes (ncu on the H200,
-        bench/results/gpt2_step_kernels.row_rules_unrestricted.json)."""
-        return any(not isinstance(extent, tirx.IntImm) for extent in rows[1:])
+    # Rows of a batch alone (a decode step: b rows of layer norm, b x 12 of softmax) stay
+    # with GeneralReduction, whose 256 threads a row read it faster when the rows are too
+    # few to fill the GPU: with a warp per row, GPT-2's decode step at past 256 spent 24 us
+    # more on its layer norms and softmaxes (ncu on the H200,
+    # bench/results/gpt2_step_kernels.row_rules_unrestricted.json).
+    rows_of_a_sequence = staticmethod(symbolic_below_the_batch)
 
     @staticmethod
     def _over_warp(sch: s_tir.Schedule, loop) -> None:

@@ -7,7 +7,8 @@ from tvm import s_tir, tirx
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
-from .injective_schedule import THREADS_PER_BLOCK, injective_loops, outer_loops_fit_grid_y
+from .injective_schedule import (THREADS_PER_BLOCK, injective_loops, outer_loops_fit_grid_y,
+                                 symbolic_below_the_batch)
 
 
 class RowsOfSymbolicWidth(GPUScheduleRule):
@@ -47,9 +48,10 @@ class RowsOfSymbolicWidth(GPUScheduleRule):
         if found is None:
             return None
         sch, loops, extents = found
-        if len(extents) < 2 or isinstance(extents[-1], tirx.IntImm):
+        # The rows symbolic too: the loops above them must be static but the outermost.
+        if not self.rows_of_a_sequence(extents[:-1]) or isinstance(extents[-1], tirx.IntImm):
             return None
-        if not self.rows_of_a_sequence(extents[:-1]) or not outer_loops_fit_grid_y(extents[:-2]):
+        if not outer_loops_fit_grid_y(extents[:-2]):
             return None
         strides, thread_x = sch.split(loops[-1], factors=[None, THREADS_PER_BLOCK])
         sch.reorder(thread_x, strides)
@@ -59,8 +61,4 @@ class RowsOfSymbolicWidth(GPUScheduleRule):
             sch.bind(sch.fuse(*loops[:-2]), "blockIdx.y")
         return sch
 
-    @staticmethod
-    def rows_of_a_sequence(loops: list) -> bool:
-        """Whether the rows (the last of ``loops``' extents) are symbolic and not the
-        outermost loop: a sequence's rows, not a batch's alone."""
-        return len(loops) >= 2 and not isinstance(loops[-1], tirx.IntImm)
+    rows_of_a_sequence = staticmethod(symbolic_below_the_batch)

@@ -473,14 +473,9 @@ def legalized_kernel(shape, make, epilogue=None) -> tvm.tirx.PrimFunc:
     """The one PrimFunc of ``make(x)`` (then ``epilogue``) on a float32 ``x`` of ``shape``
     ("n" a symbolic dim), legalized as grape does it and fused, before any schedule."""
     n = tvm.tirx.Var("n", "int64")
-    x = relax.Var("x", relax.TensorType([n if d == "n" else d for d in shape], "float32"))
-    bb = relax.BlockBuilder()
-    with bb.function("main", [x]):
-        with bb.dataflow():
-            y = make(x)
-            out = bb.emit_output(epilogue(y) if epilogue else y)
-        bb.emit_func_output(out)
-    return fused_kernel(bb.get())
+    ty = relax.TensorType([n if d == "n" else d for d in shape], "float32")
+    return fused_kernel_of(lambda x: epilogue(make(x)) if epilogue else make(x), ty,
+                           names=("x",))
 
 
 def fused_kernel(mod: tvm.IRModule) -> tvm.tirx.PrimFunc:
@@ -496,9 +491,11 @@ def fused_kernel(mod: tvm.IRModule) -> tvm.tirx.PrimFunc:
     return func
 
 
-def fused_kernel_of(make, *types) -> tvm.tirx.PrimFunc:
-    """The one PrimFunc of ``make(*params)`` over parameters of ``types`` (``fused_kernel``)."""
-    params = [relax.Var(f"x{i}", ty) for i, ty in enumerate(types)]
+def fused_kernel_of(make, *types, names=None) -> tvm.tirx.PrimFunc:
+    """The one PrimFunc of ``make(*params)`` over parameters of ``types``, named ``names``
+    (x0, x1, ... by default), legalized and fused (``fused_kernel``)."""
+    names = names or [f"x{i}" for i in range(len(types))]
+    params = [relax.Var(name, ty) for name, ty in zip(names, types)]
     bb = relax.BlockBuilder()
     with bb.function("main", params):
         with bb.dataflow():

@@ -17,7 +17,7 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
-                              gpu_legalize_passes, numerics_legalize_map)
+                              SplitAsSlices, gpu_legalize_passes, numerics_legalize_map)
 from grape_tvm.passes.conv_matmul import Conv1dAsMatmul
 from grape_tvm.passes.few_rows_gemv import GemvForFewRows
 from grape_tvm.passes.fused_scalars import before_fuse_tir
@@ -121,6 +121,8 @@ class GrapePipeline:
                 passes.append(CopyPassThroughBranches())
             # Branches left get dataflow blocks too; outlined, FuseOps fuses them.
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
+            # A split read part by part: a slice per part, fused with its readers.
+            passes.append(SplitAsSlices())
             if matmul in ("auto", "cublaslt"):
                 passes.append(OffloadMatmul())
             passes += lowering.library_dispatch_passes(target)

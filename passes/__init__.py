@@ -21,7 +21,9 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   for reductions to one element (one thread block, an all-reduce over its threads),
   ``RowReductionPerWarp`` for row reductions over a sequence's rows (softmax, layer
   norm: a warp per row), ``RowsOfStaticWidth`` and ``RowsOfSymbolicWidth`` for element-wise
-  kernels over a symbolic number of rows (no per-element division by a symbolic extent).
+  kernels over a symbolic number of rows (no per-element division by a symbolic extent);
+  before fusion, ``FuseIntoRowReductions`` lets a softmax or layer norm take its
+  element-wise producers (attention's scale and mask).
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
   ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).
@@ -37,6 +39,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``FoldShapeTensors``: dims read from a small integer tensor whose elements are known
   expressions of dims (an importer's shape arithmetic) become those expressions.
 - ``SliceIntoConvPadding``: a slice dropping a conv's last outputs becomes less padding.
+- ``SplitAsSlices``: a split read part by part becomes a slice per part (a reshape of a
+  part into heads, a slice of heads), which fuses with its readers (attention's q, k, v).
 - ``FusedScalarsAsDims``: a fused function's integer scalar parameters become dims of its
   shape parameter, before ``FuseTIR`` (which fails on a function taking both).
 
@@ -60,7 +64,9 @@ from .name_derived_dims import NameDerivedDims
 from .numerics import numerics_legalize_map
 from .reduction_init import HoistReductionInit
 from .reduction_schedules import FullReduction
+from .row_reduction_fusion import FuseIntoRowReductions
 from .shape_tensors import FoldShapeTensors
+from .split_slices import SplitAsSlices
 from .call_program import DescribeCallProgram
 from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, REGION_PREFIX,
                            GraphPlan, LiftGraphRegions, graph_plan)
@@ -78,6 +84,7 @@ __all__ = [
     "DescribeConditionals",
     "FoldShapeTensors",
     "FullReduction",
+    "FuseIntoRowReductions",
     "FuseWeightTranspose",
     "FusedScalarsAsDims",
     "GraphPlan",
@@ -92,6 +99,7 @@ __all__ = [
     "REGION_ATTR",
     "REGION_PREFIX",
     "SliceIntoConvPadding",
+    "SplitAsSlices",
     "TolerantRule",
     "after_memory_planning",
     "default_gpu_rules",

@@ -9,7 +9,7 @@ import tvm
 from tvm import relax, tirx
 from tvm.ir import IRModule
 from tvm.ir.transform import PassContext
-from tvm.relax.dpl import is_const, is_op, rewrite_call, wildcard
+from tvm.relax.dpl import WildcardPattern, is_const, is_op, rewrite_call, wildcard
 from tvm.relax.transform import function_pass
 
 from grape_tvm.runtime.cublaslt import EPILOGUES, MatmulFunction
@@ -65,12 +65,21 @@ class _Match:
                                   if c in matched)
 
 
+# How far a half-precision constant may be from the value it stands for, relative to it:
+# twice its rounding (2^-11 and 2^-8).
+_HALF_TOLERANCE = {"float16": 2.0 ** -10, "bfloat16": 2.0 ** -7}
+
+
 def _near(expr: relax.Expr, value: float) -> bool:
-    """A scalar constant of ``value`` (to float32's precision)."""
+    """A scalar constant of ``value`` to its dtype's precision: an fp16 export's
+    sqrt(2 / pi) is 0.79785, 4e-5 from the value."""
     if not isinstance(expr, tvm.ir.GenericConst) or expr.value.numpy().size != 1:
         return False
     got = float(expr.value.numpy().reshape(()))
-    return abs(got - value) <= 1e-6 * max(1.0, abs(value))
+    half = _HALF_TOLERANCE.get(str(expr.value.dtype))
+    if half is not None:
+        return abs(got - value) <= half * abs(value)
+    return abs(got - value) <= 1e-6 * max(1.0, abs(value))  # float32 printed to 8 digits
 
 
 def _rewrite_batched(root, x: relax.Expr, w: relax.Expr) -> relax.Expr:
@@ -94,7 +103,44 @@ def _rewrite_batched(root, x: relax.Expr, w: relax.Expr) -> relax.Expr:
                                     relax.TensorType(out_ty.shape, dtype))
 
 
-def _rewrite(root, matched: dict, pattern: "_Pattern") -> relax.Expr:
+class _Uses:
+    """How often each variable of a function is read, and the variable each value is bound
+    to: a fused epilogue must not take a value that something else also reads (the matmul
+    would then run twice, once for the call and once for the other reader)."""
+
+    def __init__(self, func: relax.Function):
+        self.count: dict[relax.Var, int] = {}
+        # every binding of the function, those inside an ``if``'s branches too
+        self.var_of: dict[relax.Expr, relax.Var] = {
+            value: var for var, value in relax.analysis.get_var2val(func).items()}
+
+        def read(expr):  # a variable's definition is not visited, only its reads
+            if isinstance(expr, relax.Var):
+                self.count[expr] = self.count.get(expr, 0) + 1
+
+        relax.analysis.post_order_visit(func.body, read)
+
+    def read_outside(self, root: relax.Expr, matched: dict) -> bool:
+        """Whether a value inside the match (neither its root nor one of its inputs) is
+        also read by something the match does not hold."""
+        inside = [v for k, v in matched.items()
+                  if isinstance(v, relax.Call) and not isinstance(k, WildcardPattern)]
+        reads: dict[relax.Var, int] = {}
+        for call in set(inside + [root]):  # TVM objects hash and compare by identity
+            for arg in call.args:
+                if isinstance(arg, relax.Var):
+                    reads[arg] = reads.get(arg, 0) + 1
+        for value in inside:
+            var = self.var_of.get(value)
+            if var is not None and not value.same_as(root) and \
+                    self.count.get(var, 0) > reads.get(var, 0):
+                return True
+        return False
+
+
+def _rewrite(root, matched: dict, pattern: "_Pattern", uses: _Uses) -> relax.Expr:
+    if uses.read_outside(root, matched):
+        return root
     match = _Match(matched, pattern, root)
     if pattern.plain and _is_activation_product(match.x, match.w):
         return _rewrite_batched(root, match.x, match.w)
@@ -236,6 +282,9 @@ class OffloadMatmul:
     def transform_function(self, func: relax.Function, mod: IRModule,
                            ctx: PassContext) -> relax.Function:
         for pattern in PATTERNS:
+            uses = _Uses(func)
             func = rewrite_call(pattern.pattern,
-                                lambda root, matched, p=pattern: _rewrite(root, matched, p), func)
+                                lambda root, matched, p=pattern, u=uses: _rewrite(root, matched,
+                                                                                  p, u),
+                                func)
         return func

@@ -9,7 +9,7 @@ from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
 from tvm.s_tir.dlight.gpu.base import GPUScheduleRule
 from tvm.target import Target
 
-from .injective_schedule import symbolic_below_the_batch
+from .injective_schedule import outer_loops_fit_grid_y, symbolic_below_the_batch
 
 WARP = 32
 
@@ -18,7 +18,7 @@ def _is_one(extent) -> bool:
     return isinstance(extent, tirx.IntImm) and int(extent) == 1
 
 
-def _row_reduction(infos) -> int | None:
+def row_reduction_iters(infos) -> int | None:
     """The number of leading spatial iters when ``infos`` are reductions ``S..SR..R`` of one
     shape followed by one element-wise block over the same iters (softmax: its max, its sum
     of exponentials, then the quotient; layer norm: mean, variance, then the normalized
@@ -46,8 +46,8 @@ class RowReductionPerWarp(GPUScheduleRule):
     go through shared memory with a barrier each: a chain of latencies per row that a
     symbolic number of rows repeats in waves. GPT-2's fp16 prefill at 1024 tokens spent 61
     us a call on its softmax that way (12 x 1024 rows of 1024, 8.6x the DRAM bound;
-    bench/results/gpt2_prefill_kernels.fp16_1024.json). Here a block is one warp: 32 blocks
-    per SM keep as many rows in flight, and TVM lowers an all-reduce over 32
+    bench/results/gpt2_prefill_kernels.fp16_1024.dee4d5c.json). Here a block is one warp:
+    32 blocks per SM keep as many rows in flight, and TVM lowers an all-reduce over 32
     ``threadIdx.x`` to shuffles.
 
     Before (``GeneralReduction``)::
@@ -68,13 +68,23 @@ class RowReductionPerWarp(GPUScheduleRule):
             return None
         sch = s_tir.Schedule(func)
         infos = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
-        leading = _row_reduction(infos)
+        leading = row_reduction_iters(infos)
         if leading is None:
             return None
         loops = sch.get_loops(infos[-1].block_rv)
-        if not self.rows_of_a_sequence([sch.get(loop).extent for loop in loops[:leading]]):
+        extents = [sch.get(loop).extent for loop in loops[:leading]]
+        if not self.rows_of_a_sequence(extents):
             return None
-        row = sch.fuse(*loops[:leading])
+        if leading > 1 and outer_loops_fit_grid_y(extents[:-1]):
+            # The sequence's rows on blockIdx.x, the batch (and heads) on blockIdx.y: a
+            # row's indices then divide by static extents alone. gridDim.y's limit (65535)
+            # bounds the batch there: ``outer_loops_fit_grid_y``'s MAX_STATIC_UNDER_BATCH. Fused into blockIdx.x,
+            # every element read through a broadcast (attention's mask) divides by the
+            # symbolic rows, in 64 bits, inside the loop.
+            sch.bind(sch.fuse(*loops[:leading - 1]), "blockIdx.y")
+            row, depth = loops[leading - 1], 2
+        else:
+            row, depth = sch.fuse(*loops[:leading]), 1
         sch.bind(row, "blockIdx.x")
         self._over_warp(sch, sch.fuse(*loops[leading:]))
         reduced = len(loops) - leading
@@ -85,7 +95,7 @@ class RowReductionPerWarp(GPUScheduleRule):
             # At the row, a reduction must be one element of it: its spatial loops unit.
             # Not so when it reduces another axis than the row's (a softmax over axis 1):
             # each row would recompute a symbolic number of them.
-            spatial = sch.get_loops(info.block_rv)[1:-reduced]
+            spatial = sch.get_loops(info.block_rv)[depth:-reduced]
             if any(not _is_one(sch.get(loop).extent) for loop in spatial):
                 return None
             self._over_warp(sch, sch.fuse(*sch.get_loops(info.block_rv)[-reduced:]))

@@ -19,7 +19,7 @@ class RowsOfSymbolicWidth(GPUScheduleRule):
     ``Fallback`` recovers every index from one fused index by 64-bit divisions by the
     symbolic extents, per element: GPT-2's fp16 prefill at 1024 tokens spent 57 us a call
     on its scores' scale and mask that way, 7x its DRAM bound
-    (bench/results/gpt2_prefill_kernels.fp16_1024.json). Here a block of
+    (bench/results/gpt2_prefill_kernels.fp16_1024.dee4d5c.json). Here a block of
     ``THREADS_PER_BLOCK`` threads walks one row in strides (each thread every 256th
     element, a warp's 32 neighbours at a time), the row is ``blockIdx.x`` and the loops
     above are fused into ``blockIdx.y``, as in ``RowsOfStaticWidth``. Rows of a batch alone

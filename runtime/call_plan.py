@@ -128,9 +128,12 @@ class BufferPool:
             return ends[i][1]
         return None
 
-    def side_for(self, tensors: Sequence[Any]) -> int | None:
-        """The output side none of ``tensors`` lives on (``free_side``)."""
-        return free_side({self.where(t) for t in tensors})
+    def locate(self, facts: "TensorFacts") -> int | str | None:
+        """Where ``facts``' tensor lives (``where``), looked up once per pool generation."""
+        if facts.generation != self.generation:
+            facts.where = self.where(facts.tensor)
+            facts.generation = self.generation
+        return facts.where
 
 
 def free_side(taken: set) -> int | None:
@@ -140,6 +143,26 @@ def free_side(taken: set) -> int | None:
     if "single" in taken:
         return None
     return 0 if 0 not in taken else 1 if 1 not in taken else None
+
+
+@dataclass(eq=False, slots=True)
+class TensorFacts:
+    """What a call needs to know of a tensor passed to it, found once per tensor rather
+    than once per call (a TVM tensor's shape, dtype and memory never change): the tensor,
+    its shape and dtype, whether it is small enough to be remembered past the next call
+    (``small``; None for the executor's own outputs, which are never remembered), and where it lives in the pool (``BufferPool.where``)
+    as of pool generation ``generation``.
+
+    The executor keeps one per caller tensor it checked, and a placement one per output
+    view it returns (``where`` is then the side written), so that an output given back
+    as an input is known without asking TVM."""
+
+    tensor: Any
+    shape: tuple
+    dtype: str
+    small: bool | None = None
+    generation: int = -1  # no pool generation: ``where`` not looked up yet
+    where: int | str | None = None
 
 
 @dataclass(eq=False)
@@ -169,13 +192,13 @@ class LaunchArgs:
 class Placement:
     """A planned call placed on one side of the pool, for one pool generation: its launches'
     arguments, its outputs (pool views; None where an input is passed through), and
-    ``described``: those views by ``id``, with shape, dtype and side, so that an output
-    given back as an input is known without asking TVM."""
+    ``described``: the facts of those views by ``id`` (their side as ``where``), so that
+    an output given back as an input is known without asking TVM."""
 
     generation: int
     launches: list[LaunchArgs]
     outputs: list
-    described: dict[int, tuple]
+    described: dict[int, TensorFacts]
 
     def release_inputs(self) -> None:
         """Drop the call's inputs from the argument lists (``PlannedCall.fill`` puts them
@@ -357,7 +380,8 @@ class PlannedCall:
                    tvm_ffi.Shape(a.value) if a.kind == "shape" else
                    a.value if a.kind == "value" else
                    self._output_view(a, pool, side) for a in self.at.outputs]
-        described = {id(held): (held, view.shape, view.dtype, side)
+        described = {id(held): TensorFacts(held, view.shape, view.dtype,
+                                           generation=pool.generation, where=side)
                      for a, held in zip(self.at.outputs, outputs) if a.kind == "view"
                      for view in (self.at.views[a.index],) if view.base == "storage"}
         return Placement(pool.generation, launches, outputs, described)

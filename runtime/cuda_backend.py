@@ -176,9 +176,9 @@ class CudaGraphBackend:
         if found is not None:
             table, row = found
             graph = graphs.graphs[table]
-            record = graph.launch_record(row, region_args, caller, moving, guards)
+            nbytes = graph.launch_record(row, region_args, caller, moving, guards)
             start = time.perf_counter_ns()
-            graph.launch(record, self.stream)
+            graph.launch(nbytes, self.stream)
             self.driver_ns += time.perf_counter_ns() - start
             self.launches += 1
             return True

@@ -15,14 +15,20 @@ class CudaError(RuntimeError):
     """A CUDA driver call failed."""
 
 
+SUCCESS = driver.CUresult.CUDA_SUCCESS if driver is not None else None
+
+
 def check(result, what: str):
-    """Unwrap a cuda-python ``(err, *values)`` tuple; raise ``CudaError`` naming the call."""
+    """Unwrap a cuda-python ``(err, *values)`` tuple; raise ``CudaError`` naming the call.
+
+    A call's launches go through here: success is decided by one comparison, and nothing is
+    unpacked into a new list."""
     if driver is None:
         raise CudaError(f"{what}: cuda-python is not installed (pip install cuda-python)")
-    err, *values = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
+    err = result[0] if type(result) is tuple else result
+    if err != SUCCESS:
         _, name = driver.cuGetErrorName(err)
         raise CudaError(f"{what} failed: {name.decode() if name else err}")
-    if not values:
+    if type(result) is not tuple or len(result) == 1:
         return None
-    return values[0] if len(values) == 1 else tuple(values)
+    return result[1] if len(result) == 2 else result[1:]

@@ -18,7 +18,7 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
 from .backend import RegionBackend
-from .call_plan import BufferPool, Placement, PlannedCall, free_side
+from .call_plan import BufferPool, Placement, PlannedCall, TensorFacts, free_side
 from .call_program import CONDITIONAL_PREFIX, REGION_PREFIX, CallProgram, Launch, guarded_calls
 from .progress import Progress
 from .signature import InputError, Signature, nbytes, nbytes_of
@@ -42,7 +42,8 @@ VM_POOL_CLEAR_CALLS = 64
 # be (a reference to each is held until it is pushed out, so at most 8 x 4 MiB are kept
 # alive for the caller): a caller that keeps a static input tensor per shape, or a few it
 # rotates, is checked once per tensor, not once per call. Reading a new tensor's dtype
-# alone costs about a microsecond.
+# alone costs about a microsecond. The input sets of those tensors (up to RECENT_TENSORS
+# + 1) are remembered whole: passed again, the call's arguments and dims are found at once.
 RECENT_TENSORS = 8
 RECENT_TENSOR_BYTES = 4 << 20
 
@@ -75,25 +76,48 @@ class CallStats:
     plans_held: int = 0
     shapes_held: int = 0
     host_ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(HOST_PHASES, 0))
-    last: dict[str, Any] = field(default_factory=dict)
+    # The last call's figures as they come: a call sets a few fields, and ``last`` makes its
+    # dict only when read (a dict made and filled per call cost a microsecond of the hot
+    # path). ``_last_added``: what ``add`` counted since the call began.
+    _last_path: str | None = field(default=None, init=False, repr=False)  # None: no call yet
+    _last_launches: int = field(default=0, init=False, repr=False)
+    _last_phases: dict[str, int] | None = field(default=None, init=False, repr=False)
+    _last_added: dict[str, int] = field(default_factory=dict, init=False, repr=False)
 
     def begin_call(self) -> None:
-        self.last = {"h2d_bytes": 0, "d2h_bytes": 0, "d2d_bytes": 0, "graph_launches": 0,
-                     "path": "vm"}
+        self._last_path, self._last_launches, self._last_phases = "vm", 0, None
+        if self._last_added:
+            self._last_added = {}
 
     def add(self, key: str, value: int) -> None:
-        self.last[key] = self.last.get(key, 0) + value
+        self._last_added[key] = self._last_added.get(key, 0) + value
         setattr(self, key, getattr(self, key) + value)
 
     def end_call(self, launches: int, phases: dict[str, int]) -> None:
-        """One call's graph launches and host time per phase (nanoseconds)."""
+        """One call's graph launches and host time per phase (nanoseconds); a call with a
+        "vm" phase ran on TVM's VM, any other ran its plan."""
         self.calls += 1
         self.graph_launches += launches
-        self.last["graph_launches"] += launches
-        self.last["host_ns"] = phases
+        self._last_launches, self._last_phases = launches, phases
+        self._last_path = "vm" if "vm" in phases else "planned"
         totals = self.host_ns
         for phase, ns in phases.items():
             totals[phase] += ns
+
+    @property
+    def last(self) -> dict[str, Any]:
+        """The last call's figures: bytes copied (``h2d_bytes``, ``d2h_bytes``,
+        ``d2d_bytes``), ``graph_launches``, ``path`` ("planned" or "vm"), host time per
+        phase (``host_ns``, once the call returned) and whatever else it counted; empty
+        before the first call."""
+        if self._last_path is None:
+            return {}
+        last = {"h2d_bytes": 0, "d2h_bytes": 0, "d2d_bytes": 0,
+                "graph_launches": self._last_launches, "path": self._last_path}
+        last.update(self._last_added)
+        if self._last_phases is not None:
+            last["host_ns"] = self._last_phases
+        return last
 
     @property
     def host_us(self) -> dict[str, float]:
@@ -103,7 +127,7 @@ class CallStats:
     @property
     def last_host_us(self) -> dict[str, float]:
         """The last call's host time per phase, in microseconds."""
-        return {phase: ns / 1e3 for phase, ns in self.last.get("host_ns", {}).items()}
+        return {phase: ns / 1e3 for phase, ns in (self._last_phases or {}).items()}
 
 
 @dataclass
@@ -115,6 +139,34 @@ class _Recording:
     recorder: Any
     run: bool
     by_vm: bool = False  # the VM's call of the region: ended when that call returns
+
+
+@dataclass(eq=False, slots=True)
+class _Prepared:
+    """A call's inputs (``items``: the mapping's (name, value) pairs, every value a TVM
+    tensor read in place) and what checking them gave: the entry function's arguments,
+    the dims key, the facts of the tensors passed, and those facts by the tensors' ``id``
+    (``checked``). Passed again as they are, they are not checked again; ``first``, the
+    first value, is what the executor finds them by."""
+
+    items: tuple
+    args: list
+    key: tuple
+    passed: list[TensorFacts]
+    checked: dict[int, TensorFacts]
+    first: Any = field(init=False)  # the first value: the input set's key
+
+    def __post_init__(self) -> None:
+        self.first = self.items[0][1] if self.items else None
+
+    def passed_as(self, inputs: Mapping[str, Any]) -> bool:
+        """Whether ``inputs`` are these very values under these names."""
+        if len(inputs) != len(self.items):
+            return False
+        for name, value in self.items:  # a loop: all() over a generator costs a microsecond
+            if inputs.get(name) is not value:
+                return False
+        return True
 
 
 class GraphExecutor:
@@ -189,13 +241,19 @@ class GraphExecutor:
         self._template: list[Any] = [None] * len(inputs)  # bound inputs in place
         # Fast paths of a call's checks: the last planned call's outputs (an autoregressive
         # caller passes them straight back) and the dims of input shapes seen before.
-        self._returned: dict[int, tuple] = {}
+        self._returned: dict[int, TensorFacts] = {}
         # Caller tensors checked, by id: the last call's (``_checked``) and up to
         # RECENT_TENSORS small ones of calls before, least recently passed first
-        # (``_recent``). [tensor, shape, dtype, pool generation, pool side].
-        self._checked: dict[int, list] = {}
-        self._recent: dict[int, list] = {}
-        self._last_prepared: tuple | None = None  # the last call's inputs and what they gave
+        # (``_recent``).
+        self._checked: dict[int, TensorFacts] = {}
+        self._recent: dict[int, TensorFacts] = {}
+        self._last_prepared: _Prepared | None = None  # the last call's inputs, what they gave
+        # Input sets of small caller tensors checked before, by the id of their first
+        # value, oldest first: a caller rotating a few static inputs (one per shape) finds
+        # its call prepared, with no check, no dims lookup and no list made. Every tensor
+        # in them is in ``_checked`` or ``_recent`` (``_forget``): they keep nothing more
+        # alive than those.
+        self._prepared: dict[int, _Prepared] = {}
         self._filled: Placement | None = None  # the placement holding the last call's inputs
         self._dims_of: dict[tuple, tuple] = {}
 
@@ -220,6 +278,7 @@ class GraphExecutor:
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
             self._plans.clear()
             self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
+            self._prepared = {}
             self._last_prepared = self._filled = None
             self.bound_version += 1
 
@@ -249,16 +308,18 @@ class GraphExecutor:
         they are not checked again.
         """
         with self._lock:
-            self._check_open()
+            if self._vm is None:
+                self._check_open()  # raises
             stats = self.stats
             stats.begin_call()
-            start = time.perf_counter_ns()
+            start = _now()
             args, key, passed = self._prepare(inputs)
             targets = self._prepare_out(out) if out else _NO_TARGETS
-            phases = {"checks": time.perf_counter_ns() - start}
+            checked = _now()
+            phases = {"checks": checked - start}
             launches = self.backend.launches
             try:
-                outputs = self._call(args, key, passed, targets, phases)
+                outputs = self._call(args, key, passed, targets, phases, checked)
                 if return_numpy:
                     with self.backend.stream_context():
                         outputs = _to_numpy(outputs)
@@ -288,8 +349,7 @@ class GraphExecutor:
         return targets
 
     def _call(self, args: list, key: tuple | None, passed: list, out: dict[int, Any],
-              phases: dict[str, int]):
-        start = time.perf_counter_ns()
+              phases: dict[str, int], start: int):
         planned = self._planned(key, args)
         if planned is not None:
             side = self._output_side(passed, out)
@@ -308,9 +368,10 @@ class GraphExecutor:
         """The planned call at ``key``'s dims, made from the program the first time."""
         if self.program is None or key is None:
             return None
-        if key in self._plans:
+        planned = self._plans.get(key, _UNSEEN)
+        if planned is not _UNSEEN:
             self._plans.move_to_end(key)
-            return self._plans[key]
+            return planned
         at = self.program.at(self.program.dims_of([tuple(a.shape) for a in args]))
         bound = {i: t for i, t in enumerate(self._template) if t is not None}
         planned = None if at is None else PlannedCall(at, self.program.output_storages, self._pool,
@@ -332,44 +393,38 @@ class GraphExecutor:
             _clear_vm_memory_pools(trim_host=self._on_cpu)
             self._vm_pool_calls = self._vm_pool_bytes = 0
 
-    def _output_side(self, passed: list, out: dict[int, Any]) -> int | None:
-        """The pool side this call writes its outputs on, the one no input lives on: our
-        own outputs passed back are known by ``id``; where another tensor lives is looked
-        up by address once per pool generation (``_checked``)."""
-        pool, taken = self._pool, set()
-        for tensor in passed:
-            known = self._returned.get(id(tensor))
-            if known is not None and known[0] is tensor:
-                taken.add(known[3])
-                continue
-            checked = self._checked.get(id(tensor))
-            if checked is None or checked[3] != pool.generation:
-                where = pool.where(tensor)
-                if checked is not None:
-                    checked[3], checked[4] = pool.generation, where
-            else:
-                where = checked[4]
-            taken.add(where)
+    def _output_side(self, passed: Sequence[TensorFacts], out: dict[int, Any]) -> int | None:
+        """The pool side this call writes its outputs on, the one no input lives on
+        (``free_side``): where each input lives is in its facts (our own outputs passed
+        back: the side they were written on), looked up by address once per pool
+        generation. Most calls' inputs live outside the pool: no set is made for them."""
+        pool = self._pool
+        taken = None
+        for facts in passed:
+            where = facts.where if facts.generation == pool.generation else pool.locate(facts)
+            if where is not None:
+                taken = {where} if taken is None else taken | {where}
         if out:
-            taken.update(pool.where(tensor) for tensor in out.values())
-        return free_side(taken)
+            taken = (taken or set()) | {pool.where(tensor) for tensor in out.values()}
+        return 0 if taken is None else free_side(taken)
 
     def _run_planned(self, planned: PlannedCall, key: tuple, args: list, side: int,
                      out: dict[int, Any], phases: dict[str, int], start: int) -> list | None:
         """Launch every region of ``planned``; None if the VM must run this call instead."""
-        backend = self.backend
+        backend, stats = self.backend, self.stats
         addresses_only = backend.addresses_only
-        epoch = self.stats.region_recordings
+        epoch = stats.region_recordings
         if planned.verified != epoch and not planned.recorded(backend):
             if not self._record_guarded(planned, key, args, side):
                 return None
         placement = planned.placed(self._pool, side, addresses_only)
-        if self._filled is not None and self._filled is not placement:
-            self._filled.release_inputs()  # only the last call's inputs stay referenced
-        self._filled = placement
+        if self._filled is not placement:
+            if self._filled is not None:
+                self._filled.release_inputs()  # only the last call's inputs stay referenced
+            self._filled = placement
         redirect = planned.redirect(out) if out else None
         driver = backend.driver_ns
-        launched = time.perf_counter_ns()
+        launched = _now()
         replays = 0
         for launch in placement.launches:
             planned.fill(launch, args, redirect, addresses_only)
@@ -379,16 +434,16 @@ class GraphExecutor:
                 replays += 1
             else:
                 self._record_launch(planned, spec, args, side, redirect)
-        end = time.perf_counter_ns()
-        if self.stats.region_recordings == epoch:  # none made now, so none evicted
+        end = _now()
+        driver = backend.driver_ns - driver
+        if stats.region_recordings == epoch:  # none made now, so none evicted
             planned.verified = epoch
         phases["plan"] = launched - start
-        phases["driver"] = backend.driver_ns - driver
-        phases["record"] = end - launched - phases["driver"]
+        phases["driver"] = driver
+        phases["record"] = end - launched - driver
         self._returned = placement.described if not out else {}
-        self.stats.planned_calls += 1
-        self.stats.region_replays += replays
-        self.stats.last["path"] = "planned"
+        stats.planned_calls += 1
+        stats.region_replays += replays
         return planned.outputs(placement.outputs, args, out)
 
     def _record_guarded(self, planned: PlannedCall, key: tuple, args: list, side: int) -> bool:
@@ -506,21 +561,30 @@ class GraphExecutor:
                 raise InputError(f"out[{name!r}] is {target.dtype}{tuple(target.shape)}, this "
                                  f"call's output is {dtype}{shape}")
 
-    def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None, list]:
-        """The entry function's arguments, the call's dims key, and the tensors passed."""
+    def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None,
+                                        Sequence[TensorFacts]]:
+        """The entry function's arguments, the call's dims key, and the facts of the
+        tensors passed."""
         if self.signature is None:
             args = [self._as_tensor(f"#{i}", v) for i, v in enumerate(inputs)]
-            return args, None, args
+            return args, None, ()  # no program: the VM runs it, no side to choose
         if type(inputs) is not dict and not isinstance(inputs, Mapping):  # the ABC is slow
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
         last = self._last_prepared
-        if last is not None and len(inputs) == len(last[0]):
-            for name, value in last[0]:  # a loop: all() over a generator costs a microsecond
+        if last is not None and len(inputs) == len(last.items):
+            for name, value in last.items:  # ``passed_as``, inlined: most calls stop here
                 if inputs.get(name) is not value:
                     break
             else:
-                return last[1], last[2], last[3]  # the very tensors of the last call
+                return last.args, last.key, last.passed  # the very tensors of the last call
+        first = None
+        for first in inputs.values():  # an input set is known by its first value
+            break
+        found = self._prepared.get(id(first))
+        if found is not None and found.passed_as(inputs):
+            self._reuse(found)
+            return found.args, found.key, found.passed
         returned, before, recent = self._returned, self._checked, self._recent
         positions, checked = self._position, {}
         args = list(self._template)
@@ -532,43 +596,85 @@ class GraphExecutor:
                                  "passed to run(); bind it again to change it")
             # Our own output, or a tensor checked before (held, so its id is its own): a
             # TVM tensor's shape, dtype, device and layout never change.
-            known = returned.get(id(value))
-            if known is None or known[0] is not value:
-                known = before.get(id(value)) or recent.pop(id(value), None) or \
+            facts = returned.get(id(value))
+            if facts is None or facts.tensor is not value:
+                facts = before.get(id(value)) or recent.get(id(value)) or \
                     self._checked_input(name, value)
-                if known[0] is value:  # a caller's TVM tensor (not a copy of one)
-                    checked[id(value)] = known
+                if facts.tensor is value:  # a caller's TVM tensor (not a copy of one)
+                    checked[id(value)] = facts
             if position is not None:
-                args[position] = known[0]
-            passed.append(known[0])
-            described.append((name, known[1], known[2]))
+                args[position] = facts.tensor
+            passed.append(facts)
+            described.append((name, facts.shape, facts.dtype))
+        for checked_key in checked:  # every input checked: now the last call's, not recent
+            recent.pop(checked_key, None)
         described = tuple(described)
         key = self._dims_of.get(described)
         if key is None:
             key = self._dims_key(described)
+        self._keep_recent(before, checked)
         # Only TVM tensors read in place can stand for themselves next time: a host array
         # was copied here, and may have changed since.
-        self._last_prepared = (tuple(inputs.items()), args, key, passed) \
-            if len(checked) == len(inputs) else None
-        self._keep_recent(before, checked)
+        prepared = None
+        if len(checked) == len(inputs):
+            prepared = _Prepared(tuple(inputs.items()), args, key, passed, checked)
+            if inputs and all(facts.small for facts in passed):
+                self._remember_prepared(prepared)  # small tensors only, as ``_recent``
+        self._last_prepared = prepared
         return args, key, passed
 
-    def _keep_recent(self, before: dict[int, list], checked: dict[int, list]) -> None:
-        """This call's tensors become the last call's; the last call's that this one did
-        not pass join ``_recent`` if small, the oldest leaving beyond ``RECENT_TENSORS``."""
+    def _reuse(self, prepared: _Prepared) -> None:
+        """``prepared``'s tensors, passed again as they were, become the last call's
+        (``_keep_recent``), as if checked again."""
         recent = self._recent
-        for key, known in before.items():
-            if key not in checked and nbytes_of(known[1], known[2]) <= RECENT_TENSOR_BYTES:
-                recent[key] = known
-                if len(recent) > RECENT_TENSORS:
-                    del recent[next(iter(recent))]
+        for key in prepared.checked:
+            recent.pop(key, None)
+        self._keep_recent(self._checked, prepared.checked)
+        self._last_prepared = prepared
+
+    def _remember_prepared(self, prepared: _Prepared) -> None:
+        """Keep a call's checked input set, at most ``RECENT_TENSORS`` + 1 of them (the
+        last call's and those of calls before), the oldest given up first."""
+        remembered = self._prepared
+        first = id(prepared.first)
+        remembered.pop(first, None)
+        remembered[first] = prepared
+        if len(remembered) > RECENT_TENSORS + 1:
+            del remembered[next(iter(remembered))]
+
+    def _keep_recent(self, before: dict[int, TensorFacts], checked: dict[int, TensorFacts]
+                     ) -> None:
+        """This call's tensors become the last call's; the last call's that this one did
+        not pass join ``_recent`` if small, the oldest leaving beyond ``RECENT_TENSORS``,
+        and with it the input sets remembered that hold it (``_forget``): the executor
+        holds no caller tensor but the last call's and ``_recent``."""
+        recent = self._recent
+        for key, facts in before.items():
+            if key in checked:
+                continue
+            if not facts.small:  # let go (never in a remembered input set)
+                continue
+            recent[key] = facts
+            if len(recent) > RECENT_TENSORS:
+                oldest = next(iter(recent))
+                del recent[oldest]
+                self._forget(oldest)
         self._checked = checked
 
-    def _checked_input(self, name: str, value: Any) -> list:
-        """``[tensor, shape, dtype, None, None]`` of an input not seen before (the last two:
-        the pool generation its side was found in, and that side; see ``_output_side``)."""
+    def _forget(self, key: int) -> None:
+        """Drop the remembered input sets that hold the tensor of id ``key`` (at most
+        ``RECENT_TENSORS`` + 1 sets to look through, on the calls that let a tensor go)."""
+        remembered = self._prepared
+        if remembered:
+            for first in [first for first, p in remembered.items() if key in p.checked]:
+                del remembered[first]
+
+    def _checked_input(self, name: str, value: Any) -> TensorFacts:
+        """The facts of an input not seen before, checked (``_as_tensor``)."""
         tensor = self._as_tensor(name, value)
-        return [tensor, tuple(tensor.shape), str(tensor.dtype), None, None]
+        shape, dtype = tuple(tensor.shape), str(tensor.dtype)
+        return TensorFacts(tensor, shape, dtype,
+                           small=nbytes_of(shape, dtype) <= RECENT_TENSOR_BYTES)
 
     def _dims_key(self, described: tuple) -> tuple:
         """The dims of inputs ``described`` (name, shape, dtype), checked against the
@@ -633,6 +739,8 @@ class GraphExecutor:
         names = self._output_names
         if len(values) != len(names):
             raise RuntimeError(f"the model returned {len(values)} values for outputs {names}")
+        if len(names) == 1:  # most models: a literal is a fraction of dict(zip())
+            return {names[0]: values[0]}
         return dict(zip(names, values))
 
     def _abandon_recording(self) -> None:
@@ -660,7 +768,7 @@ class GraphExecutor:
             if planned.guarded:
                 raise NotImplementedError("this call has data-dependent branches (conditional "
                                           "regions): it cannot be re-issued region by region")
-            side = self._pool.side_for(passed)
+            side = self._output_side(passed, _NO_TARGETS)
             if side is None:
                 raise InputError("the inputs live in the executor's own buffers: pass tensors "
                                  "of your own")
@@ -767,6 +875,7 @@ class GraphExecutor:
             self._bound.clear()
             self._template = [None] * len(self._template)
             self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
+            self._prepared = {}
             self._last_prepared = self._filled = None
             self.stats.plans_held = self.stats.shapes_held = 0
 
@@ -782,6 +891,8 @@ class GraphExecutor:
 
 
 _NO_TARGETS: dict[int, Any] = {}  # run() without out= (never written)
+_UNSEEN = object()  # dims not in ``_plans`` (None there means: the VM runs them)
+_now = time.perf_counter_ns
 
 
 def _on_host(device) -> bool:

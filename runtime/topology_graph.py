@@ -24,11 +24,13 @@ import struct
 from pathlib import Path
 from typing import Any, Sequence
 
+from tvm.runtime import Tensor
+
 from .argument_table import ArgumentTable
 from .call_plan import Address
 from .call_program import MAX_GUARDS  # guards per launch: how deep a region may nest in ifs
 from .cuda_compile import CubinStore, RuntimeKernel
-from .cuda_driver import check, driver
+from .cuda_driver import SUCCESS, check, driver
 from .cuda_graph import OwnedGraph
 
 MAX_PARAM_BYTES = 16  # the widest kernel parameter a column may patch
@@ -260,14 +262,20 @@ def guard_address(where: Any) -> int:
     return address
 
 
+_ROW = struct.Struct("<I")
+_ADDRESS = struct.Struct("<Q")
+
+
 class LaunchRecord:
     """The host copy of the patch kernel's launch record (layout in kernels/patch.cu):
     ``{u32 shape_row, u32 num_guards, u64 args[max(num_args, 1)], guards[num_guards]}``,
     a guard being ``{u64 address, u64 expect}``; room for ``MAX_GUARDS`` guards.
 
-    ``pending()`` gives the bytes the kernel reads when they differ from those it gave last
-    (what the device holds), else None: a call queues a copy only if the record changed.
-    Setters compare with what the record holds and mark it changed only if it did.
+    It knows what the device holds (what it gave last): setters compare with what the
+    record holds and mark it changed only if it did, and ``take()`` says how many bytes a
+    call must copy (0: none), so that a call queues a copy only if the record changed.
+    The bytes live at a fixed host ``address`` for the whole life of the record: the copy
+    reads them there, with no bytes object made per call.
     """
 
     def __init__(self, num_args: int):
@@ -275,6 +283,12 @@ class LaunchRecord:
         self.guards_at = 8 + 8 * max(num_args, 1)
         self.capacity = self.guards_at + GUARD.size * MAX_GUARDS  # bytes the device needs
         self.data = bytearray(self.capacity)
+        # The address of ``data`` as an int: cuda-python takes an int pointer as it is (an
+        # object with the buffer protocol costs it a failed int conversion first). The
+        # ctypes view holds an export of ``data``, so it can never be resized or moved.
+        # (Pageable memory: the driver stages a copy from it before returning.)
+        self._view = (ctypes.c_char * self.capacity).from_buffer(self.data)
+        self.address = ctypes.addressof(self._view)
         self.num_guards = 0
         self._row = 0
         self._args = [0] * max(num_args, 1)
@@ -284,14 +298,41 @@ class LaunchRecord:
     def set_row(self, row: int) -> None:
         if row != self._row:
             self._row = row
-            struct.pack_into("<I", self.data, 0, row)
+            _ROW.pack_into(self.data, 0, row)
             self._changed = True
 
     def set_arg(self, i: int, address: int) -> None:
         if address != self._args[i]:
             self._args[i] = address
-            struct.pack_into("<Q", self.data, 8 + 8 * i, address)
+            _ADDRESS.pack_into(self.data, 8 + 8 * i, address)
             self._changed = True
+
+    def point(self, row: int, region_args: Sequence[Any], positions: Sequence[int]) -> int:
+        """``set_row`` and ``set_arg`` of the arguments at ``positions`` in one pass, then
+        ``take()`` (a call's hot path): an executor buffer's ``Address`` is its own value, a
+        tensor's is its ``data_ptr()``, a dim passed by value has none (0)."""
+        data, held = self.data, self._args
+        changed = row != self._row
+        if changed:
+            self._row = row
+            _ROW.pack_into(data, 0, row)
+        for i in positions:
+            arg = region_args[i]
+            kind = type(arg)  # exact types first: hasattr costs more than data_ptr() itself
+            if kind is Address:
+                address = arg
+            elif kind is Tensor:
+                address = arg.data_ptr()
+            else:
+                address = arg.data_ptr() if hasattr(arg, "data_ptr") else 0
+            if address != held[i]:
+                held[i] = address
+                _ADDRESS.pack_into(data, 8 + 8 * i, address)
+                changed = True
+        if changed or self._changed:
+            self._changed = False
+            return self.used_bytes
+        return 0
 
     def set_guards(self, guards: Sequence[tuple[Any, Any]]) -> None:
         """``guards``: ``(tensor or address, expect)``; ``expect`` is stored as 0 or 1."""
@@ -308,18 +349,29 @@ class LaunchRecord:
             GUARD.pack_into(self.data, self.guards_at + GUARD.size * g, *guard)
         self._guards = packed
         self.num_guards = len(packed)
-        struct.pack_into("<I", self.data, 4, self.num_guards)
+        _ROW.pack_into(self.data, 4, self.num_guards)
         self._changed = True
 
+    @property
+    def used_bytes(self) -> int:
+        """The record's length as the kernel reads it: guards past ``num_guards`` are not."""
+        return self.guards_at + GUARD.size * self.num_guards
+
     def used(self) -> bytes:
-        """The record as the kernel reads it: guards past ``num_guards`` are not read."""
-        return bytes(self.data[:self.guards_at + GUARD.size * self.num_guards])
+        """The record as the kernel reads it."""
+        return bytes(self.data[:self.used_bytes])
+
+    def take(self) -> int:
+        """The bytes a call must copy from ``address`` (``used_bytes``) if the record changed
+        since the last ``take``, else 0; the device holds it from then on."""
+        if not self._changed:
+            return 0
+        self._changed = False
+        return self.used_bytes
 
     def pending(self) -> bytes | None:
-        if not self._changed:
-            return None
-        self._changed = False
-        return self.used()
+        """The bytes ``take()`` says to copy, or None."""
+        return self.used() if self.take() else None
 
 
 class TopologyGraph(OwnedGraph):
@@ -346,6 +398,9 @@ class TopologyGraph(OwnedGraph):
                                      "state", "nodes")}
         self.buffers["nodes"].write(struct.pack(f"<{len(self.dev_nodes)}Q", *self.dev_nodes))
         self.buffers["launch"].write(self._launch.pending())
+        # The launch buffer is allocated once and never moves. Its CUdeviceptr as it is:
+        # cuda-python would make a new one from an int on every call.
+        self._launch_device = self.buffers["launch"].ptr
         pointers, self._pointer_spans = encode_pointers(pointer_map, layouts)
         self.buffers["pointers"].write(pointers)
         self.num_pointers = len(pointer_map)
@@ -443,37 +498,39 @@ class TopologyGraph(OwnedGraph):
     # -- calls -------------------------------------------------------------------------
     def launch_record(self, row: int, region_args: Sequence[Any], caller: Any = None,
                       moving: Sequence[int] | None = None,
-                      guards: Sequence[tuple[Any, Any]] = ()) -> bytes | None:
-        """The launch record for a launch at ``row``, if it differs from what the device
-        holds (else None). A ``caller`` that launched this graph last, with the same
-        buffers, names in ``moving`` the only arguments whose address may have changed.
+                      guards: Sequence[tuple[Any, Any]] = ()) -> int:
+        """Write the launch record for a launch at ``row``; return the bytes to copy to the
+        device (0 when it holds them already). A ``caller`` that launched this graph last,
+        with the same buffers, names in ``moving`` the only arguments whose address may
+        have changed.
 
         ``guards``: ``(tensor or device address, expect)`` pairs, at most ``MAX_GUARDS``;
         the region's kernels run only if each guard's byte, read on the device when the
         graph runs, is ``expect`` (nonzero counts as 1).
         """
         record = self._launch
-        record.set_guards(guards)  # first: guards it refuses leave the record as it was
+        if guards or record.num_guards:
+            record.set_guards(guards)  # first: guards it refuses leave the record as it was
         same_caller = caller is not None and caller == self._last_caller
         self._last_caller = caller
-        record.set_row(row)
-        set_arg = record.set_arg
-        for i in (moving if same_caller else range(min(len(region_args), self.num_args))):
-            arg = region_args[i]
-            # An executor buffer's Address is its own value; a dim passed by value has none.
-            set_arg(i, int(arg) if type(arg) is Address else
-                    arg.data_ptr() if hasattr(arg, "data_ptr") else 0)
-        return record.pending()
+        return record.point(row, region_args, moving if same_caller else
+                            range(min(len(region_args), self.num_args)))
 
-    def launch(self, record: bytes | None, stream) -> None:
-        """Queue the record's copy (if any) and the graph's launch."""
-        if record is not None:
+    def launch(self, nbytes: int, stream) -> None:
+        """Queue the copy of the record's first ``nbytes`` (if any) and the graph's launch.
+        Each result is compared here and handed to ``check`` only on failure: a call's
+        two driver calls pay no Python call more than their own."""
+        if nbytes:
             # From pageable memory: the driver stages the bytes before it returns, so the
             # record can be rewritten for the next call at once; the copy itself is ordered
             # before the launch on the stream, whatever runs before it.
-            check(driver.cuMemcpyHtoDAsync(self.buffers["launch"].address, record, len(record),
-                                           stream), "cuMemcpyHtoDAsync(launch)")
-        check(driver.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
+            result = driver.cuMemcpyHtoDAsync(self._launch_device, self._launch.address, nbytes,
+                                              stream)
+            if result[0] != SUCCESS:
+                check(result, "cuMemcpyHtoDAsync(launch)")
+        result = driver.cuGraphLaunch(self.exec, stream)
+        if result[0] != SUCCESS:
+            check(result, "cuGraphLaunch")
 
     def replay(self, row: int, region_args: Sequence[Any], stream, caller: Any = None,
                moving: Sequence[int] | None = None,
@@ -486,5 +543,6 @@ class TopologyGraph(OwnedGraph):
 
     def close(self) -> None:
         super().close()
+        self._launch_device = None  # a launch after close fails rather than write freed memory
         for buffer in getattr(self, "buffers", {}).values():
             buffer.close()

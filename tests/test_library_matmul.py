@@ -101,6 +101,42 @@ def test_a_formula_that_is_not_tanh_gelu_stays_tvms():
     assert "grape.cublaslt.matmul_bias" in calls and "relax.tanh" in calls
 
 
+def test_an_fp16_export_of_tanh_gelu_is_fused():
+    """An fp16 export holds the formula's constants rounded to fp16 (sqrt(2 / pi) as
+    0.79785): still GELU, computed by the epilogue in fp32."""
+    text = ExportedMlp.script().replace('"float32"', '"float16"')
+    calls = _calls(OffloadMatmul()(tvm.script.from_source(text)))
+    assert calls.count("grape.cublaslt.matmul_bias_gelu") == 1
+    assert not {"relax.tanh", "relax.power"} & set(calls)
+
+
+@I.ir_module
+class SharedProduct:
+    @R.function
+    def main(x: R.Tensor(("n", 64), "float32"), w: R.Tensor((64, 32), "float32"),
+             b: R.Tensor((32,), "float32"), r: R.Tensor(("n", 32), "float32")):
+        with R.dataflow():
+            y = R.add(R.matmul(x, w), b)
+            z = R.add(y, r)  # a residual add of a product that is also an output
+            R.output(y, z)
+        return (y, z)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_product_read_elsewhere_is_not_computed_twice(dtype):
+    """Fusing ``+ r`` into a call would leave ``y`` to another call: two matmuls for one.
+    So too for the fp16 MLP with a GELU off by a constant: its ``v + 0.0447 v^3`` is not a
+    residual of the product ``v``, which three kernels read."""
+    shared = tvm.script.from_source(SharedProduct.script().replace('"float32"', f'"{dtype}"'))
+    calls = _calls(OffloadMatmul()(shared))
+    assert [c for c in calls if c.startswith("grape.")] == ["grape.cublaslt.matmul_bias"]
+    assert calls.count("relax.add") == 1
+    text = ExportedMlp.script().replace('"float32"', f'"{dtype}"').replace("0.5", "0.6")
+    calls = _calls(OffloadMatmul()(tvm.script.from_source(text)))
+    assert calls.count("grape.cublaslt.matmul_bias") == 1
+    assert calls.count("grape.cublaslt.matmul_bias_residual") == 1  # the second matmul's
+
+
 @I.ir_module
 class BroadcastAdd:
     @R.function
@@ -234,3 +270,24 @@ def test_the_nvidia_cublas_package_is_found_where_pip_put_it(monkeypatch):
     library = cublaslt._library()  # pylint: disable=protected-access
     assert library._name == str(packaged[0])  # pylint: disable=protected-access
     assert library.cublasLtGetVersion() > 0
+
+
+
+@I.ir_module
+class SharedInBranch:
+    @R.function
+    def main(x: R.Tensor(("n", 64), "float32"), w: R.Tensor((64, 32), "float32"),
+             b: R.Tensor((32,), "float32"), c: R.Tensor((), "bool")):
+        if c:
+            h = R.add(R.matmul(x, w), b)
+            r = R.add(R.nn.relu(h), h)  # h read twice: by relu and as a residual
+        else:
+            r = R.matmul(x, w)
+        return r
+
+
+def test_a_product_read_elsewhere_inside_a_branch_is_not_computed_twice():
+    """The same check inside an ``if``'s branch (left inline when it holds an impure call)."""
+    calls = _calls(OffloadMatmul()(SharedInBranch))
+    assert "grape.cublaslt.matmul_bias_residual" not in calls
+    assert calls.count("grape.cublaslt.matmul_bias") == 1

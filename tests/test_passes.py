@@ -480,13 +480,13 @@ def legalized_kernel(shape, make, epilogue=None) -> tvm.tirx.PrimFunc:
 
 def fused_kernel(mod: tvm.IRModule) -> tvm.tirx.PrimFunc:
     """The one PrimFunc of ``mod``'s ``main``, legalized as grape does it and fused."""
-    from grape_tvm.passes import numerics_legalize_map  # pylint: disable=import-outside-toplevel
+    # pylint: disable=import-outside-toplevel
+    from grape_tvm.passes import gpu_legalize_passes, numerics_legalize_map
 
-    t = relax.transform
+    unscheduled = [p for p in gpu_legalize_passes(numerics_legalize_map(gpu=True))
+                   if p.info.name != "ApplyDefaultSchedule"]
     with CUDA:
-        mod = tvm.transform.Sequential([t.LegalizeOps(numerics_legalize_map(gpu=True)),
-                                        t.AnnotateTIROpPattern(), t.FuseOps(),
-                                        t.FuseTIR()])(mod)
+        mod = tvm.transform.Sequential(unscheduled)(mod)
     (func,) = [f for f in mod.functions.values() if isinstance(f, tvm.tirx.PrimFunc)]
     return func
 

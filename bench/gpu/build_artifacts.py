@@ -471,6 +471,8 @@ STEPS = {
     "probe_cublaslt": (),
     "driver_calls": (),
     "ncu_gpt2": (build_hf_models,),
+    "ncu_gpt2_prefill": (lambda out: build_hf_models(out, ("gpt2_prefill",), baselines=False,
+                                                     dtype="float16"),),
     "ncu_wav2vec2": (build_wav2vec2,),
     "matmul": (build_matmul_bench,),
     "hf_models": (build_hf_models, build_wav2vec2),

@@ -1,4 +1,6 @@
-"""Which GPU run each kernel of the row rules' final code was measured in.
+"""Which GPU run each kernel of the row rules' final code was measured in (the question of
+the session of 2026-12-01, fifth; that code has since run on the H200 itself, with the
+changes after it: bench/README.md, session of 2026-12-02, first lease).
 
 The final form of the row rules (``RowReductionPerWarp`` and ``RowsOfSymbolicWidth`` on the
 rows of a sequence only, reductions checked to be one element of a row) was not run on the

@@ -281,8 +281,10 @@ class OffloadMatmul:
 
     def transform_function(self, func: relax.Function, mod: IRModule,
                            ctx: PassContext) -> relax.Function:
+        uses, counted = None, None
         for pattern in PATTERNS:
-            uses = _Uses(func)
+            if counted is None or not func.same_as(counted):  # a pattern rewrote something
+                uses, counted = _Uses(func), func
             func = rewrite_call(pattern.pattern,
                                 lambda root, matched, p=pattern, u=uses: _rewrite(root, matched,
                                                                                   p, u),

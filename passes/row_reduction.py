@@ -56,11 +56,13 @@ class RowReductionPerWarp(GPUScheduleRule):
             for t in T.thread_binding(256, "threadIdx.x"):   # each of max, sum, quotient
                 for c in range((s + 255) // 256): ...
 
-    After::
+    After (the batch and heads on ``blockIdx.y`` where they fit, so that no index divides
+    by the symbolic rows)::
 
-        for row in T.thread_binding(b * 12 * s, "blockIdx.x"):
-            for t in T.thread_binding(32, "threadIdx.x"):
-                for c in range((s + 31) // 32): ...
+        for bh in T.thread_binding(b * 12, "blockIdx.y"):
+            for row in T.thread_binding(s, "blockIdx.x"):
+                for t in T.thread_binding(32, "threadIdx.x"):
+                    for c in range((s + 31) // 32): ...
     """
 
     def apply(self, func: tirx.PrimFunc, target: Target, _: bool) -> s_tir.Schedule | None:
@@ -77,10 +79,10 @@ class RowReductionPerWarp(GPUScheduleRule):
             return None
         if leading > 1 and outer_loops_fit_grid_y(extents[:-1]):
             # The sequence's rows on blockIdx.x, the batch (and heads) on blockIdx.y: a
-            # row's indices then divide by static extents alone. gridDim.y's limit (65535)
-            # bounds the batch there: ``outer_loops_fit_grid_y``'s MAX_STATIC_UNDER_BATCH. Fused into blockIdx.x,
+            # row's indices then divide by static extents alone. Fused into blockIdx.x,
             # every element read through a broadcast (attention's mask) divides by the
-            # symbolic rows, in 64 bits, inside the loop.
+            # symbolic rows, in 64 bits, inside the loop. gridDim.y's limit bounds the
+            # batch (``outer_loops_fit_grid_y``).
             sch.bind(sch.fuse(*loops[:leading - 1]), "blockIdx.y")
             row, depth = loops[leading - 1], 2
         else:

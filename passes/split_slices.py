@@ -3,6 +3,8 @@ what reads it."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm import IRModule, relax, tirx
 from tvm.ir import Op
 from tvm.ir.transform import PassContext, module_pass
@@ -10,7 +12,6 @@ from tvm.ir.transform import PassContext, module_pass
 from .if_to_select import same_dims
 
 _SPLIT = Op.get("relax.split")
-_SLICE = Op.get("relax.strided_slice")
 _RESHAPE = Op.get("relax.reshape")
 
 
@@ -54,41 +55,29 @@ def _read_only_by_part(func: relax.Function) -> set[relax.Var]:
     return {var for var, count in by_part.items() if reads.get(var) == count}
 
 
-def _static(values: relax.Expr) -> list[int] | None:
-    """A tuple of static integers (a slice's axes, begins, ends) as ints."""
-    if not isinstance(values, relax.Tuple):
-        return None
-    found = list(values.fields)
-    return [int(v) for v in found] if all(isinstance(v, tirx.IntImm) for v in found) else None
+@dataclass(frozen=True, eq=False)
+class _Part:
+    """A part of a split, as the slice made of it: ``source[.., begin:end, ..]`` on ``axis``."""
+
+    source: relax.Expr
+    axis: int
+    begin: int
+    end: int
 
 
-def _heads_of_slice(call: relax.Call, reshape_shape) -> relax.Expr | None:
-    """``reshape(strided_slice(x, last axis, [a, b)), (.., n, d))``, with a and b multiples
-    of d, as ``strided_slice(reshape(x, (.., X / d, d)), axis -2, [a / d, b / d))``: the
-    reshape of x is a view, and the slice fuses with what reads it."""
-    x = call.args[0]
-    x_ty = x.ty
-    if not isinstance(x_ty, relax.TensorType) or x_ty.shape is None or len(call.args) < 4:
+def _head_size(part: _Part, shape: relax.ShapeExpr) -> int | None:
+    """d, where reshaping ``part`` to ``shape`` splits its source's last axis into heads of
+    d (``(.., n, d)``, the part's bounds and the axis multiples of d), else None."""
+    dims = list(shape.values)
+    source = part.source.ty.shape.values  # static on the axis: ``_parts``
+    if part.axis != len(source) - 1 or len(dims) != len(source) + 1 or \
+            not all(isinstance(d, tirx.IntImm) for d in dims[-2:]):
         return None
-    axes, begin, end = (_static(a) for a in call.args[1:4])
-    rank = x_ty.ndim
-    if axes is None or begin is None or end is None or len(axes) != 1 or \
-            axes[0] % rank != rank - 1 or (len(call.args) > 4 and call.args[4] is not None):
+    heads, d = int(dims[-2]), int(dims[-1])
+    if part.begin % d or int(source[-1]) % d or heads * d != part.end - part.begin or \
+            not same_dims(dims[:-2], source[:-1]):
         return None
-    width = x_ty.shape.values[-1]
-    target = list(reshape_shape.values)
-    if not isinstance(width, tirx.IntImm) or len(target) != rank + 1 or \
-            not isinstance(target[-1], tirx.IntImm):
-        return None
-    d = int(target[-1])
-    if not 0 <= begin[0] < end[0] <= int(width) or begin[0] % d or end[0] % d or \
-            int(width) % d or \
-            not same_dims(target[:-2], x_ty.shape.values[:-1]) or \
-            not isinstance(target[-2], tirx.IntImm) or int(target[-2]) * d != end[0] - begin[0]:
-        return None
-    heads = relax.op.reshape(x, [*x_ty.shape.values[:-1], int(width) // d, d])
-    return relax.op.strided_slice(heads, [rank - 1], [begin[0] // d], [end[0] // d],
-                                  assume_inbound=True)
+    return d
 
 
 @relax.expr_functor.mutator
@@ -96,11 +85,11 @@ class _Slices(relax.PyExprMutator):
     def __init__(self, mod: IRModule):
         super().__init__(mod)
         self.sliceable: set[relax.Var] = set()
-        # The slices made of a split's parts: only those become slices of heads. An export's
-        # own slice of the last axis, reshaped into heads the same way, made TVM 0.27's
-        # FuseTIR fail ("Inconsistent buffers ... mapped to the same relax var") on
-        # tests/test_loop.py's decoder step.
-        self.parts: set[relax.Call] = set()
+        # The slices made of a split's parts, by the slice: only those become slices of
+        # heads. An export's own slice of the last axis, reshaped into heads the same way,
+        # made TVM 0.27's FuseTIR fail ("Inconsistent buffers ... mapped to the same relax
+        # var") on tests/test_loop.py's decoder step.
+        self.parts: dict[relax.Call, _Part] = {}
         self.rewritten = 0
 
     def visit_tuple_getitem_(self, op: relax.TupleGetItem) -> relax.Expr:  # pylint: disable=arguments-renamed
@@ -115,25 +104,28 @@ class _Slices(relax.PyExprMutator):
         if parts is None:
             return item
         axis, bounds = parts
-        begin, end = bounds[item.index]
+        part = _Part(call.args[0], axis, *bounds[item.index])
         self.rewritten += 1
-        part = relax.op.strided_slice(call.args[0], [axis], [begin], [end], assume_inbound=True)
-        self.parts.add(part)
-        return part
+        sliced = relax.op.strided_slice(part.source, [axis], [part.begin], [part.end],
+                                        assume_inbound=True)
+        self.parts[sliced] = part
+        return sliced
 
     def visit_call_(self, op: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
+        """A part reshaped into heads: a slice of heads of the source's reshape (a view)."""
         call = super().visit_call_(op)
         if call.op != _RESHAPE or not isinstance(call.args[0], relax.Var) or \
                 not isinstance(call.args[1], relax.ShapeExpr):
             return call
-        sliced = self.lookup_binding(call.args[0])
-        if not isinstance(sliced, relax.Call) or sliced not in self.parts:
+        part = self.parts.get(self.lookup_binding(call.args[0]))
+        d = None if part is None else _head_size(part, call.args[1])
+        if d is None:
             return call
-        heads = _heads_of_slice(sliced, call.args[1])
-        if heads is None:
-            return call
+        source = part.source.ty.shape.values
+        heads = relax.op.reshape(part.source, [*source[:-1], int(source[-1]) // d, d])
         self.rewritten += 1
-        return heads
+        return relax.op.strided_slice(heads, [part.axis], [part.begin // d], [part.end // d],
+                                      assume_inbound=True)
 
 
 @module_pass(opt_level=0, name="SplitAsSlices")
@@ -141,11 +133,11 @@ class SplitAsSlices:
     """Read the parts of a split as slices that fuse with their readers. A ``split`` whose
     result is only read part by part (its axis static, its cuts within it) becomes one
     ``strided_slice`` per part read; a part of the last axis reshaped into heads becomes a
-    slice of heads after a reshape of the whole. TVM
-    legalizes a split into one kernel writing every part, and a reshape is a kernel
-    boundary for ``FuseOps`` (``kOpaque``: it is to become a view); with both gone, each
-    part's slice fuses with its transpose (attention's q, k and v) and no kernel writes the
-    parts: GPT-2's qkv split took three kernels and the q and k transposes two more.
+    slice of heads after a reshape of the whole. TVM legalizes a split into one kernel
+    writing every part, and a reshape is a kernel boundary for ``FuseOps`` (``kOpaque``: it
+    is to become a view); with both gone, each part's slice fuses with its transpose
+    (attention's q, k and v) and no kernel writes the parts: GPT-2's qkv split took three
+    kernels and the q and k transposes two more.
 
     Before::
 

@@ -13,8 +13,9 @@ from .injective_schedule import (THREADS_PER_BLOCK, injective_loops, outer_loops
 
 class RowsOfSymbolicWidth(GPUScheduleRule):
     """An injective kernel whose two innermost loops are symbolic (rows of a symbolic width:
-    attention's scores in a prefill, [b, h, s, s]), the rows' not the outermost, and whose
-    loops above are static except the outermost (a batch).
+    a prefill's causal mask, [b, 1, s, s], or its scores' scale and mask where no softmax
+    follows them: ``FuseIntoRowReductions`` puts those into it), the rows' not the
+    outermost, and whose loops above are static except the outermost (a batch).
 
     ``Fallback`` recovers every index from one fused index by 64-bit divisions by the
     symbolic extents, per element: GPT-2's fp16 prefill at 1024 tokens spent 57 us a call

@@ -150,8 +150,8 @@ class TensorFacts:
     """What a call needs to know of a tensor passed to it, found once per tensor rather
     than once per call (a TVM tensor's shape, dtype and memory never change): the tensor,
     its shape and dtype, whether it is small enough to be remembered past the next call
-    (``small``; None for the executor's own outputs, which are never remembered), and where it lives in the pool (``BufferPool.where``)
-    as of pool generation ``generation``.
+    (``small``; None for the executor's own outputs, which are never remembered), and where
+    it lives in the pool (``BufferPool.where``) as of pool generation ``generation``.
 
     The executor keeps one per caller tensor it checked, and a placement one per output
     view it returns (``where`` is then the side written), so that an output given back

@@ -154,10 +154,11 @@ class _Prepared:
     key: tuple
     passed: list[TensorFacts]
     checked: dict[int, TensorFacts]
-    first: Any = field(init=False)  # the first value: the input set's key
 
-    def __post_init__(self) -> None:
-        self.first = self.items[0][1] if self.items else None
+    @property
+    def first(self) -> Any:
+        """The first value: what the input set is found by."""
+        return self.items[0][1] if self.items else None
 
     def passed_as(self, inputs: Mapping[str, Any]) -> bool:
         """Whether ``inputs`` are these very values under these names."""
@@ -308,14 +309,13 @@ class GraphExecutor:
         they are not checked again.
         """
         with self._lock:
-            if self._vm is None:
-                self._check_open()  # raises
+            self._check_open()
             stats = self.stats
             stats.begin_call()
-            start = _now()
+            start = time.perf_counter_ns()
             args, key, passed = self._prepare(inputs)
             targets = self._prepare_out(out) if out else _NO_TARGETS
-            checked = _now()
+            checked = time.perf_counter_ns()
             phases = {"checks": checked - start}
             launches = self.backend.launches
             try:
@@ -401,7 +401,7 @@ class GraphExecutor:
         pool = self._pool
         taken = None
         for facts in passed:
-            where = facts.where if facts.generation == pool.generation else pool.locate(facts)
+            where = pool.locate(facts)
             if where is not None:
                 taken = {where} if taken is None else taken | {where}
         if out:
@@ -424,7 +424,7 @@ class GraphExecutor:
             self._filled = placement
         redirect = planned.redirect(out) if out else None
         driver = backend.driver_ns
-        launched = _now()
+        launched = time.perf_counter_ns()
         replays = 0
         for launch in placement.launches:
             planned.fill(launch, args, redirect, addresses_only)
@@ -434,7 +434,7 @@ class GraphExecutor:
                 replays += 1
             else:
                 self._record_launch(planned, spec, args, side, redirect)
-        end = _now()
+        end = time.perf_counter_ns()
         driver = backend.driver_ns - driver
         if stats.region_recordings == epoch:  # none made now, so none evicted
             planned.verified = epoch
@@ -572,12 +572,8 @@ class GraphExecutor:
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
         last = self._last_prepared
-        if last is not None and len(inputs) == len(last.items):
-            for name, value in last.items:  # ``passed_as``, inlined: most calls stop here
-                if inputs.get(name) is not value:
-                    break
-            else:
-                return last.args, last.key, last.passed  # the very tensors of the last call
+        if last is not None and last.passed_as(inputs):  # the very tensors of the last call
+            return last.args, last.key, last.passed
         first = None
         for first in inputs.values():  # an input set is known by its first value
             break
@@ -892,7 +888,6 @@ class GraphExecutor:
 
 _NO_TARGETS: dict[int, Any] = {}  # run() without out= (never written)
 _UNSEEN = object()  # dims not in ``_plans`` (None there means: the VM runs them)
-_now = time.perf_counter_ns
 
 
 def _on_host(device) -> bool:

@@ -262,8 +262,8 @@ def guard_address(where: Any) -> int:
     return address
 
 
-_ROW = struct.Struct("<I")
-_ADDRESS = struct.Struct("<Q")
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
 
 
 class LaunchRecord:
@@ -271,8 +271,8 @@ class LaunchRecord:
     ``{u32 shape_row, u32 num_guards, u64 args[max(num_args, 1)], guards[num_guards]}``,
     a guard being ``{u64 address, u64 expect}``; room for ``MAX_GUARDS`` guards.
 
-    It knows what the device holds (what it gave last): setters compare with what the
-    record holds and mark it changed only if it did, and ``take()`` says how many bytes a
+    It knows what the device holds (what it gave last): ``point`` and ``set_guards``
+    compare with what the record holds and mark it changed only if it did, and ``take()`` says how many bytes a
     call must copy (0: none), so that a call queues a copy only if the record changed.
     The bytes live at a fixed host ``address`` for the whole life of the record: the copy
     reads them there, with no bytes object made per call.
@@ -295,27 +295,15 @@ class LaunchRecord:
         self._guards: tuple = ()
         self._changed = True  # the device holds nothing yet
 
-    def set_row(self, row: int) -> None:
+    def point(self, row: int, region_args: Sequence[Any], positions: Sequence[int]) -> int:
+        """Set the row and the addresses of the arguments at ``positions``, then ``take()``:
+        an executor buffer's ``Address`` is its own value, a tensor's is its ``data_ptr()``,
+        a dim passed by value has none (0)."""
+        data, held = self.data, self._args
         if row != self._row:
             self._row = row
-            _ROW.pack_into(self.data, 0, row)
+            _U32.pack_into(data, 0, row)
             self._changed = True
-
-    def set_arg(self, i: int, address: int) -> None:
-        if address != self._args[i]:
-            self._args[i] = address
-            _ADDRESS.pack_into(self.data, 8 + 8 * i, address)
-            self._changed = True
-
-    def point(self, row: int, region_args: Sequence[Any], positions: Sequence[int]) -> int:
-        """``set_row`` and ``set_arg`` of the arguments at ``positions`` in one pass, then
-        ``take()`` (a call's hot path): an executor buffer's ``Address`` is its own value, a
-        tensor's is its ``data_ptr()``, a dim passed by value has none (0)."""
-        data, held = self.data, self._args
-        changed = row != self._row
-        if changed:
-            self._row = row
-            _ROW.pack_into(data, 0, row)
         for i in positions:
             arg = region_args[i]
             kind = type(arg)  # exact types first: hasattr costs more than data_ptr() itself
@@ -327,12 +315,9 @@ class LaunchRecord:
                 address = arg.data_ptr() if hasattr(arg, "data_ptr") else 0
             if address != held[i]:
                 held[i] = address
-                _ADDRESS.pack_into(data, 8 + 8 * i, address)
-                changed = True
-        if changed or self._changed:
-            self._changed = False
-            return self.used_bytes
-        return 0
+                _U64.pack_into(data, 8 + 8 * i, address)
+                self._changed = True
+        return self.take()
 
     def set_guards(self, guards: Sequence[tuple[Any, Any]]) -> None:
         """``guards``: ``(tensor or address, expect)``; ``expect`` is stored as 0 or 1."""
@@ -349,7 +334,7 @@ class LaunchRecord:
             GUARD.pack_into(self.data, self.guards_at + GUARD.size * g, *guard)
         self._guards = packed
         self.num_guards = len(packed)
-        _ROW.pack_into(self.data, 4, self.num_guards)
+        _U32.pack_into(self.data, 4, self.num_guards)
         self._changed = True
 
     @property
@@ -509,8 +494,7 @@ class TopologyGraph(OwnedGraph):
         graph runs, is ``expect`` (nonzero counts as 1).
         """
         record = self._launch
-        if guards or record.num_guards:
-            record.set_guards(guards)  # first: guards it refuses leave the record as it was
+        record.set_guards(guards)  # first: guards it refuses leave the record as it was
         same_caller = caller is not None and caller == self._last_caller
         self._last_caller = caller
         return record.point(row, region_args, moving if same_caller else

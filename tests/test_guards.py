@@ -12,6 +12,7 @@ import pytest
 
 from grape_tvm.runtime.call_program import MAX_GUARDS
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available
+from grape_tvm.runtime.call_plan import Address
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE, LaunchRecord
 
 
@@ -22,10 +23,8 @@ def tensor(address: int):
 def pack_launch_record(row: int, addresses, guards=(), num_args: int | None = None) -> bytes:
     """One call's launch record, as ``TopologyGraph.replay`` fills it."""
     record = LaunchRecord(len(addresses) if num_args is None else num_args)
-    record.set_row(row)
-    for i, address in enumerate(addresses):
-        record.set_arg(i, address)
     record.set_guards(guards)
+    record.point(row, [Address(a) for a in addresses], range(len(addresses)))
     return record.used()
 
 
@@ -70,8 +69,8 @@ def test_a_refused_guard_leaves_the_record_as_it_was():
 def test_a_copy_is_queued_only_when_the_record_changed():
     record = LaunchRecord(1)
     assert record.pending() is not None  # the first one: written at construction
-    record.set_arg(0, 0x1000)
-    assert record.pending() is not None
+    assert record.point(0, [Address(0x1000)], [0]) > 0
+    assert record.pending() is None  # taken by point
     assert record.pending() is None  # nothing changed since
     record.set_guards([(0xA0, 1)])
     assert record.pending() is not None  # a guard came

@@ -536,6 +536,48 @@ def library_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.nda
 ATTENTION_HEADS, ATTENTION_HEAD_DIM = 12, 64  # GPT-2's
 
 
+# Outputs of odd width from weights stored [N, K]: GPT-2's LM head (50257, more rows than
+# the runtime's scratch holds at once) and a narrower one with a bias (one chunk).
+WIDE_HEAD_SHAPE = {"k": 64, "n": 50257, "n_bias": 4099}
+
+
+def wide_head(dtype: str = "float16"):
+    """``y = x @ w^T`` and ``z = x @ v^T + b`` with w: (50257, 64), v: (4099, 64), x: (n,
+    64): 16-bit outputs whose rows misalign, which cuBLASLt runs split
+    (``runtime/cublaslt.py``)."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    k, n_out, n_bias = (WIDE_HEAD_SHAPE[key] for key in ("k", "n", "n_bias"))
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, k), dtype))
+    w = relax.Var("w", relax.TensorType((n_out, k), dtype))
+    v = relax.Var("v", relax.TensorType((n_bias, k), dtype))
+    b = relax.Var("b", relax.TensorType((n_bias,), dtype))
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, v, b]):
+        with bb.dataflow():
+            y = bb.emit_output(op.matmul(x, op.permute_dims(w)))
+            z = bb.emit_output(op.add(op.matmul(x, op.permute_dims(v)), b))
+        bb.emit_func_output(relax.Tuple([y, z]))
+    return bb.get()
+
+
+def wide_head_weights(dtype: str = "float16", seed: int = 0) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    k, n_out, n_bias = (WIDE_HEAD_SHAPE[key] for key in ("k", "n", "n_bias"))
+    return {"w": (rng.standard_normal((n_out, k)) / np.sqrt(k)).astype(dtype),
+            "v": (rng.standard_normal((n_bias, k)) / np.sqrt(k)).astype(dtype),
+            "b": rng.standard_normal(n_bias).astype(dtype)}
+
+
+def wide_head_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """``wide_head`` in float64: (y, z)."""
+    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    x64 = x.astype(np.float64)
+    return x64 @ w["w"].T, x64 @ w["v"].T + w["b"]
+
+
 def attention_products(dtype: str = "float32"):
     """A decode step's attention over a symbolic past (the shape GPT-2's ONNX export has):
     ``o = softmax(q @ k^T * 0.125) @ v``, q: (b, 12, 1, 64), k and v: (b, 12, p, 64). On CUDA

@@ -22,6 +22,14 @@ bucket of M, N and the batch count.
 Row-major ``out[M, N] = x[M, K] @ w[K, N]`` is the column-major ``out^T = w^T x^T``: A is
 ``w`` (N x K, or K x N transposed when the model holds ``w`` as [N, K]), B is ``x``.
 
+A 16-bit output whose N is not a multiple of 8 (GPT-2's LM head, N = 50257) has rows that
+start off 16-byte boundaries, and cuBLASLt then runs an ``align1`` kernel: 843 us for
+GPT-2's fp16 LM head at 1024 tokens, 31% of the prefill
+(bench/results/gpt2_prefill_kernels.fp16_1024.split_slices.json). So where the weight is stored [N, K]
+(each of its rows aligned) the call is split (``CublasLt._matmul_split``): the first N // 8 * 8
+columns into a scratch buffer of aligned rows, copied into place by
+``cublasLtMatrixTransform``, and the last columns straight into the output.
+
 Needs ``libcublasLt``: one the process or the system has (a library PyTorch already loaded
 serves), else the ``nvidia-cublas`` package's (extra ``cuda``).
 """
@@ -42,6 +50,13 @@ from .cuda_driver import check, driver
 from .signature import nbytes
 
 WORKSPACE_BYTES = 32 << 20  # what TVM's cuBLAS BYOC and PyTorch give cuBLASLt
+SCRATCH_BYTES = 32 << 20  # the aligned columns of a split call, a chunk of rows at a time
+SPLIT_MIN_N = 256  # narrower outputs keep their one call: the copy would cost more
+# The columns a split call's last product writes straight into the output: the last N % 8
+# and the aligned ones before them, computed twice. Not N % 8 alone: on the H200 a graph
+# captured at M = 1 with that product (1 x 1 for N = 50257), replayed after a call at another
+# M, wrote a wrong last column (bench/README.md, "Session of 2026-12-02, second").
+TAIL_COLUMNS = 64
 LIBRARY = "cublaslt"  # its name in a plan's "libraries" (what the runtime must provide)
 FUNCTION_PREFIX = f"grape.{LIBRARY}."
 _LIBRARIES = ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so")
@@ -53,6 +68,7 @@ _OP_N, _OP_T = 0, 1
 _DESC_TRANSA, _DESC_TRANSB, _DESC_EPILOGUE, _DESC_BIAS_POINTER = 3, 4, 7, 8
 _PREF_MAX_WORKSPACE_BYTES = 1
 _LAYOUT_BATCH_COUNT, _LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
+_ALIGNED_COLUMNS = 8  # 16 bytes of a 16-bit type: what cuBLASLt's fast kernels need of N
 _ALGO_CONFIG_ID, _ALGO_CONFIG_SPLITK_NUM, _ALGO_CONFIG_REDUCTION_SCHEME = 0, 2, 3
 EPILOGUES = {"": 1, "bias": 4, "gelu": 32, "bias_gelu": 36}
 
@@ -140,6 +156,12 @@ class _Problem:
     k: int
     n: int
     batch: int = 1
+    ldc: int = 0  # the output's leading dimension (elements), if not n
+    bucket_m: int = 0  # the M the algorithm is chosen at, if not M's bucket
+
+    @property
+    def out_ld(self) -> int:
+        return self.ldc or self.n
 
     @staticmethod
     def of(function: MatmulFunction, x, out) -> "_Problem":
@@ -154,18 +176,48 @@ class _Problem:
         N of ``q @ k^T`` and K of ``p @ v``); K and N of a weight as they are."""
         if function.batched:
             return _Problem(bucket(self.m), bucket(self.k), bucket(self.n), bucket(self.batch))
-        return _Problem(bucket(self.m), self.k, self.n)
+        return _Problem(self.bucket_m or bucket(self.m), self.k, self.n, ldc=self.ldc)
 
     def alignment(self, dtype: str) -> int:
-        """Bytes (up to 16) every leading dimension of the problem is a multiple of: what
-        an algorithm's vector loads may assume."""
+        """Bytes (up to 16) every leading dimension and size of the problem is a multiple
+        of: what an algorithm's vector loads may assume."""
         size = np.dtype(dtype).itemsize
-        return min(16, *((self.k * size) & -(self.k * size), (self.n * size) & -(self.n * size)))
+        return min(16, *(b & -b for b in (self.k * size, self.n * size, self.out_ld * size)))
 
     def describe(self, function: MatmulFunction) -> str:
         if function.batched:
             return f"batch<={self.batch}/M<={self.m}/K={self.k}/N<={self.n}"
-        return f"M<={self.m}/K={self.k}/N={self.n}"
+        ld = f"/ld={self.ldc}" if self.ldc and self.ldc != self.n else ""
+        return f"M<={self.m}/K={self.k}/N={self.n}{ld}"
+
+
+@dataclass(frozen=True)
+class _Operands:
+    """Device addresses of one call's operands (bias and residual: None if it has none)."""
+
+    x: int
+    w: int
+    out: int
+    bias: int | None = None
+    residual: int | None = None
+
+
+def _splits(function: MatmulFunction, dtype: str, problem: _Problem, residual) -> bool:
+    """Whether a call runs split (``CublasLt._matmul_split``): a 16-bit output whose rows
+    misalign (N not a multiple of 8), wide enough to pay for the copy, from a weight stored
+    [N, K] with aligned rows (a [K, N] weight's rows misalign as the output's do). A
+    residual would need the same split: such calls keep their one call."""
+    return (not function.batched and residual is None and function.transposed_weight
+            and np.dtype(dtype).itemsize == 2 and problem.n % _ALIGNED_COLUMNS != 0
+            and problem.n >= SPLIT_MIN_N and problem.k % _ALIGNED_COLUMNS == 0
+            and _chunk_rows((problem.n - problem.n % _ALIGNED_COLUMNS) * 2) > 0)
+
+
+def _chunk_rows(row_bytes: int) -> int:
+    """Rows of a split call's chunk: as many as the scratch buffer holds, a power of two
+    (0 if not one row fits)."""
+    rows = SCRATCH_BYTES // row_bytes
+    return 1 << (rows.bit_length() - 1) if rows else 0
 
 
 @dataclass
@@ -183,6 +235,7 @@ class CublasLt:
     def __init__(self, device_index: int = 0):
         self.lib = _library()
         self.lib.cublasLtMatmul.argtypes = [ctypes.c_void_p] * 14 + [ctypes.c_size_t, ctypes.c_void_p]
+        self.lib.cublasLtMatrixTransform.argtypes = [ctypes.c_void_p] * 11
         self.device_index = device_index
         self.handle = ctypes.c_void_p()
         _ok(self.lib.cublasLtCreate(ctypes.byref(self.handle)), "cublasLtCreate")
@@ -191,6 +244,8 @@ class CublasLt:
         self._plan_of: dict[tuple, _Plan] = {}  # per exact problem: the plan that ran it
         self._layouts: dict[tuple, ctypes.c_void_p] = {}
         self.chosen: dict[str, dict] = {}  # for inspect: the algorithm of each bucket
+        self._scratch = None  # split calls' aligned columns (``_matmul_split``)
+        self._transform = None  # their copy's descriptor
 
     # -- the packed functions' work --------------------------------------------------------
     def matmul(self, function: MatmulFunction, x, w, out, bias, stream: int,
@@ -209,34 +264,94 @@ class CublasLt:
             check(driver.cuMemsetD8Async(out.data_ptr(), 0, nbytes(out), stream),
                   "cuMemsetD8Async")
             return
-        plan = self._plan(function, dtype, problem, bias)
         if residual is not None and (nbytes(residual) != nbytes(out) or
                                      str(residual.dtype) != dtype):
             raise CublasLtError(f"{function.name}: the residual is {residual.dtype}"
                                 f"{tuple(residual.shape)}, the output {dtype}{tuple(out.shape)}")
+        operands = _Operands(x.data_ptr(), w.data_ptr(), out.data_ptr(),
+                             None if bias is None else bias.data_ptr(),
+                             None if residual is None else residual.data_ptr())
+        if _splits(function, dtype, problem, residual):
+            self._matmul_split(function, dtype, problem, operands, stream)
+        else:
+            self._launch(function, dtype, problem, operands, stream)
+
+    def _launch(self, function: MatmulFunction, dtype: str, problem: "_Problem",
+                operands: "_Operands", stream: int) -> None:
+        """One ``cublasLtMatmul`` of ``problem`` on ``operands``."""
+        plan = self._plan(function, dtype, problem, operands.bias)
         alpha = ctypes.c_float(1.0)
-        beta = ctypes.c_float(1.0 if residual is not None else 0.0)
-        source = out if residual is None else residual  # cuBLASLt's C
+        beta = ctypes.c_float(1.0 if operands.residual is not None else 0.0)
+        source = operands.out if operands.residual is None else operands.residual  # C
         a, b, c = self._layouts_of(function, dtype, problem)
-        m, k, n = problem.m, problem.k, problem.n
-        if bias is not None:
-            pointer = ctypes.c_void_p(bias.data_ptr())
+        if operands.bias is not None:
+            pointer = ctypes.c_void_p(operands.bias)
             _ok(self.lib.cublasLtMatmulDescSetAttribute(plan.desc, _DESC_BIAS_POINTER,
                                                         ctypes.byref(pointer), ctypes.c_size_t(8)),
                 "cublasLtMatmulDescSetAttribute(bias)")
         _ok(self.lib.cublasLtMatmul(
-            self.handle, plan.desc, ctypes.addressof(alpha), w.data_ptr(), a, x.data_ptr(), b,
-            ctypes.addressof(beta), source.data_ptr(), c, out.data_ptr(), c,
+            self.handle, plan.desc, ctypes.addressof(alpha), operands.w, a, operands.x, b,
+            ctypes.addressof(beta), source, c, operands.out, c,
             ctypes.addressof(plan.algo.algo), int(self.workspace), WORKSPACE_BYTES, stream),
-            f"cublasLtMatmul({function.name}, {dtype}, batch={problem.batch}, M={m}, K={k}, "
-            f"N={n})")
+            f"cublasLtMatmul({function.name}, {dtype}, batch={problem.batch}, M={problem.m}, "
+            f"K={problem.k}, N={problem.n})")
+
+    def _matmul_split(self, function: MatmulFunction, dtype: str, problem: "_Problem",
+                      operands: "_Operands", stream: int) -> None:
+        """``_splits``' call: the first N // 8 * 8 columns (aligned rows) into the scratch
+        buffer and copied into place, a chunk of rows at a time; then the last
+        ``TAIL_COLUMNS`` columns (the N % 8 left, and aligned ones again) straight into the
+        output. Past one chunk, every chunk runs the algorithm chosen at the chunk's rows:
+        topologies follow the chunk count, not the last chunk's rows."""
+        size = np.dtype(dtype).itemsize
+        m, k, n = problem.m, problem.k, problem.n
+        aligned = n - n % _ALIGNED_COLUMNS
+        chunk = _chunk_rows(aligned * size)
+        scratch = self._scratch_address()
+        for first in range(0, m, chunk):
+            rows = min(chunk, m - first)
+            part = _Problem(rows, k, aligned, bucket_m=chunk if m > chunk else 0)
+            self._launch(function, dtype, part,
+                         _Operands(operands.x + first * k * size, operands.w, scratch,
+                                   operands.bias), stream)
+            self._copy_columns(dtype, aligned, rows, scratch, operands.out + first * n * size,
+                               n, stream)
+        first = n - TAIL_COLUMNS  # w's rows start 16-byte aligned: K is a multiple of 8
+        self._launch(function, dtype, _Problem(m, k, TAIL_COLUMNS, ldc=n),
+                     _Operands(operands.x, operands.w + first * k * size,
+                               operands.out + first * size,
+                               None if operands.bias is None else operands.bias + first * size),
+                     stream)
+
+    def _copy_columns(self, dtype: str, columns: int, rows: int, source: int, out: int,
+                      out_ld: int, stream: int) -> None:
+        """Copy ``rows`` rows of ``columns`` elements from ``source`` (rows packed) to
+        ``out`` (rows ``out_ld`` apart), with cuBLASLt's matrix transform."""
+        if self._transform is None:
+            desc = ctypes.c_void_p()
+            _ok(self.lib.cublasLtMatrixTransformDescCreate(ctypes.byref(desc), _CUDA_R["float32"]),
+                "cublasLtMatrixTransformDescCreate")
+            self._transform = desc
+        alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
+        _ok(self.lib.cublasLtMatrixTransform(
+            self.handle, self._transform, ctypes.addressof(alpha), source,
+            self._layout(dtype, columns, rows, columns), ctypes.addressof(beta), None, None,
+            out, self._layout(dtype, columns, rows, out_ld), stream), f"cublasLtMatrixTransform({dtype}, {rows} x {columns})")
+
+    def _scratch_address(self) -> int:
+        """The scratch buffer of split calls, allocated on first use and never moved (the
+        graphs captured since hold its address)."""
+        if self._scratch is None:
+            self._scratch = check(driver.cuMemAlloc(SCRATCH_BYTES), "cuMemAlloc(cuBLASLt scratch)")
+        return int(self._scratch)
 
     def _layouts_of(self, function: MatmulFunction, dtype: str, problem: "_Problem"):
         """Layouts of A (w), B (x) and C (out) in cuBLASLt's column-major terms."""
         m, k, n, batch = problem.m, problem.k, problem.n, problem.batch
         a = self._layout(dtype, n, k, k if function.transposed_weight else n,
                          transposed=function.transposed_weight, batch=batch)
-        return a, self._layout(dtype, k, m, k, batch=batch), self._layout(dtype, n, m, n,
+        return a, self._layout(dtype, k, m, k, batch=batch), self._layout(dtype, n, m,
+                                                                             problem.out_ld,
                                                                              batch=batch)
 
     def _layout(self, dtype: str, rows: int, cols: int, ld: int, transposed: bool = False,
@@ -267,7 +382,8 @@ class CublasLt:
                 layout, attribute, ctypes.byref(value), ctypes.c_size_t(ctypes.sizeof(value))),
                 "cublasLtMatrixLayoutSetAttribute")
 
-    def _plan(self, function: MatmulFunction, dtype: str, problem: "_Problem", bias) -> _Plan:
+    def _plan(self, function: MatmulFunction, dtype: str, problem: "_Problem",
+              bias: int | None) -> _Plan:
         """The bucket's plan, checked for this exact problem once (an algorithm chosen at
         the bucket's upper end may not support a smaller size: fp16 with N = 7 misaligns
         the output's rows); where it does not, one chosen for the problem itself."""
@@ -293,7 +409,7 @@ class CublasLt:
         return plan
 
     def _choose_at_upper_end(self, function: MatmulFunction, dtype: str, upper: "_Problem",
-                             problem: "_Problem", bias) -> _Plan | None:
+                             problem: "_Problem", bias: int | None) -> _Plan | None:
         """cuBLASLt's choice at the bucket's upper end if it runs ``problem``, else None."""
         try:
             plan = self._choose(function, dtype, upper, bias)
@@ -317,7 +433,8 @@ class CublasLt:
     def _release(self, plan: _Plan) -> None:
         self.lib.cublasLtMatmulDescDestroy(plan.desc)
 
-    def _choose(self, function: MatmulFunction, dtype: str, problem: "_Problem", bias) -> _Plan:
+    def _choose(self, function: MatmulFunction, dtype: str, problem: "_Problem",
+                bias: int | None) -> _Plan:
         """A descriptor for ``function``, and cuBLASLt's first choice for ``problem``."""
         desc = ctypes.c_void_p()
         _ok(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R["float32"]),
@@ -330,7 +447,7 @@ class CublasLt:
         return _Plan(desc, found)
 
     def _heuristic(self, desc, function: MatmulFunction, dtype: str, problem: "_Problem",
-                   bias) -> _Heuristic:
+                   bias: int | None) -> _Heuristic:
         """Set ``desc``'s attributes; cuBLASLt's first choice for ``problem``."""
         for attr, value in ((_DESC_TRANSA, _OP_T if function.transposed_weight else _OP_N),
                             (_DESC_TRANSB, _OP_N), (_DESC_EPILOGUE, EPILOGUES[function.epilogue])):
@@ -339,7 +456,7 @@ class CublasLt:
                                                         ctypes.c_size_t(4)),
                 "cublasLtMatmulDescSetAttribute")
         if bias is not None:  # the heuristic reads the bias address's alignment
-            pointer = ctypes.c_void_p(bias.data_ptr())
+            pointer = ctypes.c_void_p(bias)
             _ok(self.lib.cublasLtMatmulDescSetAttribute(desc, _DESC_BIAS_POINTER,
                                                         ctypes.byref(pointer), ctypes.c_size_t(8)),
                 "cublasLtMatmulDescSetAttribute(bias)")
@@ -401,6 +518,12 @@ class CublasLt:
         self._plan_of.clear()
         self._layouts.clear()
         driver.cuMemFree(self.workspace)
+        if self._scratch is not None:
+            driver.cuMemFree(self._scratch)
+            self._scratch = None
+        if self._transform is not None:
+            self.lib.cublasLtMatrixTransformDescDestroy(self._transform)
+            self._transform = None
         self.lib.cublasLtDestroy(self.handle)
         self.handle = None
 

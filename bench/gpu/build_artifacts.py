@@ -2,6 +2,8 @@
 
     python bench/gpu/build_artifacts.py build/gpu
 
+- ``wide_head_float16.cuda.grape``: ``models.wide_head``, outputs of odd width on cuBLASLt
+  (tests).
 - ``library_{float32,float16}.cuda.grape``: a GPT-2 MLP whose matmuls are cuBLASLt calls
   (tests).
 - ``blocks.cuda.grape``: the bundled example (tests, demo); ``blocks_4096.cuda.grape`` the
@@ -74,6 +76,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     gpt2_output_names,
     attention_products,
     library_layer,
+    wide_head,
     reductions_model,
     matmul_relax,
 )
@@ -393,6 +396,11 @@ def build_library(out: Path) -> None:
             module = _timed(name, lambda d=dtype, m=matmul: grape_tvm.build(
                 library_layer(d), {"n": (1, 1024)}, CUDA, output_names=["y", "h"], matmul=m))
             module.export(out / f"{name}.cuda.grape")
+        if dtype == "float16":  # rows of odd width: cuBLASLt's split calls
+            module = _timed("wide_head_float16", lambda: grape_tvm.build(
+                wide_head("float16"), {"n": (1, 1024)}, CUDA, output_names=["y", "z"],
+                matmul="cublaslt"))
+            module.export(out / "wide_head_float16.cuda.grape")
         module = _timed(f"attention_products_{dtype}", lambda d=dtype: grape_tvm.build(
             attention_products(d), {"b": (1, 4), "p": (1, 1024)}, CUDA, output_names=["o"],
             matmul="cublaslt"))

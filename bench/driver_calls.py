@@ -3,7 +3,11 @@
 A replay is a ``cuMemcpyHtoDAsync`` of the launch record (when it changed) and a
 ``cuGraphLaunch``. grape calls them through cuda-python; this measures each through
 cuda-python and through ctypes on ``libcuda`` directly, on a one-node graph (a memset), in
-one process, so that the binding's share of the host path is known.
+one process, so that the binding's share of the host path is known. Also what could replace
+the copy when few words of the record change (a new row and one moved address, as when n
+changes on every call): the copy of a small record, from pageable and from pinned memory,
+and stream memory operations writing the words themselves (``cuStreamWriteValue*``, or two
+writes in one ``cuStreamBatchMemOp``).
 
     python3 bench/driver_calls.py --out OUT_DIR
 """
@@ -85,6 +89,7 @@ def main() -> None:
                 CALLS, sync),
         },
     }
+    result["us_per_call"].update(_small_writes(driver, check, libcuda, stream, buffer, sync))
     for name, us in result["us_per_call"].items():
         print(f"  {name:40s} {us:6.2f} us")
     driver.cuGraphExecDestroy(exec_)
@@ -95,6 +100,47 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "driver_calls.json").write_text(json.dumps(result, indent=2))
     print(f"wrote {args.out / 'driver_calls.json'}", file=sys.stderr)
+
+
+def _small_writes(driver, check, libcuda, stream, buffer, sync) -> dict[str, float]:
+    """A row (4 bytes) and an address (8 bytes) into the device buffer, each way; a way the
+    driver here does not offer is left out (printed)."""
+    small = bytes(16)
+    pinned = check(driver.cuMemHostAlloc(len(small), 0))
+    raw_stream, raw_dst = int(stream), int(buffer)
+    out = {}
+    ways = {
+        "cuMemcpyHtoDAsync cuda-python (16 bytes)": lambda: check(
+            driver.cuMemcpyHtoDAsync(buffer, small, len(small), stream)),
+        "cuMemcpyHtoDAsync cuda-python (16 bytes, pinned)": lambda: check(
+            driver.cuMemcpyHtoDAsync(buffer, pinned, len(small), stream)),
+        "cuStreamWriteValue32 + cuStreamWriteValue64 cuda-python": lambda: (
+            check(driver.cuStreamWriteValue32(stream, buffer, 7, 0)),
+            check(driver.cuStreamWriteValue64(stream, int(buffer) + 8, 1 << 40, 0))),
+    }
+    try:
+        batch = libcuda.cuStreamBatchMemOp_v2
+        batch.argtypes = [ctypes.c_void_p, ctypes.c_uint, ctypes.c_void_p, ctypes.c_uint]
+        ops = (ctypes.c_uint64 * 12)()  # two CUstreamBatchMemOpParams of 48 bytes
+        write32, write64 = 2, 5  # CU_STREAM_MEM_OP_WRITE_VALUE_32 / _64
+        ops[0], ops[1], ops[2] = write32, raw_dst, 7
+        ops[6], ops[7], ops[8] = write64, raw_dst + 8, 1 << 40
+        ways["cuStreamBatchMemOp ctypes (2 writes)"] = lambda: batch(raw_stream, 2, ops, 0)
+    except AttributeError:
+        print("  cuStreamBatchMemOp_v2: not in this libcuda")
+    for name, call in ways.items():
+        try:
+            status = call()
+            sync()
+        except Exception as error:  # pylint: disable=broad-except
+            print(f"  {name}: {error}")
+            continue
+        if isinstance(status, int) and status != 0:  # a ctypes call's CUresult
+            print(f"  {name}: CUresult {status}")
+            continue
+        out[name] = _time(call, CALLS, sync)
+    check(driver.cuMemFreeHost(pinned))
+    return out
 
 
 if __name__ == "__main__":

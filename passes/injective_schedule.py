@@ -3,6 +3,8 @@ count: no index computed by dividing by a symbolic extent."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from tvm import s_tir, tirx
 from tvm.s_tir.dlight import base
 from tvm.s_tir.dlight.analysis import normalize_prim_func
@@ -53,11 +55,11 @@ class RowsOfStaticWidth(GPUScheduleRule):
         found = injective_loops(self, func, target)
         if found is None:
             return None
-        sch, loops, extents = found
-        if not self._fits(extents, base.max_threads_per_block(target)):
+        sch, loops, extents = found.sch, found.loops, found.extents
+        threads = self._threads(extents, base.max_threads_per_block(target))
+        if threads is None:
             return None
         width = int(extents[-1])
-        threads = _threads_per_row(width, base.max_threads_per_block(target))
         rows_per_block = max(1, THREADS_PER_BLOCK // threads)
         block_x, thread_y = sch.split(loops[-2], factors=[None, rows_per_block])
         if threads < width:  # a row wider than a block: each thread a strided part of it
@@ -72,15 +74,16 @@ class RowsOfStaticWidth(GPUScheduleRule):
         return sch
 
     @staticmethod
-    def _fits(extents: list, max_threads: int) -> bool:
+    def _threads(extents: list, max_threads: int) -> int | None:
+        """The threads of one row (``_threads_per_row``) when the loops fit the rule, else
+        None."""
         if len(extents) < 2:
-            return False
+            return None
         width, rows = extents[-1], extents[-2]
-        if not isinstance(width, tirx.IntImm) or isinstance(rows, tirx.IntImm):
-            return False
-        if int(width) < MIN_WIDTH or _threads_per_row(int(width), max_threads) is None:
-            return False
-        return outer_loops_fit_grid_y(extents[:-2])
+        if not isinstance(width, tirx.IntImm) or isinstance(rows, tirx.IntImm) or \
+                int(width) < MIN_WIDTH or not outer_loops_fit_grid_y(extents[:-2]):
+            return None
+        return _threads_per_row(int(width), max_threads)
 
 
 def _threads_per_row(width: int, max_threads: int) -> int | None:
@@ -116,9 +119,18 @@ def outer_loops_fit_grid_y(outer: list) -> bool:
     return static * (int(outer[0]) if outer else 1) <= MAX_GRID_Y
 
 
-def injective_loops(rule: GPUScheduleRule, func, target: Target):
-    """The schedule, loops and their extents of an injective PrimFunc of one spatial block
-    (after inlining) that ``rule`` may schedule for ``target``, or None."""
+@dataclass(frozen=True)
+class InjectiveLoops:
+    """An injective PrimFunc's schedule with its one spatial block's loops and their extents."""
+
+    sch: s_tir.Schedule
+    loops: list
+    extents: list
+
+
+def injective_loops(rule: GPUScheduleRule, func, target: Target) -> InjectiveLoops | None:
+    """The loops of an injective PrimFunc of one spatial block (after inlining) that
+    ``rule`` may schedule for ``target``, or None."""
     if not isinstance(func, tirx.PrimFunc) or not rule.is_target_available(target):
         return None
     sch = s_tir.Schedule(func)
@@ -129,4 +141,4 @@ def injective_loops(rule: GPUScheduleRule, func, target: Target):
     if len(infos) != 1 or any(kind != "S" for kind in infos[0].dom_kind()):
         return None
     loops = sch.get_loops(infos[0].block_rv)
-    return sch, loops, [sch.get(loop).extent for loop in loops]
+    return InjectiveLoops(sch, loops, [sch.get(loop).extent for loop in loops])

@@ -48,7 +48,7 @@ class RowsOfSymbolicWidth(GPUScheduleRule):
         found = injective_loops(self, func, target)
         if found is None:
             return None
-        sch, loops, extents = found
+        sch, loops, extents = found.sch, found.loops, found.extents
         # The rows symbolic too: the loops above them must be static but the outermost.
         if not self.rows_of_a_sequence(extents[:-1]) or isinstance(extents[-1], tirx.IntImm):
             return None

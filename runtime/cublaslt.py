@@ -1,33 +1,34 @@
 """cuBLASLt matmuls for the functions ``passes.OffloadMatmul`` calls, captured into grape's graphs.
 
 The compiler rewrites a matmul into ``R.call_dps_packed("grape.cublaslt.matmul...", ...)``
-(``MATMUL_FUNCTIONS``: the name says the epilogue and whether the weight is transposed).
-TVM's VM calls that function while a region is captured; it runs ``cublasLtMatmul`` on the
-stream TVM is capturing (``tvm_ffi.get_raw_stream``), with the library state of the
-backend that is capturing (``CublasLt.active``): its handle, its workspace (so that nothing
-allocates inside a capture) and its algorithm choices. Outside grape's calls (TVM's own VM
-on the library) a thread keeps its own state per device. The kernels cuBLASLt launches are
-then nodes of the region's graph like any other, re-pointed and re-shaped by the patch
-kernel (bench/results/probe_cublaslt.json showed both work for cuBLAS's kernels).
+(``MATMUL_FUNCTIONS``: the name says the epilogue and whether the weight is transposed). TVM's
+VM calls that function while a region is captured; it runs ``cublasLtMatmul`` on the stream
+TVM is capturing (``tvm_ffi.get_raw_stream``), with the library state of the backend that is
+capturing (``CublasLt.active``): its handle, its workspace (allocated before any capture:
+cuBLASLt itself allocates nothing in one) and its algorithm choices. Outside grape's calls
+(TVM's own VM on the library) a thread keeps its own state per device. The kernels cuBLASLt
+launches are then nodes of the region's graph like any other, re-pointed and re-shaped by the
+patch kernel (bench/results/probe_cublaslt.json showed both work for cuBLAS's kernels).
 
-An algorithm is chosen once per bucket of M (the rows of the product: powers of two, so
-M = 1..1024 gives 11 buckets), by cuBLASLt's heuristic at the bucket's upper end, and kept:
+An algorithm is chosen once per bucket of M (the rows of the product: powers of two, so M =
+1..1024 gives 11 buckets), by cuBLASLt's heuristic at the bucket's upper end, and kept:
 cuBLASLt's own first choice changes with M far more often (bench/results/probe_cublaslt.json),
 and each change would be another graph topology. Each size is checked once against its
-bucket's algorithm (``cublasLtMatmulAlgoCheck``): one that cannot run it (fp16 with an odd
-N misaligns the output's rows) gets an algorithm chosen for its alignment. A product of two activations (attention's
-scores and weighted sum, ``batched``) is one strided-batched call, its algorithm chosen per
-bucket of M, N and the batch count.
+bucket's algorithm (``cublasLtMatmulAlgoCheck``): one that cannot run it (fp16 with an odd N
+misaligns the output's rows) gets an algorithm chosen for its alignment. A product of two
+activations (attention's scores and weighted sum, ``batched``) is one strided-batched call,
+its algorithm chosen per bucket of M, N and the batch count.
 
 Row-major ``out[M, N] = x[M, K] @ w[K, N]`` is the column-major ``out^T = w^T x^T``: A is
 ``w`` (N x K, or K x N transposed when the model holds ``w`` as [N, K]), B is ``x``.
 
 A 16-bit output whose N is not a multiple of 8 (GPT-2's LM head, N = 50257) has rows that
-start off 16-byte boundaries, and cuBLASLt then runs an ``align1`` kernel: 843 us for
-GPT-2's fp16 LM head at 1024 tokens, 31% of the prefill
-(bench/results/gpt2_prefill_kernels.fp16_1024.split_slices.json). So where the weight is stored [N, K]
-(each of its rows aligned) the call is split (``CublasLt._matmul_split``): the first N // 8 * 8
-columns into a scratch buffer of aligned rows, copied into place by
+start off 16-byte boundaries, and cuBLASLt then runs an ``align1`` kernel: 843 us for GPT-2's
+fp16 LM head at 1024 tokens, 31% of the prefill
+(bench/results/gpt2_prefill_kernels.fp16_1024.split_slices.json). So where the weight is
+stored [N, K] (each of its rows aligned, K a multiple of 8), N is at least ``SPLIT_MIN_N`` and
+no residual is added (``_splits``), the call is split (``CublasLt._matmul_split``): the first
+N // 8 * 8 columns into a scratch buffer of aligned rows, copied into place by
 ``cublasLtMatrixTransform``, and the last columns straight into the output.
 
 Needs ``libcublasLt``: one the process or the system has (a library PyTorch already loaded
@@ -51,12 +52,16 @@ from .signature import nbytes
 
 WORKSPACE_BYTES = 32 << 20  # what TVM's cuBLAS BYOC and PyTorch give cuBLASLt
 SCRATCH_BYTES = 32 << 20  # the aligned columns of a split call, a chunk of rows at a time
-SPLIT_MIN_N = 256  # narrower outputs keep their one call: the copy would cost more
+# Narrower outputs keep their one call (a guess, not measured: the copy's launch would
+# outweigh an align1 kernel of so few columns).
+SPLIT_MIN_N = 256
 # The columns a split call's last product writes straight into the output: the last N % 8
-# and the aligned ones before them, computed twice. Not N % 8 alone: on the H200 a graph
-# captured at M = 1 with that product (1 x 1 for N = 50257), replayed after a call at another
-# M, wrote a wrong last column (bench/README.md, "Session of 2026-12-02, second").
+# and the aligned ones before them, computed twice. A workaround, its cause not found: with
+# the N % 8 columns alone (a 1 x 1 product at M = 1 for N = 50257) a run on the H200 crashed
+# (illegal address), and a graph captured at M = 1, replayed after a call at another M,
+# wrote a wrong last column (bench/README.md, "Session of 2026-12-02, second").
 TAIL_COLUMNS = 64
+assert SPLIT_MIN_N >= TAIL_COLUMNS + 8  # the tail starts past column 0
 LIBRARY = "cublaslt"  # its name in a plan's "libraries" (what the runtime must provide)
 FUNCTION_PREFIX = f"grape.{LIBRARY}."
 _LIBRARIES = ("libcublasLt.so.13", "libcublasLt.so.12", "libcublasLt.so")
@@ -207,10 +212,11 @@ def _splits(function: MatmulFunction, dtype: str, problem: _Problem, residual) -
     misalign (N not a multiple of 8), wide enough to pay for the copy, from a weight stored
     [N, K] with aligned rows (a [K, N] weight's rows misalign as the output's do). A
     residual would need the same split: such calls keep their one call."""
+    size = np.dtype(dtype).itemsize
     return (not function.batched and residual is None and function.transposed_weight
-            and np.dtype(dtype).itemsize == 2 and problem.n % _ALIGNED_COLUMNS != 0
+            and size == 2 and problem.n % _ALIGNED_COLUMNS != 0
             and problem.n >= SPLIT_MIN_N and problem.k % _ALIGNED_COLUMNS == 0
-            and _chunk_rows((problem.n - problem.n % _ALIGNED_COLUMNS) * 2) > 0)
+            and _chunk_rows((problem.n - problem.n % _ALIGNED_COLUMNS) * size) > 0)
 
 
 def _chunk_rows(row_bytes: int) -> int:
@@ -316,11 +322,11 @@ class CublasLt:
                                    operands.bias), stream)
             self._copy_columns(dtype, aligned, rows, scratch, operands.out + first * n * size,
                                n, stream)
-        first = n - TAIL_COLUMNS  # w's rows start 16-byte aligned: K is a multiple of 8
+        tail = n - TAIL_COLUMNS  # w's rows start 16-byte aligned: K is a multiple of 8
         self._launch(function, dtype, _Problem(m, k, TAIL_COLUMNS, ldc=n),
-                     _Operands(operands.x, operands.w + first * k * size,
-                               operands.out + first * size,
-                               None if operands.bias is None else operands.bias + first * size),
+                     _Operands(operands.x, operands.w + tail * k * size,
+                               operands.out + tail * size,
+                               None if operands.bias is None else operands.bias + tail * size),
                      stream)
 
     def _copy_columns(self, dtype: str, columns: int, rows: int, source: int, out: int,
@@ -329,14 +335,16 @@ class CublasLt:
         ``out`` (rows ``out_ld`` apart), with cuBLASLt's matrix transform."""
         if self._transform is None:
             desc = ctypes.c_void_p()
-            _ok(self.lib.cublasLtMatrixTransformDescCreate(ctypes.byref(desc), _CUDA_R["float32"]),
+            _ok(self.lib.cublasLtMatrixTransformDescCreate(ctypes.byref(desc),
+                                                           _CUDA_R["float32"]),
                 "cublasLtMatrixTransformDescCreate")
             self._transform = desc
         alpha, beta = ctypes.c_float(1.0), ctypes.c_float(0.0)
         _ok(self.lib.cublasLtMatrixTransform(
             self.handle, self._transform, ctypes.addressof(alpha), source,
             self._layout(dtype, columns, rows, columns), ctypes.addressof(beta), None, None,
-            out, self._layout(dtype, columns, rows, out_ld), stream), f"cublasLtMatrixTransform({dtype}, {rows} x {columns})")
+            out, self._layout(dtype, columns, rows, out_ld), stream),
+            f"cublasLtMatrixTransform({dtype}, {rows} x {columns})")
 
     def _scratch_address(self) -> int:
         """The scratch buffer of split calls, allocated on first use and never moved (the
@@ -507,7 +515,8 @@ class CublasLt:
             _ACTIVE.instance = before
 
     def close(self) -> None:
-        """Free the descriptors, the layouts, the workspace and the handle; idempotent."""
+        """Free the descriptors, the layouts, the workspace, the split calls' scratch buffer
+        and transform descriptor, and the handle; idempotent."""
         if self.handle is None:
             return
         for plan in self._plans.values():
@@ -536,7 +545,8 @@ class CublasLt:
 
 # The CublasLt a packed function call on this thread uses: the active one (a grape
 # backend's, during its calls and captures), else this thread's own for the device, made on
-# first use, as TVM's cuBLAS runtime keeps a handle per thread (TVM's VM on the library).
+# first use, as TVM's cuBLAS runtime keeps a handle per thread (TVM's VM on the library),
+# and kept for the thread's life: its workspace, and its scratch buffer once a split call ran.
 _ACTIVE = threading.local()
 
 

@@ -5,6 +5,8 @@ CPU, call by call, with the calls recorded instead of made."""
 
 from __future__ import annotations
 
+import ctypes
+
 import numpy as np
 import pytest
 
@@ -37,7 +39,7 @@ class _Recorded(CublasLt):
         self.calls.append(("copy", columns, rows, source, out, out_ld))
 
 
-def _written(calls, m: int, k: int, n: int, size: int) -> np.ndarray:
+def _written(calls, m: int, k: int, n: int, size: int, bias: bool) -> np.ndarray:
     """How often each element of the [m, n] output is written, following the calls: a
     matmul into the scratch buffer, then its copy into place, or a matmul straight into the
     output. Checks on the way that each piece reads the rows of x and of w it stands for."""
@@ -51,13 +53,13 @@ def _written(calls, m: int, k: int, n: int, size: int) -> np.ndarray:
             assert rem == 0 and rem_w == 0
             if ops.out == SCRATCH:
                 assert problem.out_ld == problem.n  # the scratch holds its rows packed
-                assert ops.bias in (None, BIAS)
+                assert ops.bias == (BIAS if bias else None)
                 scratch_rows = (first_row, problem.m, problem.n, first_col)
             else:
                 col, rem = divmod(ops.out - OUT, size)
                 assert rem == 0 and col == first_col  # column c from w's row c
                 assert problem.out_ld == n
-                assert ops.bias in (None, BIAS + col * size)
+                assert ops.bias == (BIAS + col * size if bias else None)
                 written[first_row:first_row + problem.m, col:col + problem.n] += 1
         else:
             _, columns, rows, source, out, out_ld = call
@@ -81,7 +83,7 @@ def test_a_split_call_writes_every_output_element_once(m, n, bias):
     recorded = _Recorded()
     recorded._matmul_split(function, "float16", problem,  # pylint: disable=protected-access
                            _Operands(X, W, OUT, BIAS if bias else None), stream=0)
-    written = _written(recorded.calls, m, k, n, size)
+    written = _written(recorded.calls, m, k, n, size, bias)
     aligned = n // 8 * 8
     assert (written[:, :n - TAIL_COLUMNS] == 1).all()
     assert (written[:, n - TAIL_COLUMNS:aligned] == 2).all()  # copied, then the tail's
@@ -122,3 +124,79 @@ def test_calls_that_are_not_split(function, dtype, problem, why):
 def test_a_residual_call_is_not_split():
     assert not _splits(MatmulFunction("", True, residual=True), "float16",
                        _Problem(64, 768, 50257), residual=object())
+
+
+class _Library:
+    """cuBLASLt's entry points ``_launch`` and ``_copy_columns`` call, recording the layouts
+    and addresses they are given (a layout is the tuple ``_Laid._layout`` makes)."""
+
+    def __init__(self):
+        self.calls: list[tuple] = []
+
+    def cublasLtMatmulDescSetAttribute(self, *args):  # pylint: disable=invalid-name
+        return 0
+
+    def cublasLtMatmul(self, handle, desc, alpha, w, a, x, b, beta, c, c_layout, d, d_layout,
+                       *rest):  # pylint: disable=invalid-name
+        self.calls.append(("matmul", a, b, d_layout, w, x, d))
+        return 0
+
+    def cublasLtMatrixTransformDescCreate(self, *args):  # pylint: disable=invalid-name
+        return 0
+
+    def cublasLtMatrixTransform(self, handle, desc, alpha, a, a_layout, beta, b, b_layout, c,
+                                c_layout, stream):  # pylint: disable=invalid-name
+        self.calls.append(("copy", a_layout, c_layout, a, c))
+        return 0
+
+
+class _Laid(CublasLt):
+    """A CublasLt whose library is ``_Library`` and whose layouts are plain tuples
+    ``(rows, cols, ld, transposed)`` in cuBLASLt's column-major terms."""
+
+    def __init__(self):  # pylint: disable=super-init-not-called
+        self.handle = None
+        self.lib = _Library()
+        self._scratch = SCRATCH
+        self._transform = "descriptor"
+        self.workspace = 0
+
+    def _plan(self, function, dtype, problem, bias):
+        algo = type("Algo", (), {"algo": (ctypes.c_uint64 * 8)()})()
+        return type("Plan", (), {"desc": None, "algo": algo})()
+
+    def _layout(self, dtype, rows, cols, ld, transposed=False, batch=1):
+        return (rows, cols, ld, transposed)
+
+
+@pytest.mark.parametrize("m", [1, 300])
+def test_a_split_call_hands_cublaslt_the_layouts_of_its_pieces(m):
+    """The products' output layouts (packed rows in the scratch buffer, the output's N
+    apart for the tail) and the copy's (scratch to output): what only the GPU would show
+    wrong otherwise."""
+    n, k = 50257, 768
+    aligned = n // 8 * 8
+    laid = _Laid()
+    laid._matmul_split(MatmulFunction("", transposed_weight=True), "float16",  # pylint: disable=protected-access
+                       _Problem(m, k, n), _Operands(X, W, OUT), stream=0)
+    chunk = SCRATCH_BYTES // (aligned * 2)
+    chunk = 1 << (chunk.bit_length() - 1)
+    for call in laid.lib.calls:
+        if call[0] == "matmul":
+            _, a, b, d_layout, w, x, d = call
+            columns = a[0]  # A: the product's columns of w, stored [N, K] (transposed)
+            assert a == (columns, k, k, True)
+            assert b[0] == k and b[2] == k  # x: (k, rows), rows k apart
+            if d == SCRATCH:
+                assert d_layout == (aligned, b[1], aligned, False) and columns == aligned
+            else:
+                assert d_layout == (TAIL_COLUMNS, m, n, False) and columns == TAIL_COLUMNS
+                assert d == OUT + (n - TAIL_COLUMNS) * 2 and w == W + (n - TAIL_COLUMNS) * k * 2
+        else:
+            _, a_layout, c_layout, source, out = call
+            rows = a_layout[1]
+            assert source == SCRATCH and rows <= chunk
+            assert a_layout == (aligned, rows, aligned, False)
+            assert c_layout == (aligned, rows, n, False)
+    copied = sum(c[1][1] for c in laid.lib.calls if c[0] == "copy")
+    assert copied == m

@@ -632,9 +632,9 @@ def test_outputs_of_odd_width_run_split_and_equal_numpy():
     """fp16 outputs of 50257 and 4099 columns from weights stored [N, K] (GPT-2's LM head,
     a narrower one with a bias): cuBLASLt runs the first N // 8 * 8 columns into its
     scratch buffer, copied into place, a chunk of 256 rows at a time for 50257, and the
-    last 64 columns straight into the output. Every n on both sides of each chunk boundary,
-    first seen and replayed at new addresses in a random order, equals numpy; the split's
-    algorithms are the ones ``inspect`` reports."""
+    last 64 columns straight into the output. Every n of one to four chunks, on both sides
+    of the first two boundaries (256, 512), first seen and replayed at new addresses in a
+    random order, equals numpy; the split's algorithms are the ones ``inspect`` reports."""
     import sys  # pylint: disable=import-outside-toplevel
 
     import tvm  # pylint: disable=import-outside-toplevel

@@ -389,7 +389,7 @@ def build_attention(out: Path) -> None:
 def build_library(out: Path) -> None:
     """``models.library_layer`` and ``models.attention_products`` in fp32 and fp16: matmuls
     as cuBLASLt calls, and (``library_auto_*``) by default, grape's GEMV kernels for few
-    rows (tests)."""
+    rows; ``models.wide_head`` in fp16, cuBLASLt's split calls (tests)."""
     for dtype in ("float32", "float16"):
         for matmul in ("cublaslt", "auto"):
             name = f"library_{dtype}" if matmul == "cublaslt" else f"library_{matmul}_{dtype}"

@@ -104,14 +104,22 @@ def gpt2_output_names(layers: int) -> list[str]:
     return ["y"] + [f"present_{kv}{i}" for i in range(layers) for kv in ("k", "v")]
 
 
-def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: str = "past"):
+def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: str = "past",
+                     tensor_parallel: int = 1):
     """One GPT-2 decode step, batch 1, with an explicit KV cache.
 
     Inputs: ``x`` (1, hidden), the new token's hidden state; ``past_k{i}``/``past_v{i}``
     (heads, past, head_dim) per layer; the weights. Outputs: ``y`` (1, hidden) and
     ``present_k{i}``/``present_v{i}`` (heads, past + 1, head_dim): the cache one longer.
+
+    ``tensor_parallel`` > 1: annotated for that many devices, Megatron's way
+    (``passes.tensor_parallel``): attention by heads (q, k, v and the caches split on
+    their heads, the output projection's product replicated: an all-reduce), the MLP by
+    its hidden columns (an all-reduce after its second matmul).
     """
     from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.passes.tensor_parallel import shard, with_mesh  # pylint: disable=import-outside-toplevel
 
     op = relax.op
     head_dim = hidden // heads
@@ -122,6 +130,12 @@ def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: 
     weights = {k: relax.Var(k, relax.TensorType(s, "float32"))
                for k, s in gpt2_shapes(hidden, layers).items()}
     bb = relax.BlockBuilder()
+
+    def placed(value, placement):  # the value as it is on one device
+        if tensor_parallel == 1:
+            return value
+        return shard(bb, bb.emit(value), placement, tensor_parallel)
+
     with bb.function("main", [x, *caches, *weights.values()]):
         with bb.dataflow():
             h, presents = x, []
@@ -129,25 +143,31 @@ def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: 
                 w = {kind: weights[f"{kind}{i}"] for kind in GPT2_LAYER}
                 ln = bb.emit(op.nn.layer_norm(h, w["ln1_g"], w["ln1_b"], axes=[-1], epsilon=1e-5))
                 qkv = bb.emit(op.add(op.matmul(ln, w["w_qkv"]), w["b_qkv"]))  # (1, 3h)
-                q, k, v = [bb.emit(op.permute_dims(op.reshape(
+                q, k, v = [placed(bb.emit(op.permute_dims(op.reshape(
                     op.strided_slice(qkv, axes=[1], begin=[j * hidden], end=[(j + 1) * hidden]),
-                    (1, heads, head_dim)), [1, 0, 2])) for j in range(3)]  # (heads, 1, d)
-                pk = bb.emit(op.concat([caches[2 * i], k], axis=1))  # (heads, past + 1, d)
-                pv = bb.emit(op.concat([caches[2 * i + 1], v], axis=1))
+                    (1, heads, head_dim)), [1, 0, 2])), "S[0]") for j in range(3)]  # (heads, 1, d)
+                past_k, past_v = (placed(c, "S[0]") for c in caches[2 * i:2 * i + 2])
+                pk = placed(bb.emit(op.concat([past_k, k], axis=1)), "S[0]")  # (heads, past + 1, d)
+                pv = placed(bb.emit(op.concat([past_v, v], axis=1)), "S[0]")
                 presents += [pk, pv]
                 scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(pk, [0, 2, 1])),
                                              relax.const(1.0 / head_dim ** 0.5, "float32")))
                 attn = bb.emit(op.matmul(op.nn.softmax(scores, axis=-1), pv))  # (heads, 1, d)
                 merged = bb.emit(op.reshape(op.permute_dims(attn, [1, 0, 2]), (1, hidden)))
-                h = bb.emit(op.add(h, op.add(op.matmul(merged, w["w_o"]), w["b_o"])))
+                out = placed(op.matmul(merged, w["w_o"]), "R")
+                h = bb.emit(op.add(h, op.add(out, w["b_o"])))
                 ln2 = bb.emit(op.nn.layer_norm(h, w["ln2_g"], w["ln2_b"], axes=[-1], epsilon=1e-5))
-                fc = bb.emit(op.nn.gelu(op.add(op.matmul(ln2, w["w_fc"]), w["b_fc"])))
-                h = bb.emit(op.add(h, op.add(op.matmul(fc, w["w_proj"]), w["b_proj"])))
+                fc = placed(op.nn.gelu(op.add(op.matmul(ln2, w["w_fc"]), w["b_fc"])), "S[1]")
+                if tensor_parallel == 1:
+                    fc = bb.emit(fc)
+                proj = placed(op.matmul(fc, w["w_proj"]), "R")
+                h = bb.emit(op.add(h, op.add(proj, w["b_proj"])))
             y = bb.emit(op.nn.layer_norm(h, weights["lnf_g"], weights["lnf_b"], axes=[-1],
                                          epsilon=1e-5))
             out = bb.emit_output(relax.Tuple([y, *presents]))
         bb.emit_func_output(out)
-    return bb.get()
+    mod = bb.get()
+    return with_mesh(mod, tensor_parallel) if tensor_parallel > 1 else mod
 
 
 def gpt2_numpy(x, caches, weights, heads: int, layers: int):

@@ -27,6 +27,9 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
   ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).
+- ``LowerTensorParallel``: a model annotated with sharding placements to the program each
+  rank runs (TVM's ``relax.distributed``; not yet in ``build``); ``LocalParams``: each
+  rank's part of a weight as its parameter, not scattered on every call.
 - ``Conv1dAsMatmul``: a conv1d becomes a gather of its windows and a matmul (im2col),
   batched over its groups, for ``OffloadMatmul`` to give to cuBLASLt (CUDA).
 - ``GemvForFewRows``: a cuBLASLt matmul (``OffloadMatmul``) whose rows are few runs on
@@ -57,6 +60,7 @@ from .conv_slice import SliceIntoConvPadding
 from .fused_scalars import FusedScalarsAsDims
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gemv_schedule import DecodeGemv
+from .tensor_parallel import LocalParams, LowerTensorParallel
 from .weight_transpose import FuseWeightTranspose
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
@@ -86,6 +90,8 @@ __all__ = [
     "FullReduction",
     "FuseIntoRowReductions",
     "FuseWeightTranspose",
+    "LocalParams",
+    "LowerTensorParallel",
     "FusedScalarsAsDims",
     "GraphPlan",
     "HoistBranchStorage",

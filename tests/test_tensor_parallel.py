@@ -1,0 +1,162 @@
+"""Tensor parallelism on the CPU (``passes/tensor_parallel.py``): a GPT-2 decode step
+annotated for 2 and 4 devices, lowered to the program each rank runs, run by that many
+threads with numpy stand-ins for disco's collectives (this TVM wheel has no CPU collectives
+and no threaded session reachable from Python), equals the step on one device, at several
+cache lengths: with its inputs whole (scattered on every call), and with each rank handed
+its own part once (``LocalParams``). The NCCL path on GPUs is not built yet."""
+
+from __future__ import annotations
+
+import sys
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax
+
+from grape_tvm.passes.tensor_parallel import (SHARD_PLAN_ATTR, LocalParams, LowerTensorParallel,
+                                               shard_inputs)
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+from models import gpt2_decode_step, gpt2_numpy, gpt2_shapes  # noqa: E402  pylint: disable=wrong-import-position
+
+HIDDEN, HEADS, LAYERS = 64, 4, 2
+COLLECTIVES = ("allreduce", "broadcast_from_worker0", "scatter_from_worker0", "worker_id")
+
+
+class _Collectives:
+    """disco's collectives for ranks that are threads of this process: each call trades its
+    tensor with the other ranks' at a barrier (the rank is thread-local)."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.local = threading.local()
+        self.barrier = threading.Barrier(world, timeout=60)
+        self.slots: list = [None] * world
+
+    def _everyone(self, value: np.ndarray) -> list[np.ndarray]:
+        self.slots[self.local.rank] = value
+        self.barrier.wait()
+        got = list(self.slots)
+        self.barrier.wait()  # all have read before anyone writes the next
+        return got
+
+    def allreduce(self, x, _op, _in_group, out):
+        parts = self._everyone(x.numpy())
+        out.copyfrom(np.sum(parts, axis=0).astype(parts[0].dtype))
+
+    def broadcast_from_worker0(self, x, _in_group, out):
+        out.copyfrom(self._everyone(x.numpy())[0])
+
+    def scatter_from_worker0(self, x, _in_group, out):
+        # disco's layout: rank r's part is the r-th of ``world`` contiguous chunks
+        chunks = self._everyone(x.numpy())[0].reshape(self.world, -1)
+        out.copyfrom(chunks[self.local.rank].reshape(tuple(out.shape)))
+
+    def worker_id(self):
+        return tvm.runtime.ShapeTuple([self.local.rank])
+
+
+@pytest.fixture
+def collectives():
+    """Install ``_Collectives`` as ``runtime.disco.*``; the functions before come back after."""
+    before = {name: tvm.get_global_func(f"runtime.disco.{name}", allow_missing=True)
+              for name in COLLECTIVES}
+
+    def install(world: int) -> _Collectives:
+        standin = _Collectives(world)
+        for name in COLLECTIVES:
+            tvm.register_global_func(f"runtime.disco.{name}", getattr(standin, name), override=True)
+        return standin
+
+    yield install
+    for name, func in before.items():
+        if func is not None:
+            tvm.register_global_func(f"runtime.disco.{name}", func, override=True)
+
+
+def _per_rank(world: int, local: bool = False) -> tvm.IRModule:
+    mod = LowerTensorParallel()(gpt2_decode_step(HIDDEN, HEADS, LAYERS, tensor_parallel=world))
+    return LocalParams()(mod) if local else mod
+
+
+def _ccl_calls(mod: tvm.IRModule) -> list[str]:
+    found = []
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and isinstance(expr.op, tvm.ir.Op) and \
+                expr.op.name.startswith("relax.ccl."):
+            found.append(expr.op.name)
+
+    relax.analysis.post_order_visit(mod["main"], visit)
+    return found
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_each_rank_runs_its_heads_and_mlp_columns(world):
+    """Megatron's collectives and no more: two all-reduces a layer (after attention's output
+    projection and the MLP's second matmul); the MLP's weights and the caches local."""
+    mod = _per_rank(world)
+    calls = _ccl_calls(mod)
+    assert calls.count("relax.ccl.allreduce") == 2 * LAYERS, calls
+    text = mod["main"].script()
+    assert f"R.Tensor(({HIDDEN}, {4 * HIDDEN // world})" in text  # w_fc's columns
+    assert f"R.Tensor(({4 * HIDDEN // world}, {HIDDEN})" in text  # w_proj's rows
+    assert f"R.Tensor(({HEADS // world}, past + 1, {HIDDEN // HEADS})" in text  # a present
+
+
+def test_local_params_leave_only_the_all_reduces():
+    """Weights split once and caches kept per rank: no collective but the all-reduces; the
+    shard plan names what is split and on which axis."""
+    mod = _per_rank(2, local=True)
+    assert set(_ccl_calls(mod)) == {"relax.ccl.allreduce"}
+    plan = {str(k): int(v) for k, v in mod["main"].attrs[SHARD_PLAN_ATTR].items()}
+    for i in range(LAYERS):
+        assert {f"past_k{i}": 0, f"past_v{i}": 0, f"w_o{i}": 0, f"w_fc{i}": 1, f"b_fc{i}": 0,
+                f"w_proj{i}": 0}.items() <= plan.items()
+    assert "x" not in plan and "w_qkv0" not in plan  # replicated: each rank takes it whole
+
+
+@pytest.mark.parametrize("world, local", [(2, False), (4, False), (2, True), (4, True)])
+def test_ranks_together_equal_one_device(world, local, collectives):
+    standin = collectives(world)
+    per_rank = _per_rank(world, local)
+    executable = tvm.compile(per_rank, target="llvm")
+    names = [p.name for p in per_rank["main"].params]
+    rng = np.random.default_rng(world)
+    weights = {k: (0.1 * rng.standard_normal(s)).astype("float32")
+               for k, s in gpt2_shapes(HIDDEN, LAYERS).items()}
+    d = HIDDEN // HEADS
+    for past in (1, 5, 17):
+        x = rng.standard_normal((1, HIDDEN)).astype("float32")
+        caches = [rng.standard_normal((HEADS, past, d)).astype("float32")
+                  for _ in range(2 * LAYERS)]
+        whole = dict(zip(names, [x, *caches, *weights.values()]))
+        results: list = [None] * world
+        errors: list = []
+
+        def run(rank: int) -> None:
+            standin.local.rank = rank
+            inputs = shard_inputs(per_rank, whole, rank, world) if local else whole
+            try:
+                vm = relax.VirtualMachine(executable, tvm.cpu())
+                out = vm["main"](*(tvm.runtime.tensor(inputs[name]) for name in names))
+                results[rank] = [o.numpy() for o in out]
+            except BaseException as error:  # pylint: disable=broad-except
+                errors.append(error)
+                standin.barrier.abort()
+
+        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        assert not errors, errors
+        y, presents = gpt2_numpy(x, caches, weights, HEADS, LAYERS)
+        for rank in range(world):  # y is replicated: every rank holds all of it
+            np.testing.assert_allclose(results[rank][0], y, rtol=1e-5, atol=1e-5)
+        for i, present in enumerate(presents):  # a cache is split by heads, in rank order
+            joined = np.concatenate([results[rank][1 + i] for rank in range(world)], axis=0)
+            np.testing.assert_allclose(joined, present, rtol=1e-5, atol=1e-5)

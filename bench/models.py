@@ -113,9 +113,11 @@ def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: 
     ``present_k{i}``/``present_v{i}`` (heads, past + 1, head_dim): the cache one longer.
 
     ``tensor_parallel`` > 1: annotated for that many devices, Megatron's way
-    (``passes.tensor_parallel``): attention by heads (q, k, v and the caches split on
-    their heads, the output projection's product replicated: an all-reduce), the MLP by
-    its hidden columns (an all-reduce after its second matmul).
+    (``passes.tensor_parallel``): attention by heads (the qkv product split on its columns,
+    q, k, v and the caches on their heads, the output projection's product replicated: an
+    all-reduce), the MLP by its hidden columns (an all-reduce after its second matmul).
+    ``w_qkv{i}`` and ``b_qkv{i}`` then come with their columns in rank order
+    (``gpt2_qkv_by_ranks``), so that each device's columns are q, k and v of its heads.
     """
     from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
 
@@ -143,9 +145,17 @@ def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: 
                 w = {kind: weights[f"{kind}{i}"] for kind in GPT2_LAYER}
                 ln = bb.emit(op.nn.layer_norm(h, w["ln1_g"], w["ln1_b"], axes=[-1], epsilon=1e-5))
                 qkv = bb.emit(op.add(op.matmul(ln, w["w_qkv"]), w["b_qkv"]))  # (1, 3h)
-                q, k, v = [placed(bb.emit(op.permute_dims(op.reshape(
-                    op.strided_slice(qkv, axes=[1], begin=[j * hidden], end=[(j + 1) * hidden]),
-                    (1, heads, head_dim)), [1, 0, 2])), "S[0]") for j in range(3)]  # (heads, 1, d)
+                if tensor_parallel == 1:
+                    parts = [op.strided_slice(qkv, axes=[1], begin=[j * hidden],
+                                              end=[(j + 1) * hidden]) for j in range(3)]
+                else:  # columns (rank, q/k/v, head of the rank, d): each rank's block its own
+                    by_rank = bb.emit(op.reshape(shard(bb, qkv, "S[1]", tensor_parallel), (
+                        1, tensor_parallel, 3, heads // tensor_parallel, head_dim)))
+                    parts = [op.strided_slice(by_rank, axes=[2], begin=[j], end=[j + 1])
+                             for j in range(3)]
+                q, k, v = [placed(bb.emit(op.permute_dims(op.reshape(part, (1, heads, head_dim)),
+                                                          [1, 0, 2])), "S[0]")
+                           for part in parts]  # (heads, 1, d)
                 past_k, past_v = (placed(c, "S[0]") for c in caches[2 * i:2 * i + 2])
                 pk = placed(bb.emit(op.concat([past_k, k], axis=1)), "S[0]")  # (heads, past + 1, d)
                 pv = placed(bb.emit(op.concat([past_v, v], axis=1)), "S[0]")
@@ -168,6 +178,20 @@ def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: 
         bb.emit_func_output(out)
     mod = bb.get()
     return with_mesh(mod, tensor_parallel) if tensor_parallel > 1 else mod
+
+
+def gpt2_qkv_by_ranks(weights: dict[str, np.ndarray], heads: int, ranks: int) -> dict[str, np.ndarray]:
+    """``weights`` with each ``w_qkv{i}``/``b_qkv{i}``'s columns (q, k, v; head; d) put in
+    the order (rank; q, k, v; head of the rank; d) that ``gpt2_decode_step(...,
+    tensor_parallel=ranks)`` takes: rank r's block holds q, k and v of heads r * heads /
+    ranks onwards."""
+    out = dict(weights)
+    for name, value in weights.items():
+        if name.startswith(("w_qkv", "b_qkv")):
+            hidden = value.shape[-1] // 3
+            grouped = value.reshape(*value.shape[:-1], 3, ranks, heads // ranks, hidden // heads)
+            out[name] = np.ascontiguousarray(np.moveaxis(grouped, -3, -4)).reshape(value.shape)
+    return out
 
 
 def gpt2_numpy(x, caches, weights, heads: int, layers: int):

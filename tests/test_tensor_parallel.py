@@ -20,7 +20,8 @@ from grape_tvm.passes.tensor_parallel import (SHARD_PLAN_ATTR, LocalParams, Lowe
                                                shard_inputs)
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from models import gpt2_decode_step, gpt2_numpy, gpt2_shapes  # noqa: E402  pylint: disable=wrong-import-position
+from models import (gpt2_decode_step, gpt2_numpy, gpt2_qkv_by_ranks,  # noqa: E402  pylint: disable=wrong-import-position
+                    gpt2_shapes)
 
 HIDDEN, HEADS, LAYERS = 64, 4, 2
 COLLECTIVES = ("allreduce", "broadcast_from_worker0", "scatter_from_worker0", "worker_id")
@@ -97,11 +98,13 @@ def _ccl_calls(mod: tvm.IRModule) -> list[str]:
 @pytest.mark.parametrize("world", [2, 4])
 def test_each_rank_runs_its_heads_and_mlp_columns(world):
     """Megatron's collectives and no more: two all-reduces a layer (after attention's output
-    projection and the MLP's second matmul); the MLP's weights and the caches local."""
+    projection and the MLP's second matmul); the qkv product, the MLP's weights and the
+    caches local."""
     mod = _per_rank(world)
     calls = _ccl_calls(mod)
     assert calls.count("relax.ccl.allreduce") == 2 * LAYERS, calls
     text = mod["main"].script()
+    assert f"R.Tensor((1, {3 * HIDDEN // world})" in text  # the qkv product's columns
     assert f"R.Tensor(({HIDDEN}, {4 * HIDDEN // world})" in text  # w_fc's columns
     assert f"R.Tensor(({4 * HIDDEN // world}, {HIDDEN})" in text  # w_proj's rows
     assert f"R.Tensor(({HEADS // world}, past + 1, {HIDDEN // HEADS})" in text  # a present
@@ -114,9 +117,9 @@ def test_local_params_leave_only_the_all_reduces():
     assert set(_ccl_calls(mod)) == {"relax.ccl.allreduce"}
     plan = {str(k): int(v) for k, v in mod["main"].attrs[SHARD_PLAN_ATTR].items()}
     for i in range(LAYERS):
-        assert {f"past_k{i}": 0, f"past_v{i}": 0, f"w_o{i}": 0, f"w_fc{i}": 1, f"b_fc{i}": 0,
-                f"w_proj{i}": 0}.items() <= plan.items()
-    assert "x" not in plan and "w_qkv0" not in plan  # replicated: each rank takes it whole
+        assert {f"past_k{i}": 0, f"past_v{i}": 0, f"w_qkv{i}": 1, f"b_qkv{i}": 0, f"w_o{i}": 0,
+                f"w_fc{i}": 1, f"b_fc{i}": 0, f"w_proj{i}": 0}.items() <= plan.items()
+    assert "x" not in plan and "b_o0" not in plan  # replicated: each rank takes it whole
 
 
 @pytest.mark.parametrize("world, local", [(2, False), (4, False), (2, True), (4, True)])
@@ -133,7 +136,8 @@ def test_ranks_together_equal_one_device(world, local, collectives):
         x = rng.standard_normal((1, HIDDEN)).astype("float32")
         caches = [rng.standard_normal((HEADS, past, d)).astype("float32")
                   for _ in range(2 * LAYERS)]
-        whole = dict(zip(names, [x, *caches, *weights.values()]))
+        ordered = gpt2_qkv_by_ranks(weights, HEADS, world)  # qkv columns in rank order
+        whole = dict(zip(names, [x, *caches, *(ordered[k] for k in weights)]))
         results: list = [None] * world
         errors: list = []
 

@@ -123,6 +123,9 @@ def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: 
 
     from grape_tvm.passes.tensor_parallel import shard, with_mesh  # pylint: disable=import-outside-toplevel
 
+    if heads % tensor_parallel or (4 * hidden) % tensor_parallel:
+        raise ValueError(f"{heads} heads and an MLP of {4 * hidden} columns do not split "
+                         f"over {tensor_parallel} devices")
     op = relax.op
     head_dim = hidden // heads
     past = tirx.Var(dim, "int64")
@@ -133,7 +136,7 @@ def gpt2_decode_step(hidden: int = 768, heads: int = 12, layers: int = 12, dim: 
                for k, s in gpt2_shapes(hidden, layers).items()}
     bb = relax.BlockBuilder()
 
-    def placed(value, placement):  # the value as it is on one device
+    def placed(value, placement):  # the value annotated with its placement on the devices
         if tensor_parallel == 1:
             return value
         return shard(bb, bb.emit(value), placement, tensor_parallel)
@@ -185,6 +188,8 @@ def gpt2_qkv_by_ranks(weights: dict[str, np.ndarray], heads: int, ranks: int) ->
     the order (rank; q, k, v; head of the rank; d) that ``gpt2_decode_step(...,
     tensor_parallel=ranks)`` takes: rank r's block holds q, k and v of heads r * heads /
     ranks onwards."""
+    if heads % ranks:
+        raise ValueError(f"{heads} heads do not split over {ranks} devices")
     out = dict(weights)
     for name, value in weights.items():
         if name.startswith(("w_qkv", "b_qkv")):

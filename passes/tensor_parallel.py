@@ -37,7 +37,11 @@ class LowerTensorParallel:
     ``LegalizeRedistribute`` and ``LowerDistIR`` make it a plain Relax program of local
     shapes calling ``R.ccl.*``. ``LegalizeOps`` comes first: on high-level ops
     (``R.matmul``) the propagation gives a row-parallel matmul's output no all-reduce (each
-    rank returned its partial sum, tried on TVM 0.27); on ``call_tir`` it does.
+    rank returned its partial sum, tried on TVM 0.27); on ``call_tir`` it does. It is TVM's
+    default ``LegalizeOps``: in grape's build a matmul would be cuBLASLt's
+    (``OffloadMatmul``, before legalization) and NaN handled as ``numerics`` says, so
+    ``build(..., tensor_parallel=N)`` needs this pass to take grape's legalization and its
+    library calls first; not done yet.
 
     Before (``world_size`` 2; the MLP's hidden activation split by columns, the output
     replicated)::
@@ -48,12 +52,13 @@ class LowerTensorParallel:
 
     After (each rank)::
 
-        w1_r = R.call_dps_packed("runtime.disco.scatter_from_worker0", ...)   # (64, 128)
-        w2_r = R.call_dps_packed("runtime.disco.scatter_from_worker0", ...)   # (128, 64)
+        x_r = R.ccl.broadcast_from_worker0(x)
+        w1_r = R.ccl.scatter_from_worker0(w1, num_workers=2, axis=1)   # (64, 128)
+        w2_r = R.ccl.scatter_from_worker0(w2, num_workers=2, axis=0)   # (128, 64)
         lv0 = R.call_tir(matmul, (x_r, w1_r), out_ty=R.Tensor((n, 128)))
         lv1 = R.call_tir(gelu, (lv0,), out_ty=R.Tensor((n, 128)))
         part = R.call_tir(matmul1, (lv1, w2_r), out_ty=R.Tensor((n, 64)))
-        lv2 = R.ccl.allreduce(part, "sum")
+        lv2 = R.ccl.allreduce(part, op_type="sum")
 
     Inputs come in whole, as one device would take them, and are scattered or broadcast
     from rank 0 on every call; ``LocalParams`` then makes each rank's part its parameter.
@@ -76,8 +81,10 @@ _BROADCAST = tvm.ir.Op.get("relax.ccl.broadcast_from_worker0")
 
 @module_pass(opt_level=0, name="LocalParams")
 class LocalParams:
-    """Give each rank's ``main`` its part of every parameter it scatters, and the whole of
-    every parameter it broadcasts, as parameters: no collective moves them on a call. Each
+    """Give each rank's ``main`` its part of every parameter it scatters and reads nowhere
+    else, and the whole of every parameter it broadcasts, as parameters: no collective moves
+    them on a call (a value computed inside, or a parameter also read whole, keeps its
+    collective). Each
     rank is then handed its own part once (a weight when bound, a cache as it lives on that
     rank); the parts are rank ``r``'s ``r``-th of ``num_workers`` equal slices along the axis
     ``main``'s ``grape.shard_plan`` names (``shard_inputs``). After ``LowerTensorParallel``.
@@ -115,14 +122,12 @@ class LocalParams:
                 plan[source.name] = int(value.attrs.axis)
         if not replaced:
             return mod
-        # The collectives' bindings are left unread, holding the parameters given up, and
-        # dead-code elimination removes them.
         new_func = relax.Function(params, _Substitute(replaced).visit_expr(func.body),
                                   func.ret_ty, func.is_pure, func.attrs, func.span)
         mod = IRModule(dict(mod.functions.items()), attrs=mod.attrs,
                        global_infos=mod.global_infos)
         mod["main"] = new_func.with_attr(SHARD_PLAN_ATTR, plan)
-        return relax.transform.DeadCodeElimination(["main"])(mod)
+        return mod
 
 
 def _reads(func: relax.Function) -> dict:
@@ -139,11 +144,16 @@ def _reads(func: relax.Function) -> dict:
 
 @relax.expr_functor.mutator
 class _Substitute(relax.PyExprMutator):
-    """Replace variables by others (``remap``) wherever they are read."""
+    """Replace variables by others (``remap``) wherever they are read, and drop their
+    bindings (the collectives replaced, which read the parameters given up)."""
 
     def __init__(self, remap: dict):
         super().__init__()
         self.remap = remap
+
+    def visit_var_binding_(self, binding):  # pylint: disable=arguments-renamed
+        if binding.var not in self.remap:
+            super().visit_var_binding_(binding)
 
     def visit_var_(self, var):  # pylint: disable=arguments-renamed
         return self.remap.get(var, var)
@@ -152,19 +162,24 @@ class _Substitute(relax.PyExprMutator):
         return self.remap.get(var, var)
 
 
-def shard_inputs(mod: IRModule, inputs: dict, rank: int, world_size: int) -> dict:
+def shard_inputs(mod: IRModule, inputs: dict, rank: int) -> dict:
     """Rank ``rank``'s inputs of ``mod``'s ``main`` (after ``LocalParams``): each input its
-    ``grape.shard_plan`` names, its ``rank``-th slice of ``world_size`` along its axis, the
-    others whole. ``inputs``: name to numpy array."""
+    ``grape.shard_plan`` names, its ``rank``-th of ``device_num`` equal slices along its axis
+    (the part disco's ``scatter_from_worker0`` would have sent it), the others whole.
+    ``inputs``: name to numpy array."""
+    world_size = int(mod.attrs["device_num"])
     plan = {str(k): int(v) for k, v in (mod["main"].attrs.get(SHARD_PLAN_ATTR) or {}).items()}
     out = {}
     for name, value in inputs.items():
         axis = plan.get(name)
-        out[name] = value if axis is None else _part(value, axis, rank, world_size)
+        out[name] = value if axis is None else _part(name, value, axis, rank, world_size)
     return out
 
 
-def _part(value, axis: int, rank: int, world_size: int):
+def _part(name: str, value, axis: int, rank: int, world_size: int):
+    if value.shape[axis] % world_size:
+        raise ValueError(f"input {name!r} of shape {value.shape} does not split in "
+                         f"{world_size} along axis {axis}")
     size = value.shape[axis] // world_size
     index = [slice(None)] * value.ndim
     index[axis] = slice(rank * size, (rank + 1) * size)

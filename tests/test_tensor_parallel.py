@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU (``passes/tensor_parallel.py``): a GPT-2 decode step
 annotated for 2 and 4 devices, lowered to the program each rank runs, run by that many
-threads with numpy stand-ins for disco's collectives (this TVM wheel has no CPU collectives
-and no threaded session reachable from Python), equals the step on one device, at several
+threads with numpy stand-ins for disco's collectives (this TVM wheel has no CPU collectives:
+``init_ccl`` takes NCCL or RCCL only), equals the step's numpy reference, at several
 cache lengths: with its inputs whole (scattered on every call), and with each rank handed
 its own part once (``LocalParams``). The NCCL path on GPUs is not built yet."""
 
@@ -122,6 +122,28 @@ def test_local_params_leave_only_the_all_reduces():
     assert "x" not in plan and "b_o0" not in plan  # replicated: each rank takes it whole
 
 
+def test_local_params_keep_the_collectives_of_values_read_whole_or_computed():
+    """A parameter read by its scatter alone becomes its part; one also read whole, and a
+    value computed inside, keep their collectives; a broadcast parameter is read as it is."""
+    x = relax.Var("x", relax.TensorType((4, 8), "float32"))
+    w = relax.Var("w", relax.TensorType((8, 6), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            w_part = bb.emit(relax.op.ccl.scatter_from_worker0(w, 2, 1))      # w: (8, 3)
+            x_whole = bb.emit(relax.op.ccl.broadcast_from_worker0(x))
+            product = bb.emit(relax.op.matmul(x_whole, w_part))
+            kept = bb.emit(relax.op.ccl.scatter_from_worker0(product, 2, 0))  # computed
+            x_part = bb.emit(relax.op.ccl.scatter_from_worker0(x, 2, 0))      # x read twice
+            out = bb.emit_output(relax.Tuple([kept, x_part]))
+        bb.emit_func_output(out)
+    mod = LocalParams()(bb.get().with_attr("device_num", 2))
+    main = mod["main"]
+    assert [tuple(int(d) for d in p.ty.shape.values) for p in main.params] == [(4, 8), (8, 3)]
+    assert {str(k): int(v) for k, v in main.attrs[SHARD_PLAN_ATTR].items()} == {"w": 1}
+    assert sorted(_ccl_calls(mod)) == ["relax.ccl.scatter_from_worker0"] * 2
+
+
 @pytest.mark.parametrize("world, local", [(2, False), (4, False), (2, True), (4, True)])
 def test_ranks_together_equal_one_device(world, local, collectives):
     standin = collectives(world)
@@ -143,7 +165,7 @@ def test_ranks_together_equal_one_device(world, local, collectives):
 
         def run(rank: int) -> None:
             standin.local.rank = rank
-            inputs = shard_inputs(per_rank, whole, rank, world) if local else whole
+            inputs = shard_inputs(per_rank, whole, rank) if local else whole
             try:
                 vm = relax.VirtualMachine(executable, tvm.cpu())
                 out = vm["main"](*(tvm.runtime.tensor(inputs[name]) for name in names))

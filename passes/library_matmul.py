@@ -15,6 +15,7 @@ from tvm.relax.transform import function_pass
 from grape_tvm.runtime.cublaslt import EPILOGUES, MatmulFunction
 
 from .if_to_select import same_dims
+from .var_reads import read_counts
 
 LIBRARY_DTYPES = ("float32", "float16", "bfloat16")
 # Activations cuBLASLt's epilogue computes as the model does. ReLU is not one of them:
@@ -109,16 +110,10 @@ class _Uses:
     would then run twice, once for the call and once for the other reader)."""
 
     def __init__(self, func: relax.Function):
-        self.count: dict[relax.Var, int] = {}
+        self.count = read_counts(func.body)
         # every binding of the function, those inside an ``if``'s branches too
         self.var_of: dict[relax.Expr, relax.Var] = {
             value: var for var, value in relax.analysis.get_var2val(func).items()}
-
-        def read(expr):  # a variable's definition is not visited, only its reads
-            if isinstance(expr, relax.Var):
-                self.count[expr] = self.count.get(expr, 0) + 1
-
-        relax.analysis.post_order_visit(func.body, read)
 
     def read_outside(self, root: relax.Expr, matched: dict) -> bool:
         """Whether a value inside the match (neither its root nor one of its inputs) is

@@ -10,6 +10,7 @@ from tvm.ir import Op
 from tvm.ir.transform import PassContext, module_pass
 
 from .if_to_select import same_dims
+from .var_reads import read_counts
 
 _SPLIT = Op.get("relax.split")
 _RESHAPE = Op.get("relax.reshape")
@@ -42,16 +43,14 @@ def _parts(call: relax.Call) -> tuple[int, list[tuple[int, int]]] | None:
 
 def _read_only_by_part(func: relax.Function) -> set[relax.Var]:
     """Variables every read of which is a ``TupleGetItem``."""
-    reads: dict[relax.Var, int] = {}
     by_part: dict[relax.Var, int] = {}
 
     def visit(expr):
-        if isinstance(expr, relax.Var):
-            reads[expr] = reads.get(expr, 0) + 1
-        elif isinstance(expr, relax.TupleGetItem) and isinstance(expr.tuple_value, relax.Var):
+        if isinstance(expr, relax.TupleGetItem) and isinstance(expr.tuple_value, relax.Var):
             by_part[expr.tuple_value] = by_part.get(expr.tuple_value, 0) + 1
 
     relax.analysis.post_order_visit(func, visit)
+    reads = read_counts(func)
     return {var for var, count in by_part.items() if reads.get(var) == count}
 
 

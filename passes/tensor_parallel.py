@@ -8,13 +8,20 @@ from tvm.ir.transform import PassContext, module_pass
 from tvm.relax.distributed import Placement, device_mesh
 from tvm.relax.distributed import transform as distributed
 
+from .var_reads import read_counts
+
 MESH = "mesh"  # the module's global info naming its device mesh
+
+
+def _mesh(world_size: int):
+    """The 1-D mesh of ``world_size`` devices."""
+    return device_mesh((world_size,), tvm.ir.Range(0, world_size))
 
 
 def with_mesh(mod: IRModule, world_size: int) -> IRModule:
     """``mod`` declared to run on ``world_size`` devices: a 1-D mesh ``mesh[0]``."""
     mod = mod.with_attr("device_num", world_size)
-    mod.update_global_info(MESH, [device_mesh((world_size,), tvm.ir.Range(0, world_size))])
+    mod.update_global_info(MESH, [_mesh(world_size)])
     return mod
 
 
@@ -23,8 +30,7 @@ def shard(bb: relax.BlockBuilder, value: relax.Expr, placement: str, world_size:
     ``world_size`` devices; ``value`` itself where there is one device."""
     if world_size == 1:
         return value
-    mesh = device_mesh((world_size,), tvm.ir.Range(0, world_size))
-    return bb.emit(relax.op.distributed.annotate_sharding(value, mesh,
+    return bb.emit(relax.op.distributed.annotate_sharding(value, _mesh(world_size),
                                                           Placement.from_text(placement)))
 
 
@@ -104,7 +110,7 @@ class LocalParams:
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
         func = mod["main"]
-        reads = _reads(func)
+        reads = read_counts(func.body)
         replaced: dict = {}  # a collective's var -> the parameter standing for its value
         params = list(func.params)
         plan: dict[str, int] = {}
@@ -128,18 +134,6 @@ class LocalParams:
                        global_infos=mod.global_infos)
         mod["main"] = new_func.with_attr(SHARD_PLAN_ATTR, plan)
         return mod
-
-
-def _reads(func: relax.Function) -> dict:
-    """How often each variable is read in ``func``'s body."""
-    count: dict = {}
-
-    def read(expr):
-        if isinstance(expr, relax.Var):
-            count[expr] = count.get(expr, 0) + 1
-
-    relax.analysis.post_order_visit(func.body, read)
-    return count
 
 
 @relax.expr_functor.mutator

@@ -21,8 +21,8 @@ SUCCESS = driver.CUresult.CUDA_SUCCESS if driver is not None else None
 def check(result, what: str):
     """Unwrap a cuda-python ``(err, *values)`` tuple; raise ``CudaError`` naming the call.
 
-    A call's launches go through here: success is decided by one comparison, and nothing is
-    unpacked into a new list."""
+    Per-shape graphs launch through here (``CapturedGraph``): success is decided by one
+    comparison, and nothing is unpacked into a new list."""
     if driver is None:
         raise CudaError(f"{what}: cuda-python is not installed (pip install cuda-python)")
     err = result[0] if type(result) is tuple else result

@@ -602,8 +602,6 @@ class GraphExecutor:
                 args[position] = facts.tensor
             passed.append(facts)
             described.append((name, facts.shape, facts.dtype))
-        for checked_key in checked:  # every input checked: now the last call's, not recent
-            recent.pop(checked_key, None)
         described = tuple(described)
         key = self._dims_of.get(described)
         if key is None:
@@ -622,9 +620,6 @@ class GraphExecutor:
     def _reuse(self, prepared: _Prepared) -> None:
         """``prepared``'s tensors, passed again as they were, become the last call's
         (``_keep_recent``), as if checked again."""
-        recent = self._recent
-        for key in prepared.checked:
-            recent.pop(key, None)
         self._keep_recent(self._checked, prepared.checked)
         self._last_prepared = prepared
 
@@ -645,6 +640,8 @@ class GraphExecutor:
         and with it the input sets remembered that hold it (``_forget``): the executor
         holds no caller tensor but the last call's and ``_recent``."""
         recent = self._recent
+        for key in checked:  # this call's tensors are the last call's now, not recent ones
+            recent.pop(key, None)
         for key, facts in before.items():
             if key in checked:
                 continue

@@ -272,8 +272,9 @@ class LaunchRecord:
     a guard being ``{u64 address, u64 expect}``; room for ``MAX_GUARDS`` guards.
 
     It knows what the device holds (what it gave last): ``point`` and ``set_guards``
-    compare with what the record holds and mark it changed only if it did, and ``take()`` says how many bytes a
-    call must copy (0: none), so that a call queues a copy only if the record changed.
+    compare with what the record holds and mark it changed only if it did, and ``take()``
+    says how many bytes a call must copy (0: none), so that a call queues a copy only if
+    the record changed.
     The bytes live at a fixed host ``address`` for the whole life of the record: the copy
     reads them there, with no bytes object made per call.
     """

@@ -16,7 +16,8 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               HoistReductionInit,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
-                              LiftGraphRegions, NameDerivedDims, SliceIntoConvPadding,
+                              LiftGraphRegions, NameDerivedDims, NarrowIndices,
+                              SliceIntoConvPadding,
                               SplitAsSlices, gpu_legalize_passes, numerics_legalize_map)
 from grape_tvm.passes.conv_matmul import Conv1dAsMatmul
 from grape_tvm.passes.few_rows_gemv import GemvForFewRows
@@ -139,6 +140,9 @@ class GrapePipeline:
                 if matmul == "auto":  # few rows: grape's GEMV kernels, not the library's
                     passes.append(GemvForFewRows())
                 passes.append(CheckDeviceKernels())
+                # 32-bit index arithmetic where the declared ranges allow it: kernels over
+                # symbolic dims spend their instructions on 64-bit indices otherwise.
+                passes.append(NarrowIndices())
             else:
                 passes += [relax.transform.LegalizeOps(numerics) if p.info.name == "LegalizeOps"
                            else p for p in lowering.legalize_passes(target)]

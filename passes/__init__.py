@@ -30,6 +30,7 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``LowerTensorParallel``: a model annotated with sharding placements to the program each
   rank runs (TVM's ``relax.distributed``; not yet in ``build``); ``LocalParams``: each
   rank's part of a weight as its parameter, not scattered on every call.
+- ``NarrowIndices``: 32-bit indices in GPU kernels whose buffers stay below 2^31 elements.
 - ``Conv1dAsMatmul``: a conv1d becomes a gather of its windows and a matmul (im2col),
   batched over its groups, for ``OffloadMatmul`` to give to cuBLASLt (CUDA).
 - ``GemvForFewRows``: a cuBLASLt matmul (``OffloadMatmul``) whose rows are few runs on
@@ -61,6 +62,7 @@ from .fused_scalars import FusedScalarsAsDims
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gemv_schedule import DecodeGemv
 from .tensor_parallel import LocalParams, LowerTensorParallel
+from .narrow_indices import NarrowIndices
 from .weight_transpose import FuseWeightTranspose
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
@@ -92,6 +94,7 @@ __all__ = [
     "FuseWeightTranspose",
     "LocalParams",
     "LowerTensorParallel",
+    "NarrowIndices",
     "FusedScalarsAsDims",
     "GraphPlan",
     "HoistBranchStorage",

@@ -1,0 +1,89 @@
+"""``NarrowIndices`` (passes/narrow_indices.py) on tiny modules: which kernels get 32-bit
+indices (every buffer below 2^31 elements at the dims' upper bounds), which keep 64-bit
+ones, and that a narrowed kernel computes what the 64-bit one does at several shapes (on
+llvm: the rewrite is TVM's ``ForceNarrowIndexToInt32``, target-independent)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import tvm
+from tvm import relax, tirx
+
+from grape_tvm.passes import NarrowIndices
+from grape_tvm.passes.narrow_indices import largest_offset, narrows
+from test_passes import fused_kernel_of
+
+
+def _softmax_of_scores(dtype: str = "float32"):
+    """softmax(x * 0.125 + mask) over (b, 12, s, s), GPT-2's attention probabilities."""
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+    return fused_kernel_of(
+        lambda x, mask: relax.op.nn.softmax(
+            relax.op.add(relax.op.multiply(x, relax.const(0.125, dtype)), mask), -1),
+        relax.TensorType((b, 12, s, s), dtype), relax.TensorType((b, 1, s, s), dtype))
+
+
+def _index_dtypes(func: tirx.PrimFunc) -> set[str]:
+    """The dtypes of the function's symbolic dims (the variables of its buffer shapes)."""
+    return {str(var.ty.dtype) for var in tirx.analysis.undefined_vars(func.body)
+            if isinstance(var.ty, tvm.ir.PrimType)}
+
+
+def test_the_largest_buffer_at_the_upper_bounds():
+    func = _softmax_of_scores()
+    assert largest_offset(func, {"b": 4, "s": 1024}) == 4 * 12 * 1024 * 1024
+    assert largest_offset(func, {"b": 4}) is None  # s has no bound: no answer
+
+
+@pytest.mark.parametrize("upper, narrowed", [
+    ({"b": 4, "s": 1024}, True),    # 50 M elements
+    ({"b": 4, "s": 4096}, True),    # 805 M
+    ({"b": 4, "s": 8192}, False),   # 3.2 G: past 2^31
+    ({"b": 4}, False),              # s unbounded
+])
+def test_a_kernel_narrows_only_where_its_buffers_fit_32_bits(upper, narrowed):
+    assert narrows(_softmax_of_scores(), upper) == narrowed
+
+
+def test_a_kernel_of_64_bit_data_keeps_its_indices():
+    """Position ids are int64: TVM's rewrite refuses such buffers."""
+    s = tirx.Var("s", "int64")
+    func = fused_kernel_of(lambda x: relax.op.add(x, relax.const(1, "int64")),
+                           relax.TensorType((1, s), "int64"))
+    assert not narrows(func, {"s": 1024})
+
+
+def _module(func: tirx.PrimFunc, upper: dict[str, int]) -> tvm.IRModule:
+    """``func`` beside a Relax function declaring ``upper``, as the pipeline has them."""
+    main = relax.Function([], relax.Tuple([]), relax.TupleType([]))
+    main = main.with_attr("tir_var_upper_bound", upper).with_attr("global_symbol", "main")
+    return tvm.IRModule({"kernel": func.with_attr("global_symbol", "kernel"), "main": main})
+
+
+def test_the_pass_narrows_by_the_declared_upper_bounds():
+    func = _softmax_of_scores()
+    narrowed = NarrowIndices()(_module(func, {"b": 4, "s": 1024}))["kernel"]
+    kept = NarrowIndices()(_module(func, {"b": 4}))["kernel"]
+    assert _index_dtypes(narrowed) == {"int32"}, narrowed.script()
+    assert _index_dtypes(kept) == {"int64"}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_narrowed_kernel_equals_numpy_at_several_shapes(dtype):
+    func = _softmax_of_scores(dtype)
+    mod = NarrowIndices()(_module(func, {"b": 4, "s": 1024}))
+    assert _index_dtypes(mod["kernel"]) == {"int32"}
+    kernel = tvm.compile(tvm.IRModule({"main": mod["kernel"].with_attr("global_symbol", "main")}),
+                         target="llvm")
+    rng = np.random.default_rng(0)
+    for b, s in ((1, 1), (2, 7), (3, 33), (1, 130)):
+        x = rng.standard_normal((b, 12, s, s)).astype(dtype)
+        mask = np.where(rng.random((b, 1, s, s)) < 0.3, -65504.0, 0.0).astype(dtype)
+        out = tvm.runtime.empty(x.shape, dtype, tvm.cpu())
+        kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(mask), out)
+        z = x.astype(np.float64) * 0.125 + mask.astype(np.float64)
+        want = np.exp(z - z.max(-1, keepdims=True))
+        want /= want.sum(-1, keepdims=True)
+        np.testing.assert_allclose(out.numpy().astype(np.float64), want,
+                                   atol=1e-6 if dtype == "float32" else 2e-3)

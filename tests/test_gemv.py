@@ -266,7 +266,8 @@ def test_blocks_dispatch_is_an_if_on_the_host():
     func = lowered["fused_matmul_add_gelu_add1"]
     text = func.script()
     assert {int(r) for r in re.findall(GEMV_MARK + r'": (\d+)', text)} == set(BUCKETS)
-    assert [int(b) for b in re.findall(r"T\.tvm_thread_invariant\(n <= T\.int64\((\d+)\)\)", text)] \
+    # n <= T.int64(1), or n <= 1 once NarrowIndices made the indices 32-bit
+    assert [int(b) for b in re.findall(r"T\.tvm_thread_invariant\(n <= (?:T\.int64\()?(\d+)", text)] \
         == list(BUCKETS)
     # (the pipeline's CheckDeviceKernels has refused any kernel left unbound)
 

@@ -745,3 +745,61 @@ def conv_stack_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.
     conv = conv1d_numpy(h, weights["w_pos"], padding=pk // 2, groups=groups)
     conv = conv + weights["b_pos"].astype(np.float64)[None, :, None]
     return h, gelu_numpy(conv[:, :, :h.shape[2]])
+
+
+def causal_attention(dtype: str = "float16", heads: int = ATTENTION_HEADS,
+                     head_dim: int = ATTENTION_HEAD_DIM, mask: str = "causal",
+                     masked: float = -65504.0):
+    """A prefill's attention as GPT-2's ONNX export writes it, over (b, s, 3 * heads *
+    head_dim) qkv: heads sliced out of a reshape and transposed, ``softmax(q @ k^T / sqrt(d)
+    + bias) @ v`` transposed back to (b, s, heads * head_dim). ``mask``: "causal" (the bias
+    ``where(key <= query, 0, masked)`` from aranges, as Hugging Face computes it) or "bias"
+    (an input ``bias`` of (b, 1, s, s) added). On CUDA one call of grape's fused attention
+    (``passes.FuseAttention``)."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+    h, d = heads, head_dim
+    qkv = relax.Var("qkv", relax.TensorType((b, s, 3 * h * d), dtype))
+    params = [qkv]
+    if mask == "bias":
+        params.append(relax.Var("bias", relax.TensorType((b, 1, s, s), dtype)))
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            split = bb.emit(op.reshape(qkv, (b, s, 3 * h, d)))
+            q, k, v = (bb.emit(op.permute_dims(op.strided_slice(split, [2], [i * h], [(i + 1) * h]),
+                                               [0, 2, 1, 3])) for i in range(3))
+            scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(k, [0, 1, 3, 2])),
+                                         relax.const(d ** -0.5, dtype)))
+            if mask == "causal":
+                rows = op.expand_dims(op.arange(0, s, 1, "int64"), [0, 1, 3])  # (1, 1, s, 1)
+                keys = op.expand_dims(op.arange(0, s, 1, "int64"), [0, 1, 2])  # (1, 1, 1, s)
+                allowed = op.broadcast_to(op.less_equal(keys, rows), (b, 1, s, s))
+                bias = bb.emit(op.where(allowed, relax.const(0.0, dtype),
+                                        relax.const(masked, dtype)))
+            else:
+                bias = params[1]
+            probs = bb.emit(op.nn.softmax(op.add(scores, bias), axis=-1))
+            out = bb.emit(op.permute_dims(op.matmul(probs, v), [0, 2, 1, 3]))
+            y = bb.emit_output(op.reshape(out, (b, s, h * d)))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def causal_attention_numpy(qkv: np.ndarray, heads: int, bias: np.ndarray | None = None,
+                           masked: float = -65504.0) -> np.ndarray:
+    """``causal_attention`` in float64: causal (``masked`` above the diagonal) where ``bias``
+    is None."""
+    b, s, width = qkv.shape
+    d = width // (3 * heads)
+    parts = qkv.astype(np.float64).reshape(b, s, 3, heads, d).transpose(2, 0, 3, 1, 4)
+    q, k, v = parts  # (b, h, s, d)
+    scores = q @ np.swapaxes(k, -1, -2) * d ** -0.5
+    if bias is None:
+        bias = np.where(np.arange(s)[None, :] <= np.arange(s)[:, None], 0.0, masked)
+    scores = scores + bias.astype(np.float64)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    out = weights / weights.sum(axis=-1, keepdims=True) @ v
+    return out.transpose(0, 2, 1, 3).reshape(b, s, heads * d)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
-from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
+from grape_tvm.runtime.libraries import LIBRARY_PREFIXES
 
 MAGIC = b"GRAPETVM"
 FORMAT_VERSION = 1
@@ -151,7 +151,7 @@ _MANIFEST = {
         "conditionals?": [{"name": str, "condition": str, "mode": str, "then_calls": [str],
                            "else_calls": [str], "kernels": int}],
         "branches?": _Each({"condition": int, "dims": [str], "branches": [[_BRANCH_CALL]]}),
-        "libraries?": [frozenset({CUBLASLT})],
+        "libraries?": [frozenset(LIBRARY_PREFIXES)],
         "matmul?": frozenset(MATMUL_IMPLEMENTATIONS),
         "gemv_rows?": _Each([int]),  # a library function -> its GEMV kernels' row buckets
         "call_program?": dict,  # runtime.call_program's format (checked where it is read)

@@ -20,6 +20,8 @@ from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.passes.planned_memory import planned_bytes
 from grape_tvm.pipeline import grape_pipeline, is_gpu, matmul_implementation
 from grape_tvm.runtime.call_program import CallProgram
+from grape_tvm.runtime.attention import LIBRARY as ATTENTION
+from grape_tvm.runtime.attention import SOURCE as ATTENTION_SOURCE
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
 from grape_tvm.runtime.device_loop import LOOP_SOURCE, STOP_DTYPES, LoopSpec
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE
@@ -238,8 +240,11 @@ def package(executable, signature: Signature, target: Any, plan: dict | None = N
     info = target_json(tgt)
     cubins = {}
     if is_gpu(tgt) and prebuild_cubin and nvcc_available():
-        # The model's kernels and the runtime's own (patch, loop), for the target's arch.
+        # The model's kernels and the runtime's own (patch, loop, attention if called), for
+        # the target's arch.
         sources = _cuda_sources(executable) + [PATCH_SOURCE.read_text(), LOOP_SOURCE.read_text()]
+        if ATTENTION in (plan or {}).get("libraries", ()):
+            sources.append(ATTENTION_SOURCE.read_text())
         cubins = {source_key(code): compile_cubin(code, info.get("arch", "sm_90"))
                   for code in sources}
     plan = plan if plan is not None else {"regions": [], "host_steps": [], "host_bookkeeping": 0}

@@ -12,6 +12,7 @@ from grape_tvm.artifact import MATMUL_IMPLEMENTATIONS
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
                               DescribeCallProgram, DescribeConditionals, FoldShapeTensors,
+                              FuseAttention,
                               FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
                               IfToSelect,
@@ -124,6 +125,10 @@ class GrapePipeline:
             passes += [relax.transform.ConvertToDataflow(), OutlineBranches()]
             # A split read part by part: a slice per part, fused with its readers.
             passes.append(SplitAsSlices())
+            if target.kind.name == "cuda" and matmul != "tvm":
+                # 16-bit attention as one kernel of grape's runtime (before OffloadMatmul
+                # takes its two products).
+                passes.append(FuseAttention())
             if matmul in ("auto", "cublaslt"):
                 passes.append(OffloadMatmul())
             passes += lowering.library_dispatch_passes(target)

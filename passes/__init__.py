@@ -31,6 +31,9 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   rank runs (TVM's ``relax.distributed``; not yet in ``build``); ``LocalParams``: each
   rank's part of a weight as its parameter, not scattered on every call.
 - ``NarrowIndices``: 32-bit indices in GPU kernels whose buffers stay below 2^31 elements.
+- ``FuseAttention``: 16-bit ``softmax(q k^T * scale + bias) v`` as one call of grape's fused
+  attention kernel (q, k, v read in place from a qkv product, a causal mask as its causal
+  mode; CUDA).
 - ``Conv1dAsMatmul``: a conv1d becomes a gather of its windows and a matmul (im2col),
   batched over its groups, for ``OffloadMatmul`` to give to cuBLASLt (CUDA).
 - ``GemvForFewRows``: a cuBLASLt matmul (``OffloadMatmul``) whose rows are few runs on
@@ -62,6 +65,7 @@ from .fused_scalars import FusedScalarsAsDims
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gemv_schedule import DecodeGemv
 from .tensor_parallel import LocalParams, LowerTensorParallel
+from .fused_attention import FuseAttention
 from .narrow_indices import NarrowIndices
 from .weight_transpose import FuseWeightTranspose
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
@@ -94,6 +98,7 @@ __all__ = [
     "FuseWeightTranspose",
     "LocalParams",
     "LowerTensorParallel",
+    "FuseAttention",
     "NarrowIndices",
     "FusedScalarsAsDims",
     "GraphPlan",

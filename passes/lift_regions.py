@@ -12,8 +12,7 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.runtime.call_program import (BRANCHES_ATTR, CONDITIONAL_ATTR, CONDITIONAL_PREFIX,
                                             PROGRAM_ATTR, REGION_ATTR, REGION_PREFIX)
-from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX as LIBRARY_FUNCTION_PREFIX
-from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
+from grape_tvm.runtime.libraries import library_of
 
 from .few_rows_gemv import GEMV_ROWS_ATTR, LIBRARY_FUNCTION_ATTR
 from .if_to_select import NOTES_ATTR as IF_NOTES_ATTR
@@ -88,9 +87,10 @@ class GraphPlan:
 
     @property
     def libraries(self) -> list[str]:
-        """Libraries the runtime must provide for the regions' kernels (``cublaslt``)."""
+        """Libraries the runtime must provide for the regions' kernels (``cublaslt``,
+        ``attention``)."""
         called = [k for r in self.regions for k in r.kernels] + [h.op for h in self.host_steps]
-        return [CUBLASLT] if any(k.startswith(LIBRARY_FUNCTION_PREFIX) for k in called) else []
+        return sorted({library_of(k) for k in called} - {None})
 
     def to_json(self) -> dict:
         return {
@@ -155,9 +155,9 @@ def classify(binding: relax.Binding, mod: IRModule) -> tuple[str, str, str]:
                 return "conditional", op.name_hint, ""
             return "host", op.name_hint, "calls a Relax function"
         name = _op_name(value)
-        if name.startswith(LIBRARY_FUNCTION_PREFIX):
-            # A library kernel launched through grape's runtime (cuBLASLt): captured like
-            # a PrimFunc's launch.
+        if library_of(name) is not None:
+            # A library kernel launched through grape's runtime (cuBLASLt, attention):
+            # captured like a PrimFunc's launch.
             return "kernel", name, ""
         if name in _ALLOC_OPS:
             return "alloc", name, ""

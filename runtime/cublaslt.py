@@ -37,7 +37,6 @@ serves), else the ``nvidia-cublas`` package's (extra ``cuda``).
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import importlib.util
 import threading
@@ -47,6 +46,7 @@ from typing import Any
 
 import numpy as np
 
+from .active import activated
 from .cuda_driver import check, driver
 from .signature import nbytes
 
@@ -504,15 +504,9 @@ class CublasLt:
         return value.value
 
     # -- ownership --------------------------------------------------------------------------
-    @contextlib.contextmanager
     def active(self):
         """Calls of the packed functions on this thread use this instance meanwhile."""
-        before = getattr(_ACTIVE, "instance", None)
-        _ACTIVE.instance = self
-        try:
-            yield self
-        finally:
-            _ACTIVE.instance = before
+        return activated(_ACTIVE, self)
 
     def close(self) -> None:
         """Free the descriptors, the layouts, the workspace, the split calls' scratch buffer

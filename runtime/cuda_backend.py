@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import tvm
 
 from .argument_table import TopologyGroups
+from . import attention
 from .cublaslt import LIBRARY as CUBLASLT
 from .cublaslt import CublasLt, register_functions
 from .cuda_compile import CubinStore
@@ -81,6 +82,7 @@ class CudaGraphBackend:
         # closes cleanly too.
         self._context = self.stream = self.capture_stream = None
         self.cublaslt: CublasLt | None = None
+        self.attention: attention.FusedAttention | None = None
         self._patch: PatchKernel | None = None
         self._regions: dict[str, _RegionGraphs] = {}
         self._per_shape: OrderedDict[tuple, CapturedGraph] = OrderedDict()
@@ -111,6 +113,9 @@ class CudaGraphBackend:
             # The library's handle and workspace are this backend's: its captures use them.
             register_functions()
             self.cublaslt = CublasLt(device.index)
+        if attention.LIBRARY in libraries:
+            attention.register_functions()
+            self.attention = attention.FusedAttention(self.cubins)
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # CUfunction -> parameter layout
         self.graphs_captured = 0
         self.graphs_instantiated = 0
@@ -136,9 +141,11 @@ class CudaGraphBackend:
 
     @contextlib.contextmanager
     def _on_stream(self, stream):
-        # Library calls (cuBLASLt) the VM makes meanwhile run with this backend's state.
+        # Library calls (cuBLASLt, attention) the VM makes meanwhile run with this backend's
+        # state.
         with self._use_stream(self.device, int(stream)), \
-                (self.cublaslt.active() if self.cublaslt is not None else contextlib.nullcontext()):
+                (self.cublaslt.active() if self.cublaslt is not None else contextlib.nullcontext()), \
+                (self.attention.active() if self.attention is not None else contextlib.nullcontext()):
             yield
 
     @property
@@ -364,6 +371,9 @@ class CudaGraphBackend:
         if self.cublaslt is not None:
             self.cublaslt.close()
             self.cublaslt = None
+        if self.attention is not None:
+            self.attention.close()
+            self.attention = None
         for stream in (self.stream, self.capture_stream):
             if stream is not None:
                 driver.cuStreamDestroy(stream)

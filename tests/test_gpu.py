@@ -733,6 +733,47 @@ def test_cublaslt_attention_products_equal_numpy(dtype):
         executor.close()
 
 
+@pytest.mark.timeout(180, method="thread")
+@pytest.mark.parametrize("name,heads", [("fused_attention_causal_d64", 12),
+                                        ("fused_attention_bias_d64", 12),
+                                        ("fused_attention_causal_d128", 4)])
+def test_fused_attention_equals_numpy(name, heads):
+    """GPT-2's prefill attention over a packed qkv (fp16) on grape's fused attention kernel
+    (``passes.FuseAttention``: q, k and v read in place, the output written transposed; the
+    causal mask as the kernel's causal mode, or a bias input read broadcast over heads), at
+    sequences that end inside, at and past a 64-row block, batches 1 and 3, first seen and
+    replayed at new addresses in a random order: every output equals numpy's float64."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import causal_attention_numpy  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact(f"{name}.cuda.grape"), "cuda")
+    assert "attention" in executor.manifest["plan"]["libraries"]
+    rng = np.random.default_rng(5)
+    shapes = [(b, s) for b in (1, 3) for s in (1, 5, 64, 65, 200, 1024)]
+    width = 3 * heads * (128 if name.endswith("d128") else 64)
+    worst = 0.0
+    try:
+        for index in [int(i) for _ in range(2) for i in rng.permutation(len(shapes))]:
+            b, s = shapes[index]
+            inputs = {"qkv": rng.standard_normal((b, s, width)).astype("float16")}
+            bias = None
+            if "bias" in name:
+                bias = (rng.standard_normal((b, 1, s, s)) * 2).astype("float16")
+                inputs["bias"] = bias
+            got = executor.run(inputs)["y"].astype(np.float64)
+            want = causal_attention_numpy(inputs["qkv"], heads, bias)
+            error = float(np.abs(got - want).max())
+            worst = max(worst, error)
+            assert error <= 1e-2, (name, b, s, error)
+        print(f"{name}: worst absolute error {worst:.2e}; {executor.stats}")
+    finally:
+        executor.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_few_rows_on_gemv_kernels_and_cublaslt_above_equal_numpy(dtype):
     """The same MLP built with the default ``matmul="auto"``: grape's GEMV kernels where the

@@ -4,6 +4,8 @@
 
 - ``wide_head_float16.cuda.grape``: ``models.wide_head``, outputs of odd width on cuBLASLt
   (tests).
+- ``fused_attention_{causal,bias}_d64.cuda.grape``, ``fused_attention_causal_d128.cuda.grape``:
+  ``models.causal_attention`` in fp16 on grape's fused attention kernel (tests).
 - ``library_{float32,float16}.cuda.grape``: a GPT-2 MLP whose matmuls are cuBLASLt calls
   (tests).
 - ``blocks.cuda.grape``: the bundled example (tests, demo); ``blocks_4096.cuda.grape`` the
@@ -75,6 +77,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     gpt2_decode_step,
     gpt2_output_names,
     attention_products,
+    causal_attention,
     library_layer,
     wide_head,
     reductions_model,
@@ -389,7 +392,8 @@ def build_attention(out: Path) -> None:
 def build_library(out: Path) -> None:
     """``models.library_layer`` and ``models.attention_products`` in fp32 and fp16: matmuls
     as cuBLASLt calls, and (``library_auto_*``) by default, grape's GEMV kernels for few
-    rows; ``models.wide_head`` in fp16, cuBLASLt's split calls (tests)."""
+    rows; ``models.wide_head`` in fp16, cuBLASLt's split calls; ``models.causal_attention``
+    in fp16, grape's fused attention (tests)."""
     for dtype in ("float32", "float16"):
         for matmul in ("cublaslt", "auto"):
             name = f"library_{dtype}" if matmul == "cublaslt" else f"library_{matmul}_{dtype}"
@@ -405,6 +409,15 @@ def build_library(out: Path) -> None:
             attention_products(d), {"b": (1, 4), "p": (1, 1024)}, CUDA, output_names=["o"],
             matmul="cublaslt"))
         module.export(out / f"attention_products_{dtype}.cuda.grape")
+    # grape's fused attention kernel (passes.FuseAttention): causal and with a bias input,
+    # head dims 64 and 128.
+    for name, mask, heads, head_dim in (("fused_attention_causal_d64", "causal", 12, 64),
+                                        ("fused_attention_bias_d64", "bias", 12, 64),
+                                        ("fused_attention_causal_d128", "causal", 4, 128)):
+        module = _timed(name, lambda m=mask, h=heads, d=head_dim: grape_tvm.build(
+            causal_attention("float16", h, d, m), {"b": (1, 4), "s": (1, 1024)}, CUDA,
+            output_names=["y"]))
+        module.export(out / f"{name}.cuda.grape")
 
 
 CONV_STACK_DIMS = {"samples": (400, 16000), "b": (1, 2)}

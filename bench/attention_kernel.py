@@ -1,0 +1,187 @@
+"""grape's fused attention kernel (runtime/kernels/attention.cu) against PyTorch, side by side.
+
+    python3 bench/attention_kernel.py --cubin build/gpu/attention.cubin --out OUT
+
+For each case (dtype, head dim, batch, heads, sequence length; a causal bias as GPT-2's ONNX
+export computes it, -65504 above the diagonal; q, k and v read in place from a packed
+[batch, seq, 3 * heads * head_dim] tensor and the output written [batch, seq, heads,
+head_dim], as in a GPT-2 layer): the largest difference from PyTorch's fp32 reference
+(softmax(q k^T * scale + bias) v), and the time a call of grape's kernel (its causal mode,
+and reading the bias), of ``F.scaled_dot_product_attention`` with the same bias
+(``attn_mask``) and with ``is_causal`` (FlashAttention), and of the unfused matmul, softmax
+and matmul takes: ``--reps`` calls captured in a CUDA graph, replays timed by CUDA events.
+Prints a table, writes ``attention_kernel.json``. Needs torch and cuda-python on a GPU host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from cuda.bindings import driver
+
+ROWS_PER_BLOCK = 64  # kRows of attention.cu
+THREADS = 128
+
+
+def _check(result):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver error {err}")
+    return rest[0] if len(rest) == 1 else rest
+
+
+def _strides(t: torch.Tensor, heads_axis: int, rows_axis: int) -> tuple[int, int, int]:
+    return t.stride(0), t.stride(heads_axis), t.stride(rows_axis)
+
+
+class Kernel:
+    def __init__(self, cubin: Path):
+        torch.cuda.init()
+        torch.zeros(1, device="cuda")  # the primary context, current
+        self.module = _check(driver.cuModuleLoadData(cubin.read_bytes()))
+        self.functions = {}
+
+    def function(self, dtype: torch.dtype, head_dim: int):
+        name = f"grape_attention_{'f16' if dtype == torch.float16 else 'bf16'}_d{head_dim}"
+        if name not in self.functions:
+            self.functions[name] = _check(driver.cuModuleGetFunction(self.module, name.encode()))
+        return self.functions[name]
+
+    def launch(self, q, k, v, bias, out, scale: float, causal: bool) -> None:
+        """q, k, v, out: [batch, rows, heads, head_dim] views; bias [b, h, rows, keys] or
+        None."""
+        batch, rows, heads, head_dim = q.shape
+        keys = k.shape[1]
+        layouts = [_strides(t, 2, 1) for t in (q, k, v, out)]
+        # A bias dim of size 1 broadcasts: stride 0.
+        layouts.append(tuple(0 if bias.shape[i] == 1 else bias.stride(i) for i in range(3))
+                       if bias is not None else (0, 0, 0))
+        values = [q.data_ptr(), k.data_ptr(), v.data_ptr(),
+                  bias.data_ptr() if bias is not None else 0, out.data_ptr(), rows, keys,
+                  int(causal)]
+        types = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
+        for layout in layouts:
+            values += list(layout)
+            types += [ctypes.c_longlong] * 3
+        values.append(scale)
+        types.append(ctypes.c_float)
+        grid = ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, heads, batch)
+        stream = torch.cuda.current_stream().cuda_stream
+        _check(driver.cuLaunchKernel(self.function(q.dtype, head_dim), *grid, THREADS, 1, 1, 0,
+                                     stream, (tuple(values), tuple(types)), 0))
+
+
+def causal_bias(batch: int, rows: int, dtype) -> torch.Tensor:
+    i = torch.arange(rows, device="cuda")
+    allowed = i[None, :] <= i[:, None]
+    bias = torch.where(allowed, 0.0, -65504.0).to(dtype)
+    return bias[None, None].expand(batch, 1, rows, rows).contiguous()
+
+
+def reference(q, k, v, bias, scale):
+    qf, kf, vf = (t.float().transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
+    scores = qf @ kf.transpose(-1, -2) * scale + bias.float()
+    return (torch.softmax(scores, dim=-1) @ vf).transpose(1, 2)  # [b, s, h, d]
+
+
+def timed(fn, reps: int) -> float:
+    """us per call: ``reps`` calls captured in one CUDA graph, its replays timed by events
+    (no host launch cost in the figure)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(reps):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(5):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000.0 / (5 * reps)
+
+
+def run_case(kernel: Kernel, dtype, head_dim: int, batch: int, heads: int, rows: int,
+             reps: int) -> dict:
+    torch.manual_seed(rows)
+    width = heads * head_dim
+    qkv = torch.randn(batch, rows, 3 * width, device="cuda", dtype=dtype)
+    q, k, v = (qkv[..., i * width:(i + 1) * width].view(batch, rows, heads, head_dim)
+               for i in range(3))
+    bias = causal_bias(batch, rows, dtype)
+    out = torch.empty(batch, rows, heads, head_dim, device="cuda", dtype=dtype)
+    scale = head_dim ** -0.5
+    want = reference(q, k, v, bias, scale)
+    errors = {}
+    for causal in (True, False):
+        out.zero_()
+        kernel.launch(q, k, v, None if causal else bias, out, scale, causal)
+        torch.cuda.synchronize()
+        errors[causal] = (out.float() - want).abs().max().item()
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+
+    def unfused():
+        scores = qt @ kt.transpose(-1, -2) * scale + bias
+        return torch.softmax(scores, dim=-1) @ vt
+
+    return {
+        "dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim, "batch": batch,
+        "heads": heads, "seq": rows, "max_abs_error_causal": errors[True],
+        "max_abs_error_bias": errors[False],
+        "grape_causal_us": timed(lambda: kernel.launch(q, k, v, None, out, scale, True), reps),
+        "grape_bias_us": timed(lambda: kernel.launch(q, k, v, bias, out, scale, False), reps),
+        "torch_sdpa_mask_us": timed(lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, attn_mask=bias, scale=scale), reps),
+        "torch_sdpa_causal_us": timed(lambda: F.scaled_dot_product_attention(
+            qt, kt, vt, is_causal=True, scale=scale), reps),
+        "torch_unfused_us": timed(unfused, reps),
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cubin", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--reps", type=int, default=20, help="calls per captured graph")
+    args = parser.parse_args()
+    kernel = Kernel(args.cubin)
+    cases = [(torch.float16, 64, 1, 12, s) for s in (1, 7, 16, 100, 128, 512, 1024)]
+    cases += [(torch.float16, 64, 2, 12, 300), (torch.float16, 128, 1, 16, 512),
+              (torch.bfloat16, 64, 1, 12, 512), (torch.bfloat16, 128, 2, 8, 77)]
+    results = []
+    columns = ("grape_causal_us", "grape_bias_us", "torch_sdpa_causal_us", "torch_sdpa_mask_us",
+               "torch_unfused_us")
+    print(f"{'dtype':9} {'d':>4} {'b':>2} {'h':>3} {'seq':>5} {'err':>8} "
+          + " ".join(f"{c[:-3]:>13}" for c in columns) + "  (us)")
+    started = time.time()
+    for case in cases:
+        r = run_case(kernel, *case, reps=args.reps)
+        results.append(r)
+        err = max(r["max_abs_error_causal"], r["max_abs_error_bias"])
+        print(f"{r['dtype']:9} {r['head_dim']:4} {r['batch']:2} {r['heads']:3} {r['seq']:5} "
+              f"{err:8.1e} " + " ".join(f"{r[c]:13.1f}" for c in columns), flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "attention_kernel.json"
+    path.write_text(json.dumps({
+        "machine": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "what": "us per call: reps calls in one CUDA graph, 5 replays timed by CUDA events; "
+                "max_abs_error_* against PyTorch's fp32 softmax(q k^T * scale + bias) v, "
+                "bias causal (-65504 above the diagonal); grape_causal: the kernel's causal "
+                "mode (no bias read), grape_bias: the bias read",
+        "reps": args.reps, "cases": results}, indent=1))
+    print(f"wrote {path} in {time.time() - started:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,339 @@
+"""Attention, ``softmax(q @ k^T * scale + bias) @ v`` over 16-bit tensors, as one call of
+grape's fused attention kernel (``runtime/attention.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tvm import IRModule, relax, tirx
+from tvm.sym import Analyzer
+from tvm.ir import GenericConst, Op, PrimType
+from tvm.ir.transform import PassContext, module_pass
+
+from grape_tvm.runtime.attention import (ALIGN_ELEMENTS, DTYPES, HEAD_DIMS, ROWS_PER_BLOCK,
+                                         AttentionFunction, AttentionLayout, ViewLayout)
+
+from .var_reads import read_counts
+
+_OPS = {name: Op.get(f"relax.{name}") for name in (
+    "matmul", "nn.softmax", "add", "multiply", "divide", "permute_dims", "strided_slice",
+    "concat", "where", "less_equal", "expand_dims", "arange", "broadcast_to")}
+# A masked score at most this (a large negative bias): its probability is 0 in fp32, as
+# in the model's fp16 softmax, so a causal mask of it is the kernel's causal mode.
+_MASKED = -1.0e4
+
+
+def _static(expr) -> int | None:
+    return int(expr) if isinstance(expr, tirx.IntImm) else None
+
+
+def _dims(expr: relax.Expr) -> list | None:
+    ty = expr.ty
+    if not isinstance(ty, relax.TensorType) or ty.shape is None:
+        return None
+    return list(ty.shape.values)
+
+
+def _scalar(expr: relax.Expr) -> float | None:
+    if isinstance(expr, GenericConst) and expr.value.numpy().size == 1:
+        return float(expr.value.numpy().reshape(()))
+    return None
+
+
+@dataclass(frozen=True)
+class _View:
+    """A [batch, heads, rows, head_dim] operand as a tensor and where its rows lie in it."""
+
+    tensor: relax.Expr
+    layout: ViewLayout
+
+
+@relax.expr_functor.mutator
+class _Fuser(relax.PyExprMutator):
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.reads: dict[relax.Var, int] = {}
+        self.transposed: set[relax.Var] = set()  # ``_transposed_once``
+        self.analyzer = Analyzer()
+        self.fused = 0
+
+    # -- walking back through bindings ------------------------------------------------------
+    def _value(self, expr: relax.Expr) -> relax.Expr:
+        if isinstance(expr, relax.Var):
+            bound = self.lookup_binding(expr)
+            if bound is not None:
+                return bound
+        return expr
+
+    def _call(self, expr: relax.Expr, *names: str) -> relax.Call | None:
+        value = self._value(expr)
+        if isinstance(value, relax.Call) and any(value.op == _OPS[n] for n in names):
+            return value
+        return None
+
+    def _once(self, expr: relax.Expr) -> bool:
+        """Read by one binding only: fused away, nothing else needs it."""
+        return isinstance(expr, relax.Var) and self.reads.get(expr, 0) == 1
+
+    # -- operands ---------------------------------------------------------------------------
+    def _view(self, expr: relax.Expr) -> _View:
+        """``expr`` ([b, h, r, d]) as a strided view of a tensor it is a view of: a transpose
+        of a [b, r, heads, d] tensor, maybe of a slice of its heads (GPT-2's q, k and v out
+        of its qkv product), else itself, dense."""
+        b, h, r, d = _dims(expr)
+        single = self._call(expr, "concat")
+        if single is not None and len(single.args[0].fields) == 1:
+            return self._view(single.args[0].fields[0])
+        perm = self._call(expr, "permute_dims")
+        if perm is not None and perm.attrs.axes is not None and \
+                [int(a) for a in perm.attrs.axes] == [0, 2, 1, 3]:
+            source, first = perm.args[0], 0
+            sliced = self._call(source, "strided_slice")
+            if sliced is not None and self._sliced_heads(sliced) is not None:
+                source, first = sliced.args[0], self._sliced_heads(sliced)
+            dims = _dims(source)
+            if dims is not None and len(dims) == 4 and _static(dims[2]) is not None and \
+                    all(self.analyzer.can_prove_equal(x, y)
+                        for x, y in ((dims[0], b), (dims[1], r), (dims[3], d))):
+                row = dims[2] * d
+                return _View(source, ViewLayout(first * d, r * row, d, row))
+        return _View(expr, ViewLayout(0, h * r * d, r * d, d))
+
+    @staticmethod
+    def _sliced_heads(call: relax.Call) -> int | None:
+        """The first head of a slice of axis 2 with unit steps (its axes, begins, ends and
+        steps are tuples of dims), else None."""
+        axes, begin = call.args[1], call.args[2]
+        steps = call.args[4].fields if len(call.args) > 4 else []
+        if [_static(a) for a in axes.fields] != [2] or any(_static(s) != 1 for s in steps):
+            return None
+        return _static(begin.fields[0])
+
+    def _aligned(self, view: ViewLayout) -> bool:
+        return all(self.analyzer.can_prove_equal(tirx.floormod(tirx.const(0, "int64") + x,
+                                                               ALIGN_ELEMENTS), 0)
+                   for x in (view.offset, view.batch, view.head, view.row))
+
+    # -- the mask ---------------------------------------------------------------------------
+    def _index_along(self, expr: relax.Expr, axis: int) -> relax.Expr | None:
+        """The length n of ``arange(0, n)`` that ``expr`` holds along ``axis`` of a rank-4
+        broadcast (every other dim 1), through ``expand_dims``."""
+        dims = _dims(expr)
+        while True:
+            value = self._value(expr)
+            if isinstance(value, relax.Call) and value.op == _OPS["expand_dims"]:
+                expr = value.args[0]
+                continue
+            break
+        if not isinstance(value, relax.Call) or value.op != _OPS["arange"] or dims is None:
+            return None
+        start, end, step = value.args
+        if _scalar_prim(start) != 0 or _scalar_prim(step) != 1:
+            return None
+        dims = [1] * (4 - len(dims)) + dims
+        if any(_static(d) != 1 for i, d in enumerate(dims) if i != axis):
+            return None
+        return _prim(end)
+
+    def _causal(self, bias: relax.Expr, rows, keys) -> bool:
+        """``bias`` is ``where(key <= query, 0, masked)`` of aranges over the rows and keys,
+        with as many keys as rows: key j attended from row i iff j <= i."""
+        where = self._call(bias, "where")
+        if where is None:
+            return False
+        cond, kept, masked = where.args
+        if _scalar(kept) != 0.0 or (_scalar(masked) or 0.0) > _MASKED:
+            return False
+        broadcast = self._call(cond, "broadcast_to")
+        compare = self._call(broadcast.args[0] if broadcast is not None else cond, "less_equal")
+        if compare is None:
+            return False
+        key_count = self._index_along(compare.args[0], 3)
+        row_count = self._index_along(compare.args[1], 2)
+        return key_count is not None and row_count is not None and all(
+            self.analyzer.can_prove_equal(a, b) for a, b in ((key_count, keys),
+                                                             (row_count, rows), (rows, keys)))
+
+    def _bias_layout(self, bias: relax.Expr, dims: list) -> ViewLayout | None:
+        """A bias broadcast to [b, h, r, t] read in place: stride 0 on its dims of 1."""
+        shape = _dims(bias)
+        if shape is None or len(shape) > 4:
+            return None
+        shape = [tirx.const(1, "int64")] * (4 - len(shape)) + shape
+        strides, stride = [], tirx.const(1, "int64")
+        for extent, want in reversed(list(zip(shape, dims))):
+            if _static(extent) == 1 and _static(want) != 1:
+                strides.append(0)
+            elif self.analyzer.can_prove_equal(extent, want):
+                strides.append(stride)
+            else:
+                return None
+            stride = stride * extent
+        batch, head, row, key = reversed(strides)
+        return ViewLayout(0, batch, head, row) if _static(key) == 1 or key == 1 else None
+
+    # -- the rewrite ------------------------------------------------------------------------
+    def fuse(self, product: relax.Call, out_heads_last: bool) -> relax.Expr | None:
+        """The call for ``product`` = ``softmax(..) @ v``, or None where it does not fit."""
+        probs = self._call(product.args[0], "nn.softmax")
+        if probs is None or not self._once(product.args[0]) or \
+                int(probs.attrs.axis) not in (-1, 3):
+            return None
+        scores, bias = probs.args[0], None
+        if not self._once(scores):
+            return None
+        added = self._call(scores, "add")
+        if added is not None:
+            x, y = added.args
+            scaled_first = self._call(x, "matmul", "multiply", "divide") is not None
+            scores, bias = (x, y) if scaled_first else (y, x)
+            if not self._once(scores):
+                return None
+        scale = 1.0
+        scaled = self._call(scores, "multiply", "divide")
+        if scaled is not None:
+            x, y = scaled.args
+            factor = _scalar(y) if scaled.op == _OPS["divide"] else (
+                _scalar(y) if _scalar(y) is not None else _scalar(x))
+            if factor is None or factor == 0.0:
+                return None
+            scale = 1.0 / factor if scaled.op == _OPS["divide"] else factor
+            scores = x if _scalar(y) is not None else y
+            if not self._once(scores):
+                return None
+        qk = self._call(scores, "matmul")
+        if qk is None:
+            return None
+        q, kt = qk.args
+        k_perm = self._call(kt, "permute_dims")
+        if k_perm is None or k_perm.attrs.axes is None or \
+                [int(a) for a in k_perm.attrs.axes] != [0, 1, 3, 2]:
+            return None
+        k, v = k_perm.args[0], product.args[1]
+        shapes = [_dims(e) for e in (q, k, v, product)]
+        dtypes = {str(e.ty.dtype) for e in (q, k, v, product)}
+        if any(s is None or len(s) != 4 for s in shapes) or len(dtypes) != 1 or \
+                dtypes.pop() not in DTYPES:
+            return None
+        batch, heads, rows, head_dim = shapes[0]
+        keys = shapes[1][2]
+        if _static(head_dim) not in HEAD_DIMS or _static(heads) is None or \
+                (_static(rows) is not None and _static(rows) < ROWS_PER_BLOCK // 4):
+            return None  # decode's one row: the scores' GEMV kernels keep it
+        views = [self._view(e) for e in (q, k, v)]
+        if not all(self._aligned(view.layout) for view in views):
+            return None
+        causal = bias is not None and self._causal(bias, rows, keys)
+        bias_layout = ViewLayout(0, 0, 0, 0)
+        if bias is not None and not causal:
+            if str(bias.ty.dtype) != str(product.ty.dtype):
+                return None
+            bias_layout = self._bias_layout(bias, [batch, heads, rows, keys])
+            if bias_layout is None:
+                return None
+        if out_heads_last:  # written [b, r, h, d]: the transpose after it is done
+            out_shape = [batch, rows, heads, head_dim]
+            out_layout = ViewLayout(0, rows * heads * head_dim, head_dim, heads * head_dim)
+        else:
+            out_shape = [batch, heads, rows, head_dim]
+            out_layout = ViewLayout(0, heads * rows * head_dim, rows * head_dim, head_dim)
+        layout = AttentionLayout(batch, heads, rows, keys, head_dim, *(v.layout for v in views),
+                                 out_layout, bias_layout)
+        function = AttentionFunction(bias=bias is not None and not causal, causal=causal)
+        args = [view.tensor for view in views] + ([bias] if function.bias else [])
+        args += [relax.ShapeExpr(layout.to_shape()), tirx.FloatImm("float32", scale)]
+        self.fused += 1
+        return relax.op.call_dps_packed(function.name, relax.Tuple(args),
+                                        relax.TensorType(out_shape, product.ty.dtype))
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value, fused = binding.value, None
+        if not isinstance(binding.var, relax.DataflowVar) or not isinstance(value, relax.Call):
+            pass
+        elif _heads_back(value) and self._once(value.args[0]):
+            product = self._call(value.args[0], "matmul")
+            fused = self.fuse(product, out_heads_last=True) if product is not None else None
+        elif value.op == _OPS["matmul"] and binding.var not in self.transposed:
+            fused = self.fuse(value, out_heads_last=False)
+        if fused is None:
+            super().visit_var_binding_(binding)
+        else:
+            self.set_var_remap(binding.var, self.builder_.emit(fused, binding.var.name))
+
+
+def _heads_back(call: relax.Call) -> bool:
+    """``permute_dims(x, [0, 2, 1, 3])``: attention's output back to [b, r, h, d]."""
+    return call.op == _OPS["permute_dims"] and call.attrs.axes is not None and \
+        [int(a) for a in call.attrs.axes] == [0, 2, 1, 3]
+
+
+def _transposed_once(func: relax.Function, reads: dict) -> set[relax.Var]:
+    """Variables read once, by ``_heads_back``: their product is fused at the transpose."""
+    found: set[relax.Var] = set()
+
+    def visit(expr):
+        if isinstance(expr, relax.Call) and _heads_back(expr) and \
+                isinstance(expr.args[0], relax.Var) and reads.get(expr.args[0]) == 1:
+            found.add(expr.args[0])
+
+    relax.analysis.post_order_visit(func, visit)
+    return found
+
+
+def _prim(expr: relax.Expr):
+    """A dim or scalar argument of a Relax call (TVM 0.27 passes them as expressions of dims,
+    no PrimValue), else None."""
+    return expr if isinstance(getattr(expr, "ty", None), PrimType) else None
+
+
+def _scalar_prim(expr: relax.Expr) -> int | None:
+    value = _prim(expr)
+    return int(value) if isinstance(value, tirx.IntImm) else None
+
+
+@module_pass(opt_level=0, name="FuseAttention")
+class FuseAttention:
+    """Run attention as one kernel: ``softmax(q @ permute_dims(k) * scale + bias) @ v`` over
+    [batch, heads, rows, head_dim] tensors of fp16 or bf16 (head_dim 64 or 128, heads static,
+    more than a few rows: decode's one row is left to the GEMV kernels) becomes one call of
+    ``grape.attention.fused*``. q, k and v that are heads sliced and transposed out of one
+    tensor (GPT-2's qkv product) are read in place, and a transpose of the output back to
+    [batch, rows, heads, head_dim] is written directly. A bias of ``where(key <= query, 0,
+    -65504)`` over aranges of as many keys as rows (a causal mask, as Hugging Face's exports
+    compute it) is the kernel's causal mode: it skips the masked keys and reads no bias. The
+    scores, their scale, the mask and the probabilities are never written to memory.
+
+    Before (``s`` symbolic)::
+
+        qkv_heads = R.reshape(qkv, (b, s, 36, 64))
+        q = R.permute_dims(R.strided_slice(qkv_heads, [2], [0], [12]), [0, 2, 1, 3])
+        k = R.permute_dims(R.strided_slice(qkv_heads, [2], [12], [24]), [0, 2, 1, 3])
+        v = ...                                                    # heads 24..36
+        scores = R.matmul(q, R.permute_dims(k, [0, 1, 3, 2])) * R.const(0.125, "float16")
+        probs = R.nn.softmax(scores + mask, axis=-1)               # mask: causal, as above
+        out = R.permute_dims(R.matmul(probs, v), [0, 2, 1, 3])     # (b, s, 12, 64)
+
+    After::
+
+        out = R.call_dps_packed("grape.attention.fused_causal",
+                                (qkv, qkv, qkv, R.shape([b, 12, s, s, 64,
+                                 0, s * 2304, 64, 2304,        # q: offset, batch, head, row
+                                 768, s * 2304, 64, 2304,      # k
+                                 1536, s * 2304, 64, 2304,     # v
+                                 0, s * 768, 64, 768,          # out
+                                 0, 0, 0, 0]),                 # no bias
+                                 T.float32(0.125)),
+                                out_ty=R.Tensor((b, s, 12, 64), "float16"))
+    """
+
+    def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
+        fuser = _Fuser(mod)
+        for gvar, func in mod.functions_items():
+            if isinstance(func, relax.Function):
+                fuser.reads = read_counts(func)
+                fuser.transposed = _transposed_once(func, fuser.reads)
+                before = fuser.fused
+                new = fuser.visit_expr(func)
+                if fuser.fused > before:
+                    fuser.builder_.update_func(gvar, relax.analysis.remove_all_unused(new))
+        return fuser.builder_.get() if fuser.fused else mod

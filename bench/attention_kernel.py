@@ -1,6 +1,7 @@
 """grape's fused attention kernel (runtime/kernels/attention.cu) against PyTorch, side by side.
 
-    python3 bench/attention_kernel.py --cubin build/gpu/attention.cubin --out OUT
+    python3 bench/attention_kernel.py --cubin build/gpu/attention.cubin --out OUT \
+        [--variant NAME=CUBIN:ROWS_PER_BLOCK ...]
 
 For each case (dtype, head dim, batch, heads, sequence length; a causal bias as GPT-2's ONNX
 export computes it, -65504 above the diagonal; q, k and v read in place from a packed
@@ -26,8 +27,7 @@ import torch
 import torch.nn.functional as F
 from cuda.bindings import driver
 
-ROWS_PER_BLOCK = 64  # kRows of attention.cu
-THREADS = 128
+ROWS_PER_BLOCK = 64  # kRows of attention.cu (16 rows a warp)
 
 
 def _check(result):
@@ -42,11 +42,12 @@ def _strides(t: torch.Tensor, heads_axis: int, rows_axis: int) -> tuple[int, int
 
 
 class Kernel:
-    def __init__(self, cubin: Path):
+    def __init__(self, cubin: Path, rows_per_block: int = ROWS_PER_BLOCK):
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # the primary context, current
         self.module = _check(driver.cuModuleLoadData(cubin.read_bytes()))
         self.functions = {}
+        self.rows_per_block = rows_per_block
 
     def function(self, dtype: torch.dtype, head_dim: int):
         name = f"grape_attention_{'f16' if dtype == torch.float16 else 'bf16'}_d{head_dim}"
@@ -72,9 +73,10 @@ class Kernel:
             types += [ctypes.c_longlong] * 3
         values.append(scale)
         types.append(ctypes.c_float)
-        grid = ((rows + ROWS_PER_BLOCK - 1) // ROWS_PER_BLOCK, heads, batch)
+        grid = ((rows + self.rows_per_block - 1) // self.rows_per_block, heads, batch)
         stream = torch.cuda.current_stream().cuda_stream
-        _check(driver.cuLaunchKernel(self.function(q.dtype, head_dim), *grid, THREADS, 1, 1, 0,
+        threads = self.rows_per_block * 2  # a warp per 16 rows
+        _check(driver.cuLaunchKernel(self.function(q.dtype, head_dim), *grid, threads, 1, 1, 0,
                                      stream, (tuple(values), tuple(types)), 0))
 
 
@@ -112,7 +114,7 @@ def timed(fn, reps: int) -> float:
 
 
 def run_case(kernel: Kernel, dtype, head_dim: int, batch: int, heads: int, rows: int,
-             reps: int) -> dict:
+             reps: int, variants: dict[str, Kernel]) -> dict:
     torch.manual_seed(rows)
     width = heads * head_dim
     qkv = torch.randn(batch, rows, 3 * width, device="cuda", dtype=dtype)
@@ -145,7 +147,18 @@ def run_case(kernel: Kernel, dtype, head_dim: int, batch: int, heads: int, rows:
         "torch_sdpa_causal_us": timed(lambda: F.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, scale=scale), reps),
         "torch_unfused_us": timed(unfused, reps),
+        "variants": {name: _variant(other, q, k, v, out, scale, want, reps)
+                     for name, other in variants.items()},
     }
+
+
+def _variant(kernel: Kernel, q, k, v, out, scale, want, reps: int) -> dict:
+    """A build of the kernel with other compile-time settings: causal mode's error and time."""
+    out.zero_()
+    kernel.launch(q, k, v, None, out, scale, True)
+    torch.cuda.synchronize()
+    return {"max_abs_error_causal": (out.float() - want).abs().max().item(),
+            "grape_causal_us": timed(lambda: kernel.launch(q, k, v, None, out, scale, True), reps)}
 
 
 def main() -> int:
@@ -153,8 +166,15 @@ def main() -> int:
     parser.add_argument("--cubin", type=Path, required=True)
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--reps", type=int, default=20, help="calls per captured graph")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="NAME=CUBIN:ROWS_PER_BLOCK, another build timed beside")
     args = parser.parse_args()
     kernel = Kernel(args.cubin)
+    variants = {}
+    for spec in args.variant:
+        name, rest = spec.split("=", 1)
+        path, rows = rest.rsplit(":", 1)
+        variants[name] = Kernel(Path(path), int(rows))
     cases = [(torch.float16, 64, 1, 12, s) for s in (1, 7, 16, 100, 128, 512, 1024)]
     cases += [(torch.float16, 64, 2, 12, 300), (torch.float16, 128, 1, 16, 512),
               (torch.bfloat16, 64, 1, 12, 512), (torch.bfloat16, 128, 2, 8, 77)]
@@ -165,11 +185,13 @@ def main() -> int:
           + " ".join(f"{c[:-3]:>13}" for c in columns) + "  (us)")
     started = time.time()
     for case in cases:
-        r = run_case(kernel, *case, reps=args.reps)
+        r = run_case(kernel, *case, reps=args.reps, variants=variants)
         results.append(r)
         err = max(r["max_abs_error_causal"], r["max_abs_error_bias"])
         print(f"{r['dtype']:9} {r['head_dim']:4} {r['batch']:2} {r['heads']:3} {r['seq']:5} "
-              f"{err:8.1e} " + " ".join(f"{r[c]:13.1f}" for c in columns), flush=True)
+              f"{err:8.1e} " + " ".join(f"{r[c]:13.1f}" for c in columns) + "".join(
+                  f"  {n} {x['grape_causal_us']:.1f} ({x['max_abs_error_causal']:.0e})"
+                  for n, x in r["variants"].items()), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "attention_kernel.json"
     path.write_text(json.dumps({

@@ -569,21 +569,53 @@ class Gpt2Bench:
     def gpu_busy(self, lengths: list[int], launches: int = 20) -> dict:
         """The decode step's graphs at each past length (a fresh grape executor in per-shape
         mode) replayed back to back, timed with CUDA events: the GPU time of grape's kernels."""
+        tm = self.tm
+
+        def feeds(length):
+            zeros = np.zeros((1, tm.heads, length, tm.head_dim), self.env.np_dtype)
+            past = {n: self.tvm.runtime.tensor(zeros, self.dev) for n in self.kv_names("past")}
+            return {"input_ids": self.tvm.runtime.tensor(np.zeros((1, 1), np.int64), self.dev),
+                    **past}
+
+        return self._busy("gpt2_decode", lengths, feeds, launches)
+
+    def prefill_gpu_busy(self, lengths: list[int], launches: int = 20) -> tuple[dict, dict]:
+        """As ``gpu_busy``, the prefill at each prompt length; and the timed executor's calls
+        queued back to back (``launches`` calls, one sync): us per call, the larger of its
+        host and GPU time per call."""
+        def feeds(length):
+            ids = np.zeros((1, length), np.int64)
+            return {"input_ids": self.tvm.runtime.tensor(ids, self.dev)}
+
+        queued = {}
+        ex = self.grape["gpt2_prefill"]
+        for length in lengths:
+            inputs = feeds(length)
+            ex.run(inputs, return_numpy=False)
+            self.grape_sync(ex)
+            t0 = time.perf_counter()
+            for _ in range(launches):
+                ex.run(inputs, return_numpy=False)
+            self.grape_sync(ex)
+            queued[str(length)] = (time.perf_counter() - t0) * 1e6 / launches
+        return self._busy("gpt2_prefill", lengths, feeds, launches), queued
+
+    def _busy(self, model: str, lengths: list[int], feeds_at, launches: int) -> dict:
+        """``model``'s graphs at each length replayed back to back (a fresh executor in
+        per-shape mode), timed with CUDA events: us per call."""
         from grape_tvm.runtime.cuda_driver import check, driver  # pylint: disable=import-outside-toplevel
 
-        ex = self.fresh("per-shape", ("gpt2_decode",))[0]
+        ex = self.fresh("per-shape", (model,))[0]
         backend = ex.backend
         start = check(driver.cuEventCreate(0), "cuEventCreate")
         stop = check(driver.cuEventCreate(0), "cuEventCreate")
-        tm, out = self.tm, {}
+        out = {}
         try:
             for length in lengths:
-                zeros = np.zeros((1, tm.heads, length, tm.head_dim), self.env.np_dtype)
-                past = {n: self.tvm.runtime.tensor(zeros, self.dev) for n in self.kv_names("past")}
-                ids = self.tvm.runtime.tensor(np.zeros((1, 1), np.int64), self.dev)
+                feeds = feeds_at(length)
                 before = set(backend._per_shape)  # pylint: disable=protected-access
-                ex.run({"input_ids": ids, **past}, return_numpy=False)
-                ex.run({"input_ids": ids, **past}, return_numpy=False)
+                ex.run(feeds, return_numpy=False)
+                ex.run(feeds, return_numpy=False)
                 backend.synchronize()
                 keys = [k for k in backend._per_shape if k not in before]  # pylint: disable=protected-access
                 graphs = [backend._per_shape[k] for k in keys]  # pylint: disable=protected-access
@@ -630,10 +662,15 @@ def run_gpt2(env: Env, args) -> dict:
     for system, executors in fresh.items():
         memory[system] = sum(int(getattr(ex.backend, "graph_device_bytes", 0)) for ex in executors)
         graphs[system] = {m: ex.backend.describe() for m, ex in zip(("prefill", "decode"), executors)}
-    busy, busy_note = {}, None
+    busy, prefill_busy, prefill_queued, busy_note = {}, {}, {}, None
     if env.cuda and not args.no_busy:
         try:
             busy = bench.gpu_busy(lengths)
+            prefill_busy, prefill_queued = bench.prefill_gpu_busy(prompts)
+            print("GPU busy (graphs replayed back to back), us: decode "
+                  f"{ {k: round(v) for k, v in busy.items()} }, prefill "
+                  f"{ {k: round(v) for k, v in prefill_busy.items()} }; prefill calls queued "
+                  f"{ {k: round(v) for k, v in prefill_queued.items()} }", flush=True)
         except Exception as err:  # pylint: disable=broad-except
             busy_note = _error(err)
     instantiated = {s: sum(g.get("graphs_instantiated", 0) for g in d.values()) for s, d in graphs.items()}
@@ -659,6 +696,8 @@ def run_gpt2(env: Env, args) -> dict:
                               "writes (CudaGraphBackend.graph_device_bytes), prefill + decode "
                               "executors that ran the same greedy generation once"),
         "gpu_busy_us": busy,
+        "prefill_gpu_busy_us": prefill_busy,
+        "prefill_queued_us": prefill_queued,
         "notes": {**bench.notes, **({"gpu_busy": busy_note} if busy_note else {})},
         "decode_step_errors": bench.errors,
         "backend": graphs,

@@ -82,17 +82,19 @@ class _Fuser(relax.PyExprMutator):
         of its qkv product), else itself, dense."""
         b, h, r, d = _dims(expr)
         single = self._call(expr, "concat")
-        if single is not None and len(single.args[0].fields) == 1:
+        if single is not None and isinstance(single.args[0], relax.Tuple) and \
+                len(single.args[0].fields) == 1:
             return self._view(single.args[0].fields[0])
         perm = self._call(expr, "permute_dims")
         if perm is not None and perm.attrs.axes is not None and \
                 [int(a) for a in perm.attrs.axes] == [0, 2, 1, 3]:
             source, first = perm.args[0], 0
             sliced = self._call(source, "strided_slice")
-            if sliced is not None and self._sliced_heads(sliced) is not None:
-                source, first = sliced.args[0], self._sliced_heads(sliced)
+            if sliced is not None and self._sliced_heads(sliced, h) is not None:
+                source, first = sliced.args[0], self._sliced_heads(sliced, h)
             dims = _dims(source)
             if dims is not None and len(dims) == 4 and _static(dims[2]) is not None and \
+                    first + _static(h) <= _static(dims[2]) and \
                     all(self.analyzer.can_prove_equal(x, y)
                         for x, y in ((dims[0], b), (dims[1], r), (dims[3], d))):
                 row = dims[2] * d
@@ -100,14 +102,19 @@ class _Fuser(relax.PyExprMutator):
         return _View(expr, ViewLayout(0, h * r * d, r * d, d))
 
     @staticmethod
-    def _sliced_heads(call: relax.Call) -> int | None:
-        """The first head of a slice of axis 2 with unit steps (its axes, begins, ends and
-        steps are tuples of dims), else None."""
+    def _sliced_heads(call: relax.Call, heads) -> int | None:
+        """The first of the ``heads`` heads a slice of axis 2 with unit steps takes (its axes,
+        begins, ends and steps are tuples of dims; a negative begin counts from the end),
+        else None."""
         axes, begin = call.args[1], call.args[2]
         steps = call.args[4].fields if len(call.args) > 4 else []
-        if [_static(a) for a in axes.fields] != [2] or any(_static(s) != 1 for s in steps):
+        source = _dims(call.args[0])
+        if [_static(a) for a in axes.fields] != [2] or any(_static(s) != 1 for s in steps) or \
+                source is None or _static(source[2]) is None or _static(begin.fields[0]) is None:
             return None
-        return _static(begin.fields[0])
+        first = _static(begin.fields[0])
+        first += _static(source[2]) if first < 0 else 0
+        return first if 0 <= first and first + _static(heads) <= _static(source[2]) else None
 
     def _aligned(self, view: ViewLayout) -> bool:
         return all(self.analyzer.can_prove_equal(tirx.floormod(tirx.const(0, "int64") + x,
@@ -220,6 +227,12 @@ class _Fuser(relax.PyExprMutator):
         if _static(head_dim) not in HEAD_DIMS or _static(heads) is None or \
                 (_static(rows) is not None and _static(rows) < ROWS_PER_BLOCK // 4):
             return None  # decode's one row: the scores' GEMV kernels keep it
+        # The kernel reads k and v at q's batch and head, as many keys in both, and one
+        # head_dim throughout: a matmul broadcasting k or v (shared heads) is left alone.
+        same = [(s[0], batch) for s in shapes[1:]] + [(s[1], heads) for s in shapes[1:]] + \
+            [(s[3], head_dim) for s in shapes[1:]] + [(shapes[2][2], keys), (shapes[3][2], rows)]
+        if not all(self.analyzer.can_prove_equal(x, y) for x, y in same):
+            return None
         views = [self._view(e) for e in (q, k, v)]
         if not all(self._aligned(view.layout) for view in views):
             return None

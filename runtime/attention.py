@@ -11,8 +11,8 @@ launches ``runtime/kernels/attention.cu`` on the stream TVM is capturing: a kern
 any other, re-pointed and re-shaped by the patch kernel in topology graphs.
 
 No score matrix is written. On the H200, GPT-2's fp16 prefill at 1024 tokens ran its kernels
-in 1519 us with it, 2107 without (ncu; bench/results/gpt2_prefill_kernels.fp16_1024.json and
-its ``.split_lm_head`` predecessor); the kernel itself takes 2.3x FlashAttention-2's time
+in 1445 us with it, 2107 without (ncu; bench/results/gpt2_prefill_kernels.fp16_1024.json and
+its ``.split_lm_head`` predecessor); the kernel itself takes 2.2x FlashAttention-2's time
 there (bench/results/attention_kernel.json).
 """
 
@@ -27,6 +27,7 @@ from typing import Any, Sequence
 from .cuda_compile import CubinStore, RuntimeKernel
 from .active import activated
 from .cuda_driver import check, driver
+from .signature import nbytes
 
 LIBRARY = "attention"  # its name in a plan's "libraries" (what the runtime must provide)
 FUNCTION_PREFIX = f"grape.{LIBRARY}."
@@ -141,6 +142,10 @@ class FusedAttention:
                              f"{layout.head_dim} (kernels: {sorted(DTYPES)}, {HEAD_DIMS})")
         if layout.batch == 0 or layout.rows == 0:
             return
+        if layout.keys == 0:  # a weighted sum over no keys: zeros, as the unfused product
+            check(driver.cuMemsetD8Async(out.data_ptr(), 0, nbytes(out), stream),
+                  "cuMemsetD8Async")
+            return
         size = 2  # bytes of a 16-bit element
         q_at, k_at, v_at = (t.data_ptr() + getattr(layout, n).offset * size
                             for t, n in ((q, "q"), (k, "k"), (v, "v")))
@@ -174,32 +179,30 @@ class FusedAttention:
 
 
 # The FusedAttention a packed function call on this thread uses: the active one (a grape
-# backend's), else the thread's own, made on first use (TVM's VM on the library), its cubin
-# from the store the loader installed for TVM's kernels.
+# backend's), else this thread's own for the device, made on first use (TVM's VM on the
+# library) and kept for the thread's life, as cublaslt.py's are.
 _ACTIVE = threading.local()
 
 
 class _InstalledStore:
-    """The cubin of a source from the store the loader installed for TVM's own kernels
-    (``CubinStore.install``: the artifact's cubins, else the disk cache, else nvcc)."""
+    """The cubin of a source from the compiler TVM calls for its own CUDA source
+    (``tvm_callback_cuda_compile``: the store the loader installed, with the artifact's
+    cubins, else TVM's own, nvrtc)."""
 
     def lookup(self, code: str) -> bytes:
         import tvm  # pylint: disable=import-outside-toplevel
 
-        compile_cuda = tvm.get_global_func("tvm_callback_cuda_compile", allow_missing=True)
-        if compile_cuda is None:
-            raise RuntimeError("grape.attention: no CUDA kernel store installed (load the "
-                               "artifact with grape_tvm.load)")
-        return bytes(compile_cuda(code))
+        return bytes(tvm.get_global_func("tvm_callback_cuda_compile")(code))
 
 
-def _instance() -> FusedAttention:
+def _instance(device_index: int) -> FusedAttention:
     active = getattr(_ACTIVE, "instance", None)
     if active is not None:
         return active
-    if getattr(_ACTIVE, "own", None) is None:
-        _ACTIVE.own = FusedAttention(_InstalledStore())
-    return _ACTIVE.own
+    own = _ACTIVE.__dict__.setdefault("own", {})
+    if device_index not in own:
+        own[device_index] = FusedAttention(_InstalledStore())
+    return own[device_index]
 
 
 def _packed(function: AttentionFunction):
@@ -211,8 +214,9 @@ def _packed(function: AttentionFunction):
         q, k, v, *rest, shape, scale, out = args
         bias = rest[0] if function.bias else None
         stream = tvm_ffi.get_raw_stream(out.device)
-        _instance().launch(function, q, k, v, bias, out, AttentionLayout.from_shape(shape),
-                           float(scale), int(stream or 0))
+        _instance(out.device.index).launch(function, q, k, v, bias, out,
+                                           AttentionLayout.from_shape(shape), float(scale),
+                                           int(stream or 0))
 
     return call
 

@@ -42,10 +42,11 @@ def _fused(mod: tvm.IRModule) -> list[relax.Call]:
 
 
 def _layout(call: relax.Call, b: int = 2, s: int = 10) -> AttentionLayout:
-    """The call's layout at batch b and s rows (its output is [b, s, heads, head_dim])."""
+    """The call's layout at dims b and s (those of its output's shape)."""
     analyzer = tvm.sym.Analyzer()
-    for var, value in zip(call.ty.shape.values[:2], (b, s)):
-        analyzer.bind(var, tirx.const(value, "int64"))
+    for var in call.ty.shape.values:
+        if not isinstance(var, tirx.IntImm):
+            analyzer.bind(var, tirx.const({"b": b, "s": s}[var.name], "int64"))
     shape = call.args[1].fields[-2]
     return AttentionLayout.from_shape([int(analyzer.simplify(v)) for v in shape.values])
 
@@ -128,3 +129,76 @@ def test_cuda_build_calls_the_library_and_carries_its_cubin():
     assert plan["libraries"] == ["attention"]
     assert any("grape.attention.fused_causal" in r["kernels"] for r in plan["regions"])
     assert source_key(SOURCE.read_text()) in module.cubins
+
+
+def _attention_of(q_shape, k_shape, v_shape, prepare=None) -> tvm.IRModule:
+    """``softmax(q @ k^T / 8) @ v`` over fp16 inputs of the shapes given (``prepare``: the
+    block builder and the params -> (q, k, v) expressions, for views of them)."""
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+
+    def dims(shape):
+        return [{"b": b, "s": s}.get(d, d) for d in shape]
+
+    params = [relax.Var(n, relax.TensorType(dims(shape), "float16"))
+              for n, shape in (("q", q_shape), ("k", k_shape), ("v", v_shape))]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            q, k, v = prepare(bb, *params) if prepare else params
+            scores = bb.emit(relax.op.multiply(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])),
+                                               relax.const(0.125, "float16")))
+            probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
+            out = bb.emit_output(relax.op.nn.relu(relax.op.matmul(probs, v)))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("q,k,v", [
+    pytest.param(("b", 12, "s", 64), ("b", 1, "s", 64), ("b", 1, "s", 64), id="shared_heads"),
+    pytest.param(("b", 12, "s", 64), (1, 12, "s", 64), (1, 12, "s", 64), id="kv_batch_1"),
+    pytest.param((1, 12, "s", 64), ("b", 12, "s", 64), ("b", 12, "s", 64), id="q_batch_1"),
+    pytest.param(("b", 12, "s", 64), ("b", 12, "s", 64), ("b", 12, "s", 128), id="v_wider"),
+    pytest.param(("b", 12, "s", 128), ("b", 12, "s", 128), ("b", 12, "s", 64), id="v_narrower"),
+])
+def test_operands_the_kernel_would_misread_are_left_alone(q, k, v):
+    """The kernel reads k and v at q's batch and head, with q's head_dim: a matmul that
+    broadcasts k or v, or a v of another width, keeps its unfused form (a review found these
+    fused into reads past k and v, and the output's shape changed)."""
+    assert _fused(_attention_of(q, k, v)) == []
+
+
+def test_dense_operands_fuse_with_their_own_strides():
+    (call,) = _fused(_attention_of(("b", 12, "s", 64), ("b", 12, "s", 64), ("b", 12, "s", 64)))
+    layout = _layout(call)
+    assert (layout.k.offset, layout.k.batch, layout.k.head, layout.k.row) == (0, 12 * 10 * 64, 10 * 64, 64)
+    assert (layout.out.batch, layout.out.head, layout.out.row) == (12 * 10 * 64, 10 * 64, 64)
+
+
+def _heads_of_packed(begins):
+    """q, k and v sliced out of one (b, s, 36, 64) tensor, the slices starting at ``begins``."""
+    def prepare(bb, q, _k, _v):
+        split = bb.emit(relax.op.reshape(q, [q.ty.shape.values[0], q.ty.shape.values[1], 36, 64]))
+        return [bb.emit(relax.op.permute_dims(
+            relax.op.strided_slice(split, [2], [lo], [lo + 12 if lo + 12 else 36]), [0, 2, 1, 3]))
+            for lo in begins]
+    return prepare
+
+
+def test_negative_slice_begins_count_from_the_end():
+    """A review found a begin of -36 passed as a negative offset (a read before q)."""
+    (call,) = _fused(_attention_of(("b", "s", 2304), ("b", "s", 2304), ("b", "s", 2304),
+                                   _heads_of_packed([-36, -24, -12])))
+    layout = _layout(call)
+    assert [layout.q.offset, layout.k.offset, layout.v.offset] == [0, 768, 1536]
+
+
+def test_a_concat_of_a_tuple_variable_is_read_dense():
+    """A concat whose input is a bound tuple, not a tuple expression: a review found the pass
+    crashed on it."""
+    def prepare(bb, q, k, v):
+        pair = bb.emit(relax.Tuple([k]))
+        return q, bb.emit(relax.op.concat(pair, axis=2)), v
+
+    (call,) = _fused(_attention_of(("b", 12, "s", 64), ("b", 12, "s", 64), ("b", 12, "s", 64),
+                                   prepare))
+    assert _layout(call).k.offset == 0

@@ -25,9 +25,20 @@
 
 namespace {
 
-constexpr int kRows = 64;    // query rows per block
-constexpr int kKeys = 64;    // keys per tile
-constexpr int kWarps = 4;
+#ifndef GRAPE_ATTENTION_WARPS
+#define GRAPE_ATTENTION_WARPS 4
+#endif
+#ifndef GRAPE_ATTENTION_STAGES
+#define GRAPE_ATTENTION_STAGES 2
+#endif
+constexpr int kWarps = GRAPE_ATTENTION_WARPS;
+constexpr int kRows = 16 * kWarps;  // query rows per block: 16 per warp
+constexpr int kKeys = 64;           // keys per tile
+// K and V tiles in flight: the next tile is copied (cp.async) while this one is computed.
+// Static shared memory stays under 48 KiB: two stages for a head_dim of 64, one for 128.
+constexpr int kStages = GRAPE_ATTENTION_STAGES;
+template <int D>
+__host__ __device__ constexpr int stages() { return D <= 64 ? kStages : 1; }
 constexpr int kPad = 8;      // halves of padding per shared row: no bank conflicts on b0 loads
 
 struct Layout {
@@ -96,18 +107,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t* r, const void* row) 
 }
 
 // Rows [row0, row0 + kKeys) of a view into a shared tile of kKeys x (D + kPad), zeros past
-// `rows`: 16 bytes per thread and step.
+// `rows`: asynchronous 16-byte copies (cp.async; a source size of 0 writes zeros), in the
+// group the caller commits.
 template <int D, typename T>
 __device__ __forceinline__ void load_tile(T* tile, const T* base, long long row_stride,
                                           int row0, int rows) {
   constexpr int kChunks = D / 8;  // 16-byte chunks per row
   for (int i = threadIdx.x; i < kKeys * kChunks; i += kWarps * 32) {
     int r = i / kChunks, c = (i % kChunks) * 8;
-    uint4 value = make_uint4(0, 0, 0, 0);
-    if (row0 + r < rows)
-      value = *reinterpret_cast<const uint4*>(base + (long long)(row0 + r) * row_stride + c);
-    *reinterpret_cast<uint4*>(tile + r * (D + kPad) + c) = value;
+    bool in = row0 + r < rows;
+    const T* source = in ? base + (long long)(row0 + r) * row_stride + c : base;
+    uint32_t target = static_cast<uint32_t>(__cvta_generic_to_shared(tile + r * (D + kPad) + c));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                 :: "r"(target), "l"(source), "r"(in ? 16 : 0));
   }
+}
+
+__device__ __forceinline__ void commit_copies() { asm volatile("cp.async.commit_group;\n"); }
+
+template <int Pending>
+__device__ __forceinline__ void wait_copies() {
+  asm volatile("cp.async.wait_group %0;\n" :: "n"(Pending));
 }
 
 template <int D, typename T>
@@ -115,8 +135,10 @@ __device__ void attention(const T* __restrict__ q, const T* __restrict__ k,
                           const T* __restrict__ v, const T* __restrict__ bias,
                           T* __restrict__ out, int query_rows, int keys, int causal, Layout ql,
                           Layout kl, Layout vl, Layout ol, Layout bl, float scale) {
-  __shared__ __align__(16) T k_tile[kKeys * (D + kPad)];
-  __shared__ __align__(16) T v_tile[kKeys * (D + kPad)];
+  constexpr int kTile = kKeys * (D + kPad);
+  constexpr int kStaged = stages<D>();
+  __shared__ __align__(16) T k_tiles[kStaged * kTile];
+  __shared__ __align__(16) T v_tiles[kStaged * kTile];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int batch = blockIdx.z, head = blockIdx.y;
   // Causal: the block's rows attend keys up to row + offset (the keys before the queries, a
@@ -150,11 +172,29 @@ __device__ void attention(const T* __restrict__ q, const T* __restrict__ k,
     for (int i = 0; i < 4; ++i) acc[n][i] = 0.f;
   float row_max[2] = {-INFINITY, -INFINITY}, row_sum[2] = {0.f, 0.f};
 
-  for (int key0 = 0; key0 < key_end; key0 += kKeys) {
-    __syncthreads();  // the tiles before are read
-    load_tile<D>(k_tile, k, kl.row_stride, key0, keys);
-    load_tile<D>(v_tile, v, vl.row_stride, key0, keys);
-    __syncthreads();
+  if (kStaged > 1) {  // the first tile, before the loop
+    load_tile<D>(k_tiles, k, kl.row_stride, 0, keys);
+    load_tile<D>(v_tiles, v, vl.row_stride, 0, keys);
+    commit_copies();
+  }
+  for (int key0 = 0, tile = 0; key0 < key_end; key0 += kKeys, ++tile) {
+    const T* k_tile = k_tiles + (tile % kStaged) * kTile;
+    const T* v_tile = v_tiles + (tile % kStaged) * kTile;
+    if (kStaged == 1) {
+      load_tile<D>(k_tiles, k, kl.row_stride, key0, keys);
+      load_tile<D>(v_tiles, v, vl.row_stride, key0, keys);
+      commit_copies();
+      wait_copies<0>();
+    } else if (key0 + kKeys < key_end) {  // the next tile's copy overlaps this one's work
+      int next = (tile + 1) % kStaged;
+      load_tile<D>(k_tiles + next * kTile, k, kl.row_stride, key0 + kKeys, keys);
+      load_tile<D>(v_tiles + next * kTile, v, vl.row_stride, key0 + kKeys, keys);
+      commit_copies();
+      wait_copies<1>();  // this tile's group is complete, the next one's may be pending
+    } else {
+      wait_copies<0>();
+    }
+    __syncthreads();  // every thread's copies of this tile are visible
 
     float s[kKeys / 8][4];
     for (int n = 0; n < kKeys / 8; ++n) {
@@ -224,6 +264,7 @@ __device__ void attention(const T* __restrict__ q, const T* __restrict__ k,
         mma<T>(acc[n + 1], pa[kc], b[2], b[3]);
       }
     }
+    __syncthreads();  // this stage is read: the next iteration's copy may overwrite it
   }
 
   // Each row's sum over its four lanes, then out = acc / sum.

@@ -1,0 +1,126 @@
+"""What opting a graph's kernel nodes into device-side updates costs, kernel by kernel kind.
+
+    python3 bench/device_updatable.py --out OUT
+
+Captures a few calls (cuBLAS matmuls through ``torch.matmul`` at GPT-2's prefill shapes in
+fp16, and an element-wise kernel) into a CUDA graph twice: as captured, and with every kernel
+node made device-updatable (``CU_LAUNCH_ATTRIBUTE_DEVICE_UPDATABLE_KERNEL_NODE``, as
+``runtime/topology_graph.py`` does), nothing ever updated. Times launches of each
+(CUDA events over back-to-back launches) and lists each node's kernel and launch attributes
+(cluster dims). Prints a table, writes ``device_updatable.json``. Needs torch and
+cuda-python on a GPU host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from cuda.bindings import driver
+
+
+def _check(result):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver error {err}")
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+def capture(fn, stream: torch.cuda.Stream):
+    """``fn``'s launches on ``stream`` as a CUgraph (not instantiated)."""
+    handle = driver.CUstream(stream.cuda_stream)
+    with torch.cuda.stream(stream):
+        _check(driver.cuStreamBeginCapture(
+            handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+        fn()
+        return _check(driver.cuStreamEndCapture(handle))
+
+
+def kernel_nodes(graph) -> list:
+    _, count = _check(driver.cuGraphGetNodes(graph, 0))
+    nodes, _ = _check(driver.cuGraphGetNodes(graph, count))
+    return [n for n in nodes[:count] if _check(driver.cuGraphNodeGetType(n)) ==
+            driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL]
+
+
+def describe(node) -> dict:
+    params = _check(driver.cuGraphKernelNodeGetParams(node))
+    try:
+        name = _check(driver.cuFuncGetName(params.func))
+    except Exception:  # pylint: disable=broad-except
+        name = b"?"
+    cluster = _check(driver.cuGraphKernelNodeGetAttribute(
+        node, driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)).clusterDim
+    return {"kernel": (name.decode() if isinstance(name, bytes) else str(name))[:80],
+            "grid": [params.gridDimX, params.gridDimY, params.gridDimZ],
+            "block": [params.blockDimX, params.blockDimY, params.blockDimZ],
+            "cluster": [cluster.x, cluster.y, cluster.z]}
+
+
+def make_updatable(graph) -> None:
+    attr = driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_DEVICE_UPDATABLE_KERNEL_NODE
+    for node in kernel_nodes(graph):
+        value = driver.CUkernelNodeAttrValue()
+        value.deviceUpdatableKernelNode.deviceUpdatable = 1
+        _check(driver.cuGraphKernelNodeSetAttribute(node, attr, value))
+
+
+def time_us(graph, stream, launches: int = 200) -> float:
+    exec_ = _check(driver.cuGraphInstantiate(graph, 0))
+    handle = driver.CUstream(stream.cuda_stream)
+    _check(driver.cuGraphUpload(exec_, handle))
+    for _ in range(5):
+        _check(driver.cuGraphLaunch(exec_, handle))
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record()
+        for _ in range(launches):
+            _check(driver.cuGraphLaunch(exec_, handle))
+        end.record()
+    end.synchronize()
+    _check(driver.cuGraphExecDestroy(exec_))
+    return start.elapsed_time(end) * 1000.0 / launches
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    stream = torch.cuda.Stream()
+    cases = {}
+    for m in (16, 128, 1024):
+        x = torch.randn(m, 768, device="cuda", dtype=torch.float16)
+        w = torch.randn(768, 3072, device="cuda", dtype=torch.float16)
+        y = torch.empty(m, 3072, device="cuda", dtype=torch.float16)
+        cases[f"matmul {m}x768x3072 fp16 x4"] = (lambda x=x, w=w, y=y: [torch.matmul(x, w, out=y)
+                                                                       for _ in range(4)])
+    a = torch.randn(1 << 20, device="cuda")
+    cases["add 1M fp32 x4"] = lambda: [torch.add(a, 1.0, out=a) for _ in range(4)]
+    results = {}
+    for name, fn in cases.items():
+        with torch.cuda.stream(stream):
+            fn()  # cuBLAS's handle and workspace for this stream, before any capture
+        torch.cuda.synchronize()
+        plain, updatable = capture(fn, stream), capture(fn, stream)
+        make_updatable(updatable)
+        results[name] = {"nodes": [describe(n) for n in kernel_nodes(plain)],
+                         "as_captured_us": time_us(plain, stream),
+                         "device_updatable_us": time_us(updatable, stream)}
+        r = results[name]
+        print(f"{name:32} as captured {r['as_captured_us']:7.1f} us  device-updatable "
+              f"{r['device_updatable_us']:7.1f} us  nodes {[(n['kernel'][:40], n['cluster']) for n in r['nodes'][:1]]}",
+              flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "device_updatable.json").write_text(json.dumps({
+        "machine": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "what": "us per launch of a graph of the case's kernels, back to back, CUDA events; "
+                "device_updatable: every kernel node opted into device-side updates, none made",
+        "cases": results}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from cuda.bindings import driver
+from torch_graph_timing import graph_us
 
 ROWS_PER_BLOCK = 64  # kRows of attention.cu (16 rows a warp)
 
@@ -93,26 +94,6 @@ def reference(q, k, v, bias, scale):
     return (torch.softmax(scores, dim=-1) @ vf).transpose(1, 2)  # [b, s, h, d]
 
 
-def timed(fn, reps: int) -> float:
-    """us per call: ``reps`` calls captured in one CUDA graph, its replays timed by events
-    (no host launch cost in the figure)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000.0 / (5 * reps)
-
-
 def run_case(kernel: Kernel, dtype, head_dim: int, batch: int, heads: int, rows: int,
              reps: int, variants: dict[str, Kernel]) -> dict:
     torch.manual_seed(rows)
@@ -140,13 +121,13 @@ def run_case(kernel: Kernel, dtype, head_dim: int, batch: int, heads: int, rows:
         "dtype": str(dtype).replace("torch.", ""), "head_dim": head_dim, "batch": batch,
         "heads": heads, "seq": rows, "max_abs_error_causal": errors[True],
         "max_abs_error_bias": errors[False],
-        "grape_causal_us": timed(lambda: kernel.launch(q, k, v, None, out, scale, True), reps),
-        "grape_bias_us": timed(lambda: kernel.launch(q, k, v, bias, out, scale, False), reps),
-        "torch_sdpa_mask_us": timed(lambda: F.scaled_dot_product_attention(
+        "grape_causal_us": graph_us(lambda: kernel.launch(q, k, v, None, out, scale, True), reps),
+        "grape_bias_us": graph_us(lambda: kernel.launch(q, k, v, bias, out, scale, False), reps),
+        "torch_sdpa_mask_us": graph_us(lambda: F.scaled_dot_product_attention(
             qt, kt, vt, attn_mask=bias, scale=scale), reps),
-        "torch_sdpa_causal_us": timed(lambda: F.scaled_dot_product_attention(
+        "torch_sdpa_causal_us": graph_us(lambda: F.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, scale=scale), reps),
-        "torch_unfused_us": timed(unfused, reps),
+        "torch_unfused_us": graph_us(unfused, reps),
         "variants": {name: _variant(other, q, k, v, out, scale, want, reps)
                      for name, other in variants.items()},
     }
@@ -158,7 +139,8 @@ def _variant(kernel: Kernel, q, k, v, out, scale, want, reps: int) -> dict:
     kernel.launch(q, k, v, None, out, scale, True)
     torch.cuda.synchronize()
     return {"max_abs_error_causal": (out.float() - want).abs().max().item(),
-            "grape_causal_us": timed(lambda: kernel.launch(q, k, v, None, out, scale, True), reps)}
+            "grape_causal_us": graph_us(
+                lambda: kernel.launch(q, k, v, None, out, scale, True), reps)}
 
 
 def main() -> int:

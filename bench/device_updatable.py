@@ -1,14 +1,17 @@
 """What opting a graph's kernel nodes into device-side updates costs, kernel by kernel kind.
 
-    python3 bench/device_updatable.py --out OUT
+    python3 bench/device_updatable.py --out OUT [--touch-cubin touch_nodes.cubin]
 
 Captures a few calls (cuBLAS matmuls through ``torch.matmul`` at GPT-2's prefill shapes in
-fp16, and an element-wise kernel) into a CUDA graph twice: as captured, and with every kernel
-node made device-updatable (``CU_LAUNCH_ATTRIBUTE_DEVICE_UPDATABLE_KERNEL_NODE``, as
-``runtime/topology_graph.py`` does), nothing ever updated. Times launches of each
-(CUDA events over back-to-back launches) and lists each node's kernel and launch attributes
-(cluster dims). Prints a table, writes ``device_updatable.json``. Needs torch and
-cuda-python on a GPU host.
+fp16, and an element-wise kernel) into CUDA graphs: as captured, and with every kernel node
+made device-updatable (``CU_LAUNCH_ATTRIBUTE_DEVICE_UPDATABLE_KERNEL_NODE``, as
+``runtime/topology_graph.py`` does), nothing ever updated. With ``--touch-cubin``
+(``bench/kernels/touch_nodes.cu`` built with ``nvcc --cubin -arch=sm_90``), three more, each
+with a head node before the captured ones, as grape's patch node: one that updates nothing,
+one that sets every node's grid to the grid it has on the first launch only, and one that
+does so on every launch. Times launches of each (CUDA events over back-to-back launches) and
+lists each node's kernel and cluster dims. Prints a table, writes ``device_updatable.json``.
+Needs torch and cuda-python on a GPU host.
 """
 
 from __future__ import annotations
@@ -60,12 +63,55 @@ def describe(node) -> dict:
             "cluster": [cluster.x, cluster.y, cluster.z]}
 
 
-def make_updatable(graph) -> None:
+def make_updatable(graph) -> list[int]:
+    """Opt every kernel node in; their device handles."""
     attr = driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_DEVICE_UPDATABLE_KERNEL_NODE
+    handles = []
     for node in kernel_nodes(graph):
         value = driver.CUkernelNodeAttrValue()
         value.deviceUpdatableKernelNode.deviceUpdatable = 1
         _check(driver.cuGraphKernelNodeSetAttribute(node, attr, value))
+        got = _check(driver.cuGraphKernelNodeGetAttribute(node, attr))
+        handles.append(int(got.deviceUpdatableKernelNode.devNode))
+    return handles
+
+
+class TouchHead:
+    """A head node launching ``touch_nodes`` over a graph's device-updatable nodes."""
+
+    def __init__(self, cubin: Path):
+        self.module = _check(driver.cuModuleLoadData(cubin.read_bytes()))
+        self.function = _check(driver.cuModuleGetFunction(self.module, b"touch_nodes"))
+        self.keep = []  # device buffers and parameter storage, alive with the graphs
+
+    def add(self, graph, handles: list[int], mode: str) -> None:
+        """``mode``: "none" (returns at once), "once" (first launch), "every" launch."""
+        import ctypes  # pylint: disable=import-outside-toplevel
+        import numpy as np  # pylint: disable=import-outside-toplevel
+
+        grids = []
+        for node in kernel_nodes(graph):
+            p = _check(driver.cuGraphKernelNodeGetParams(node))
+            grids += [p.gridDimX, p.gridDimY, p.gridDimZ]
+        nodes_t = torch.tensor(np.array(handles, np.uint64).view(np.int64), device="cuda")
+        grids_t = torch.tensor(grids, dtype=torch.int32, device="cuda")
+        done_t = torch.tensor([1 if mode == "none" else 0], dtype=torch.int32, device="cuda")
+        boxes = [ctypes.c_uint64(nodes_t.data_ptr()), ctypes.c_uint64(grids_t.data_ptr()),
+                 ctypes.c_uint32(len(handles)), ctypes.c_uint64(done_t.data_ptr()),
+                 ctypes.c_uint32(0 if mode == "every" else 1)]
+        array = (ctypes.c_void_p * len(boxes))(*[ctypes.addressof(b) for b in boxes])
+        self.keep += [nodes_t, grids_t, done_t, boxes, array]
+        params = driver.CUDA_KERNEL_NODE_PARAMS()
+        params.func = self.function
+        params.gridDimX = params.gridDimY = params.gridDimZ = 1
+        params.blockDimX, params.blockDimY, params.blockDimZ = 64, 1, 1
+        params.sharedMemBytes = 0
+        params.kernelParams = ctypes.addressof(array)
+        _, count = _check(driver.cuGraphGetRootNodes(graph, 0))
+        roots, _ = _check(driver.cuGraphGetRootNodes(graph, count))
+        head = _check(driver.cuGraphAddKernelNode(graph, None, 0, params))
+        roots = list(roots[:count])
+        _check(driver.cuGraphAddDependencies(graph, [head] * len(roots), roots, None, len(roots)))
 
 
 def time_us(graph, stream, launches: int = 200) -> float:
@@ -88,7 +134,10 @@ def time_us(graph, stream, launches: int = 200) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    parser.add_argument("--touch-cubin", type=Path, default=None,
+                        help="bench/kernels/touch_nodes.cu built for this GPU")
     args = parser.parse_args()
+    touch = TouchHead(args.touch_cubin) if args.touch_cubin else None
     stream = torch.cuda.Stream()
     cases = {}
     for m in (16, 128, 1024):
@@ -109,15 +158,23 @@ def main() -> int:
         results[name] = {"nodes": [describe(n) for n in kernel_nodes(plain)],
                          "as_captured_us": time_us(plain, stream),
                          "device_updatable_us": time_us(updatable, stream)}
+        if touch is not None:
+            for mode in ("none", "once", "every"):
+                graph = capture(fn, stream)
+                handles = make_updatable(graph)
+                touch.add(graph, handles, mode)
+                results[name][f"head_updating_{mode}_us"] = time_us(graph, stream)
         r = results[name]
-        print(f"{name:32} as captured {r['as_captured_us']:7.1f} us  device-updatable "
-              f"{r['device_updatable_us']:7.1f} us  nodes {[(n['kernel'][:40], n['cluster']) for n in r['nodes'][:1]]}",
-              flush=True)
+        print(f"{name:32} " + "  ".join(f"{k[:-3]} {v:7.1f}" for k, v in r.items()
+                                        if k.endswith("_us")) +
+              f"  nodes {[(n['kernel'][:40], n['cluster']) for n in r['nodes'][:1]]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "device_updatable.json").write_text(json.dumps({
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__,
         "what": "us per launch of a graph of the case's kernels, back to back, CUDA events; "
-                "device_updatable: every kernel node opted into device-side updates, none made",
+                "device_updatable: every kernel node opted into device-side updates, none made; "
+                "head_updating_{none,once,every}: and a head node setting every node's grid to "
+                "its own value never, on the first launch, on every launch",
         "cases": results}, indent=1))
     return 0
 

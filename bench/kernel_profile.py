@@ -106,6 +106,9 @@ def main() -> None:
     parser.add_argument("--executor-steps", type=int, default=0)
     parser.add_argument("--graph-mode", default="topology",
                         help="per-shape for ncu: it cannot profile device-updatable nodes")
+    parser.add_argument("--log-memsets", action="store_true",
+                        help="with --executor-steps in topology mode: print each library "
+                             "memset the backend turns into a grape_fill kernel")
     parser.add_argument("--patch-staged-bytes", type=int, default=None,
                         help="the patch kernel's shared-memory budget (0: it stages nothing, "
                              "as before staging existed): an A/B of its time under ncu")
@@ -142,6 +145,8 @@ def main() -> None:
         shape = tuple(d if isinstance(d, int) else dims[d] for d in spec.shape)
         inputs.append(tvm.runtime.tensor(np.zeros(shape, spec.dtype), dev))
     if args.executor_steps:
+        if args.log_memsets:
+            _log_memsets()
         _executor_steps(args.artifact, signature, inputs, args.executor_steps, set(weights),
                         args.graph_mode)
         return
@@ -171,6 +176,23 @@ def main() -> None:
         print(f"  {sum(spans) * 1e6:9.0f} us  {len(spans):4d} calls  {symbol}")
 
 
+def _log_memsets() -> None:
+    """Print the memsets the CUDA backend turns into ``grape_fill`` kernels (topology mode):
+    address, rows of width by element size, value."""
+    from grape_tvm.runtime import cuda_backend  # pylint: disable=import-outside-toplevel
+
+    convert = cuda_backend.memsets_as_kernels
+
+    def logged(graph, memsets, fill):
+        for _, m in memsets:
+            print(f"memset as grape_fill: {max(m.height, 1)} x {m.width} x {m.element_size} B "
+                  f"(pitch {m.pitch}) = {max(m.height, 1) * m.width * m.element_size} B, "
+                  f"value {m.value}")
+        return convert(graph, memsets, fill)
+
+    cuda_backend.memsets_as_kernels = logged
+
+
 def _executor_steps(artifact: Path, signature, inputs: list, steps: int,
                     weight_names: set[str], graph_mode: str) -> None:
     """grape's executor at these dims, ``steps`` times after a first (recording) call."""
@@ -188,6 +210,9 @@ def _executor_steps(artifact: Path, signature, inputs: list, steps: int,
         executor.backend.synchronize()
         print(f"{steps} executor calls: {(time.perf_counter() - start) / steps * 1e6:.0f} us "
               f"each; {executor.stats}")
+        described = executor.backend.describe()
+        print("backend: " + ", ".join(f"{k} {described.get(k)}" for k in (
+            "mode", "graphs_instantiated", "memsets_as_kernels", "graphs_not_kept")))
 
 
 if __name__ == "__main__":

@@ -803,3 +803,34 @@ def causal_attention_numpy(qkv: np.ndarray, heads: int, bias: np.ndarray | None 
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
     out = weights / weights.sum(axis=-1, keepdims=True) @ v
     return out.transpose(0, 2, 1, 3).reshape(b, s, heads * d)
+
+
+def dense_attention(dtype: str = "float16", heads: int = ATTENTION_HEADS,
+                    head_dim: int = ATTENTION_HEAD_DIM):
+    """``softmax(q @ k^T / sqrt(d) + bias) @ v`` over separate (b, h, s, d) inputs q, k and v
+    and a (s, s) bias broadcast over batch and heads, the output left (b, h, s, d): on CUDA
+    grape's fused attention reading each operand dense and the bias with strides of 0."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+    q, k, v = (relax.Var(n, relax.TensorType((b, heads, s, head_dim), dtype)) for n in "qkv")
+    bias = relax.Var("bias", relax.TensorType((s, s), dtype))
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v, bias]):
+        with bb.dataflow():
+            scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(k, [0, 1, 3, 2])),
+                                         relax.const(head_dim ** -0.5, dtype)))
+            probs = bb.emit(op.nn.softmax(op.add(scores, bias), axis=-1))
+            y = bb.emit_output(op.matmul(probs, v))
+        bb.emit_func_output(y)
+    return bb.get()
+
+
+def dense_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray
+                          ) -> np.ndarray:
+    """``dense_attention`` in float64."""
+    q, k, v, bias = (x.astype(np.float64) for x in (q, k, v, bias))
+    scores = q @ np.swapaxes(k, -1, -2) * q.shape[-1] ** -0.5 + bias
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True) @ v

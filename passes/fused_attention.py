@@ -261,7 +261,7 @@ class _Fuser(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value, fused = binding.value, None
-        if not isinstance(binding.var, relax.DataflowVar) or not isinstance(value, relax.Call):
+        if not isinstance(value, relax.Call):
             pass
         elif _heads_back(value) and self._once(value.args[0]):
             product = self._call(value.args[0], "matmul")
@@ -270,8 +270,12 @@ class _Fuser(relax.PyExprMutator):
             fused = self.fuse(value, out_heads_last=False)
         if fused is None:
             super().visit_var_binding_(binding)
-        else:
-            self.set_var_remap(binding.var, self.builder_.emit(fused, binding.var.name))
+            return
+        # A dataflow block's output (the function's result) stays one.
+        output = not isinstance(binding.var, relax.DataflowVar) and \
+            self.builder_.current_block_is_dataflow()
+        emit = self.builder_.emit_output if output else self.builder_.emit
+        self.set_var_remap(binding.var, emit(fused, binding.var.name))
 
 
 def _heads_back(call: relax.Call) -> bool:

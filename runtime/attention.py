@@ -154,7 +154,8 @@ class FusedAttention:
                              f"(at {q_at:#x}, {k_at:#x}, {v_at:#x})")
         values: list[tuple[type, Any]] = [
             (ctypes.c_uint64, q_at), (ctypes.c_uint64, k_at), (ctypes.c_uint64, v_at),
-            (ctypes.c_uint64, bias.data_ptr() + layout.bias.offset * size if bias is not None else 0),
+            (ctypes.c_uint64,
+             0 if bias is None else bias.data_ptr() + layout.bias.offset * size),
             (ctypes.c_uint64, out.data_ptr() + layout.out.offset * size),
             (ctypes.c_int32, layout.rows), (ctypes.c_int32, layout.keys),
             (ctypes.c_int32, int(function.causal))]

@@ -18,7 +18,8 @@ from grape_tvm.runtime.attention import SOURCE, AttentionLayout
 from grape_tvm.runtime.cuda_compile import nvcc_available, source_key
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from models import attention_products, causal_attention, causal_attention_numpy  # noqa: E402
+from models import (attention_products, causal_attention, causal_attention_numpy,  # noqa: E402
+                    dense_attention)
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
@@ -29,8 +30,9 @@ def _fused(mod: tvm.IRModule) -> list[relax.Call]:
     calls = []
 
     def visit(expr):
-        if isinstance(expr, relax.Call) and getattr(expr.op, "name", "") == "relax.call_dps_packed" \
-                and expr.args[0].global_symbol.startswith("grape.attention."):
+        if isinstance(expr, relax.Call) and \
+                getattr(expr.op, "name", "") == "relax.call_dps_packed" and \
+                expr.args[0].global_symbol.startswith("grape.attention."):
             calls.append(expr)
 
     relax.analysis.post_order_visit(out["main"], visit)
@@ -61,11 +63,13 @@ def test_causal_mask_of_aranges_is_the_kernels_causal_mode():
     assert args[0].same_as(args[1]) and args[1].same_as(args[2])
     assert float(args[-1].value) == pytest.approx(0.125)
     layout = _layout(call)
-    assert (layout.batch, layout.heads, layout.rows, layout.keys, layout.head_dim) == (2, 12, 10, 10, 64)
+    sizes = (layout.batch, layout.heads, layout.rows, layout.keys, layout.head_dim)
+    assert sizes == (2, 12, 10, 10, 64)
     row = 3 * 12 * 64
     for view, offset in ((layout.q, 0), (layout.k, 768), (layout.v, 1536)):
         assert (view.offset, view.batch, view.head, view.row) == (offset, 10 * row, 64, row)
-    assert (layout.out.offset, layout.out.batch, layout.out.head, layout.out.row) == (0, 10 * 768, 64, 768)
+    out = layout.out
+    assert (out.offset, out.batch, out.head, out.row) == (0, 10 * 768, 64, 768)
     assert [int(d) if isinstance(d, tirx.IntImm) else str(d) for d in call.ty.shape.values] == \
         ["b", "s", 12, 64]
 
@@ -145,7 +149,8 @@ def _attention_of(q_shape, k_shape, v_shape, prepare=None) -> tvm.IRModule:
     with bb.function("main", params):
         with bb.dataflow():
             q, k, v = prepare(bb, *params) if prepare else params
-            scores = bb.emit(relax.op.multiply(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])),
+            k_t = relax.op.permute_dims(k, [0, 1, 3, 2])
+            scores = bb.emit(relax.op.multiply(relax.op.matmul(q, k_t),
                                                relax.const(0.125, "float16")))
             probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
             out = bb.emit_output(relax.op.nn.relu(relax.op.matmul(probs, v)))
@@ -170,7 +175,8 @@ def test_operands_the_kernel_would_misread_are_left_alone(q, k, v):
 def test_dense_operands_fuse_with_their_own_strides():
     (call,) = _fused(_attention_of(("b", 12, "s", 64), ("b", 12, "s", 64), ("b", 12, "s", 64)))
     layout = _layout(call)
-    assert (layout.k.offset, layout.k.batch, layout.k.head, layout.k.row) == (0, 12 * 10 * 64, 10 * 64, 64)
+    k = layout.k
+    assert (k.offset, k.batch, k.head, k.row) == (0, 12 * 10 * 64, 10 * 64, 64)
     assert (layout.out.batch, layout.out.head, layout.out.row) == (12 * 10 * 64, 10 * 64, 64)
 
 
@@ -202,3 +208,14 @@ def test_a_concat_of_a_tuple_variable_is_read_dense():
     (call,) = _fused(_attention_of(("b", 12, "s", 64), ("b", 12, "s", 64), ("b", 12, "s", 64),
                                    prepare))
     assert _layout(call).k.offset == 0
+
+
+def test_dense_operands_and_a_two_dim_bias():
+    """The GPU test's dense model: q, k and v dense, the output [b, h, s, d], the (s, s) bias
+    read with batch and head strides of 0."""
+    (call,) = _fused(dense_attention("float16"))
+    assert call.args[0].global_symbol == "grape.attention.fused_bias"
+    layout = _layout(call)
+    assert (layout.q.batch, layout.q.head, layout.q.row) == (12 * 10 * 64, 10 * 64, 64)
+    assert (layout.bias.batch, layout.bias.head, layout.bias.row) == (0, 0, 10)
+    assert (layout.out.batch, layout.out.head, layout.out.row) == (12 * 10 * 64, 10 * 64, 64)

@@ -774,6 +774,35 @@ def test_fused_attention_equals_numpy(name, heads):
         executor.close()
 
 
+@pytest.mark.timeout(180, method="thread")
+def test_fused_attention_of_dense_operands_equals_numpy():
+    """Separate q, k and v read dense, the output left [b, h, s, d] and a (s, s) bias read
+    with batch and head strides of 0 (``models.dense_attention``, fp16), at sequences inside,
+    at and past a 64-row block, batches 1 and 2, in a random order: equal numpy's float64."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import dense_attention_numpy  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact("fused_attention_dense_d64.cuda.grape"), "cuda")
+    assert "attention" in executor.manifest["plan"]["libraries"]
+    rng = np.random.default_rng(6)
+    shapes = [(b, s) for b in (1, 2) for s in (3, 64, 100, 513)]
+    try:
+        for index in [int(i) for _ in range(2) for i in rng.permutation(len(shapes))]:
+            b, s = shapes[index]
+            inputs = {n: rng.standard_normal((b, 12, s, 64)).astype("float16") for n in "qkv"}
+            inputs["bias"] = rng.standard_normal((s, s)).astype("float16")
+            got = executor.run(inputs)["y"].astype(np.float64)
+            want = dense_attention_numpy(inputs["q"], inputs["k"], inputs["v"], inputs["bias"])
+            error = float(np.abs(got - want).max())
+            assert error <= 1e-2, (b, s, error)
+    finally:
+        executor.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_few_rows_on_gemv_kernels_and_cublaslt_above_equal_numpy(dtype):
     """The same MLP built with the default ``matmul="auto"``: grape's GEMV kernels where the

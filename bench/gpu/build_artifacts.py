@@ -5,7 +5,8 @@
 - ``wide_head_float16.cuda.grape``: ``models.wide_head``, outputs of odd width on cuBLASLt
   (tests).
 - ``fused_attention_{causal,bias}_d64.cuda.grape``, ``fused_attention_causal_d128.cuda.grape``:
-  ``models.causal_attention`` in fp16 on grape's fused attention kernel (tests).
+  ``models.causal_attention`` in fp16 on grape's fused attention kernel;
+  ``fused_attention_dense_d64.cuda.grape``: ``models.dense_attention`` (tests).
 - ``library_{float32,float16}.cuda.grape``: a GPT-2 MLP whose matmuls are cuBLASLt calls
   (tests).
 - ``blocks.cuda.grape``: the bundled example (tests, demo); ``blocks_4096.cuda.grape`` the
@@ -78,6 +79,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     gpt2_output_names,
     attention_products,
     causal_attention,
+    dense_attention,
     library_layer,
     wide_head,
     reductions_model,
@@ -418,6 +420,9 @@ def build_library(out: Path) -> None:
             causal_attention("float16", h, d, m), {"b": (1, 4), "s": (1, 1024)}, CUDA,
             output_names=["y"]))
         module.export(out / f"{name}.cuda.grape")
+    module = _timed("fused_attention_dense_d64", lambda: grape_tvm.build(
+        dense_attention("float16"), {"b": (1, 4), "s": (1, 1024)}, CUDA, output_names=["y"]))
+    module.export(out / "fused_attention_dense_d64.cuda.grape")
 
 
 CONV_STACK_DIMS = {"samples": (400, 16000), "b": (1, 2)}
@@ -476,6 +481,17 @@ def build_zoo(out: Path) -> None:
             print(f"zoo/{name}: no export compiles; left out")
 
 
+def build_probe_cubins(out: Path) -> None:
+    """``patch.cubin`` (``runtime/kernels/patch.cu``: ``bench/fill_kernel.py``) and
+    ``touch_nodes.cubin`` (``bench/kernels/touch_nodes.cu``: ``bench/device_updatable.py``)."""
+    from grape_tvm.runtime.cuda_compile import compile_cubin  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.topology_graph import PATCH_SOURCE  # pylint: disable=import-outside-toplevel
+
+    for name, source in (("patch", PATCH_SOURCE),
+                         ("touch_nodes", ROOT / "bench" / "kernels" / "touch_nodes.cu")):
+        (out / f"{name}.cubin").write_bytes(compile_cubin(source.read_text(), "sm_90"))
+
+
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.
 STEPS = {
     "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
@@ -495,6 +511,9 @@ STEPS = {
     "ncu_gpt2_prefill": (lambda out: build_hf_models(out, ("gpt2_prefill",), baselines=False,
                                                      dtype="float16"),),
     "ncu_wav2vec2": (build_wav2vec2,),
+    "topology_probe": (build_library, build_probe_cubins,
+                       lambda out: build_hf_models(out, ("gpt2_prefill",), baselines=False,
+                                                   dtype="float16")),
     "matmul": (build_matmul_bench,),
     "hf_models": (build_hf_models, build_wav2vec2),
     "hf_models_fp16": (lambda out: build_hf_models(out, dtype="float16"),),

@@ -42,6 +42,17 @@ want ncu_gemv && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duratio
 # nodes) at n = 1: first launch, then launches that change nothing; staged in shared memory
 # (the default) and not (--patch-staged-bytes 0), one process each.
 want ncu_patch && { for staged in 0 49152; do "$ncu_bin" --metrics gpu__time_duration.sum --cache-control none --clock-control none --csv --log-file "$out/patch_ncu_staged_$staged.csv" python3 -P bench/kernel_profile.py build/gpu/blocks24.grape.cuda.grape --dim n=1 --executor-steps 5 --patch-staged-bytes "$staged" || status=1; done; }
+# Why topology graphs run cuBLASLt's kernels slower than per-shape graphs (bench/README.md,
+# "Session of 2026-12-02, third"): device-side updates on cuBLAS's kernels, grape_fill against
+# a memset, and the library memsets of the MLP and of GPT-2's fp16 prefill, both graph modes.
+want topology_probe && {
+  python3 -P bench/device_updatable.py --touch-cubin build/gpu/touch_nodes.cubin --out "$out" || status=1
+  python3 -P bench/fill_kernel.py --cubin build/gpu/patch.cubin --out "$out" || status=1
+  for mode in topology per-shape; do
+    python3 -P bench/kernel_profile.py build/gpu/library_float16.cuda.grape --dim n=128 --executor-steps 50 --graph-mode "$mode" --log-memsets || status=1
+    python3 -P bench/kernel_profile.py build/gpu/gpt2_prefill_fp16.cuda.grape --dim batch=1 --dim seq=128 --weights build/gpu/gpt2_prefill_fp16.weights.json --executor-steps 20 --graph-mode "$mode" --log-memsets || status=1
+  done
+}
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }

@@ -1,0 +1,81 @@
+"""grape's ``grape_fill`` kernel (a library memset as a kernel, in topology graphs) against a
+memset node, by size.
+
+    python3 bench/fill_kernel.py --cubin PATCH_CUBIN --out OUT
+
+``PATCH_CUBIN``: ``runtime/kernels/patch.cu`` built with ``nvcc --cubin -arch=sm_90``. For each
+size, 20 fills of a zeroed buffer captured in one CUDA graph, as ``runtime/topology_graph.py``
+launches them (``FILL_BLOCK`` threads, at most ``FILL_MAX_BLOCKS`` blocks, 4-byte elements)
+and as ``cuMemsetD32Async``; replays timed by CUDA events. Prints a table, writes
+``fill_kernel.json``. Needs torch and cuda-python on a GPU host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import torch
+from cuda.bindings import driver
+from torch_graph_timing import graph_us
+
+FILL_BLOCK, FILL_MAX_BLOCKS = 256, 1024  # runtime/topology_graph.py's
+SIZES = (64, 4096, 1 << 20, 16 << 20, 64 << 20)  # bytes
+
+
+def _check(result):
+    err, *rest = result if isinstance(result, tuple) else (result,)
+    if err != driver.CUresult.CUDA_SUCCESS:
+        raise RuntimeError(f"CUDA driver error {err}")
+    return rest[0] if len(rest) == 1 else (rest or None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cubin", type=Path, required=True)
+    parser.add_argument("--out", type=Path, default=Path("bench/results"))
+    args = parser.parse_args()
+    torch.zeros(1, device="cuda")
+    module = _check(driver.cuModuleLoadData(args.cubin.read_bytes()))
+    fill = _check(driver.cuModuleGetFunction(module, b"grape_fill"))
+    rows = []
+    for size in SIZES:
+        buffer = torch.ones(size // 4, dtype=torch.int32, device="cuda")
+        width = size // 4
+        boxes = [ctypes.c_uint64(buffer.data_ptr()), ctypes.c_uint64(size),
+                 ctypes.c_uint64(width), ctypes.c_uint64(1), ctypes.c_uint32(0),
+                 ctypes.c_uint32(4)]
+        array = (ctypes.c_void_p * len(boxes))(*[ctypes.addressof(b) for b in boxes])
+        blocks = min(max(-(-width // FILL_BLOCK), 1), FILL_MAX_BLOCKS)
+
+        def by_kernel():
+            stream = torch.cuda.current_stream().cuda_stream
+            _check(driver.cuLaunchKernel(fill, blocks, 1, 1, FILL_BLOCK, 1, 1, 0, stream,
+                                         ctypes.addressof(array), 0))
+
+        def by_memset():
+            stream = torch.cuda.current_stream().cuda_stream
+            _check(driver.cuMemsetD32Async(buffer.data_ptr(), 0, width, stream))
+
+        by_kernel()
+        torch.cuda.synchronize()
+        assert int(buffer.abs().sum()) == 0, "grape_fill left nonzero elements"
+        row = {"bytes": size, "grape_fill_us": graph_us(by_kernel),
+               "memset_us": graph_us(by_memset)}
+        rows.append(row)
+        print(f"{size:>10} B  grape_fill {row['grape_fill_us']:8.2f} us  memset "
+              f"{row['memset_us']:8.2f} us", flush=True)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "fill_kernel.json").write_text(json.dumps({
+        "machine": torch.cuda.get_device_name(),
+        "what": "us per fill of a buffer of `bytes`: 20 fills in one CUDA graph, replays "
+                "timed by CUDA events; grape_fill as topology graphs launch it, against "
+                "cuMemsetD32Async", "sizes": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -26,7 +26,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from cuda.bindings import driver
-from torch_graph_timing import graph_us
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P too
+from torch_graph_timing import graph_us  # noqa: E402  pylint: disable=wrong-import-position
 
 ROWS_PER_BLOCK = 64  # kRows of attention.cu (16 rows a warp)
 

@@ -20,7 +20,9 @@ from pathlib import Path
 
 import torch
 from cuda.bindings import driver
-from torch_graph_timing import graph_us
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P too
+from torch_graph_timing import graph_us  # noqa: E402  pylint: disable=wrong-import-position
 
 FILL_BLOCK, FILL_MAX_BLOCKS = 256, 1024  # runtime/topology_graph.py's
 SIZES = (64, 4096, 1 << 20, 16 << 20, 64 << 20)  # bytes

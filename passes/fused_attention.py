@@ -216,7 +216,9 @@ class _Fuser(relax.PyExprMutator):
         if k_perm is None or k_perm.attrs.axes is None or \
                 [int(a) for a in k_perm.attrs.axes] != [0, 1, 3, 2]:
             return None
-        k, v = k_perm.args[0], product.args[1]
+        # v as this mutator has it (an earlier attention fused here renames its output);
+        # q, k and the bias come through lookup_binding, rewritten already.
+        k, v = k_perm.args[0], self.visit_expr(product.args[1])
         shapes = [_dims(e) for e in (q, k, v, product)]
         dtypes = {str(e.ty.dtype) for e in (q, k, v, product)}
         if any(s is None or len(s) != 4 for s in shapes) or len(dtypes) != 1 or \
@@ -266,6 +268,8 @@ class _Fuser(relax.PyExprMutator):
         elif _heads_back(value) and self._once(value.args[0]):
             product = self._call(value.args[0], "matmul")
             fused = self.fuse(product, out_heads_last=True) if product is not None else None
+            if fused is not None and not _visible_after(value.args[0], fused):
+                fused = None
         elif value.op == _OPS["matmul"] and binding.var not in self.transposed:
             fused = self.fuse(value, out_heads_last=False)
         if fused is None:
@@ -276,6 +280,14 @@ class _Fuser(relax.PyExprMutator):
             self.builder_.current_block_is_dataflow()
         emit = self.builder_.emit_output if output else self.builder_.emit
         self.set_var_remap(binding.var, emit(fused, binding.var.name))
+
+
+def _visible_after(product: relax.Expr, call: relax.Call) -> bool:
+    """Whether ``call``, emitted at the transpose of ``product``, sees its operands: a
+    product that is a block's output may be transposed in a later block, where the
+    earlier block's dataflow variables are gone."""
+    return isinstance(product, relax.DataflowVar) or \
+        not any(isinstance(a, relax.DataflowVar) for a in call.args[1].fields)
 
 
 def _heads_back(call: relax.Call) -> bool:

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax, tirx
+from tvm_ffi.structural import structural_equal
 
 import grape_tvm
 from grape_tvm.passes import FuseAttention
@@ -36,6 +37,8 @@ def _fused(mod: tvm.IRModule) -> list[relax.Call]:
             calls.append(expr)
 
     relax.analysis.post_order_visit(out["main"], visit)
+    relax.analysis.well_formed(out)  # raises where it is not
+    assert structural_equal(out["main"].ret_ty, mod["main"].ret_ty)  # the result unchanged
     ops = set()
     relax.analysis.post_order_visit(out["main"], lambda e: isinstance(e, relax.Call) and
                                     hasattr(e.op, "name") and ops.add(e.op.name))
@@ -219,3 +222,38 @@ def test_dense_operands_and_a_two_dim_bias():
     assert (layout.q.batch, layout.q.head, layout.q.row) == (12 * 10 * 64, 10 * 64, 64)
     assert (layout.bias.batch, layout.bias.head, layout.bias.row) == (0, 0, 10)
     assert (layout.out.batch, layout.out.head, layout.out.row) == (12 * 10 * 64, 10 * 64, 64)
+
+
+def _attention(bb, q, k, v):
+    scores = bb.emit(relax.op.multiply(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2])),
+                                       relax.const(0.125, "float16")))
+    return bb.emit(relax.op.matmul(bb.emit(relax.op.nn.softmax(scores, axis=-1)), v))
+
+
+def _qkv_function(body, pure: bool = True) -> tvm.IRModule:
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+    q, k, v = (relax.Var(n, relax.TensorType((b, 12, s, 64), "float16")) for n in "qkv")
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v], pure=pure):
+        bb.emit_func_output(body(bb, q, k, v))
+    return relax.transform.ConvertToDataflow(min_size=1)(bb.get())
+
+
+def test_an_attention_over_another_ones_output_reads_it_renamed():
+    """The second attention's v is the first's output: a review found the second call read
+    the first's variable from before the rewrite (an undefined variable)."""
+    def body(bb, q, k, v):
+        return _attention(bb, q, k, _attention(bb, q, k, v))
+
+    assert len(_fused(_qkv_function(body))) == 2
+
+
+def test_no_fusion_reads_an_earlier_blocks_dataflow_variables():
+    """An attention's output, a block's output, transposed in the next block (an impure call
+    between): fused at the transpose, the call would read the first block's variables."""
+    def body(bb, q, k, v):
+        out = _attention(bb, bb.emit(relax.op.add(q, q)), k, v)
+        bb.emit(relax.op.print(q, format="q"))
+        return bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
+
+    assert _fused(_qkv_function(body, pure=False)) == []  # and well formed

@@ -23,6 +23,7 @@ from grape_tvm.runtime.call_program import CallProgram
 from grape_tvm.runtime.attention import LIBRARY as ATTENTION
 from grape_tvm.runtime.attention import SOURCE as ATTENTION_SOURCE
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
+from grape_tvm.runtime.tensor_parallel import PLAN_KEY as TENSOR_PARALLEL_KEY
 from grape_tvm.runtime.device_loop import LOOP_SOURCE, STOP_DTYPES, LoopSpec
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
@@ -135,7 +136,8 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
           signature: Signature | None = None, output_names: list[str] | None = None,
           prebuild_cubin: bool = True, select_ops: int = 16,
           device_branches: bool = True, max_memory: int = DEFAULT_MAX_MEMORY,
-          dim_names: Mapping[str, str] | None = None, matmul: str | None = None) -> GrapeModule:
+          dim_names: Mapping[str, str] | None = None, matmul: str | None = None,
+          tensor_parallel: int = 1) -> GrapeModule:
     """Compile a Relax module whose ``main`` takes tensors with symbolic dimensions.
 
     ``dims`` maps each symbolic dimension to its declared range ``(lo, hi)``; memory is
@@ -154,9 +156,18 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     (the default on CUDA: grape's GEMV kernels where the rows are few, cuBLASLt captured
     into the graphs above; the deployment host needs ``libcublasLt``), "cublaslt" (cuBLASLt
     at every row count), "grape" (grape's GEMV kernels for few rows, TVM's schedules above;
-    CUDA) or "tvm" (TVM's schedules; the default elsewhere).
+    CUDA) or "tvm" (TVM's schedules; the default elsewhere). ``tensor_parallel`` > 1: ``mod``
+    carries sharding annotations for that many devices (``passes.tensor_parallel.shard``);
+    the artifact holds the program each rank runs (its collectives ``R.ccl`` calls, for
+    disco; each sharded input taken as the rank's part) and, in ``plan["tensor_parallel"]``,
+    the world size and which inputs are split along which axis
+    (``runtime.tensor_parallel.rank_inputs`` makes a rank's inputs from whole ones). Its
+    kernels are TVM's legalization's (``LowerTensorParallel``): no library calls yet.
     """
     tgt = parse_target(target)
+    parallel = None
+    if tensor_parallel != 1:
+        mod, parallel = _per_rank_program(mod, tensor_parallel)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
     signature = signature or _relax_signature(mod["main"], ranges, output_names)
     dim_names = dim_names or {}
@@ -166,7 +177,31 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
         lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names))
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
+    if parallel is not None:
+        plan[TENSOR_PARALLEL_KEY] = parallel
     return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)
+
+
+def _per_rank_program(mod: tvm.IRModule, world_size: int) -> tuple[tvm.IRModule, dict]:
+    """The program each of ``world_size`` ranks runs, and the plan's tensor-parallel entry."""
+    from grape_tvm.passes.tensor_parallel import (  # pylint: disable=import-outside-toplevel
+        LocalParams, LowerTensorParallel, shard_plan)
+
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"tensor_parallel must be a positive number of devices, got {world_size!r}")
+    annotated = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: isinstance(e, relax.Call) and getattr(
+        e.op, "name", "") == "relax.dist.annotate_sharding" and annotated.append(e))
+    declared = mod.attrs.get("device_num") if mod.attrs is not None else None
+    if not annotated or declared is None:
+        raise ValueError(f"tensor_parallel={world_size}: the module carries no sharding "
+                         "annotations for a device mesh (grape_tvm.passes.tensor_parallel's "
+                         "shard and with_mesh make them)")
+    if int(declared) != world_size:
+        raise ValueError(f"tensor_parallel={world_size}: the module is annotated for "
+                         f"{int(declared)} devices")
+    per_rank = LocalParams()(LowerTensorParallel()(mod))
+    return per_rank, {"world_size": world_size, "shard_plan": shard_plan(per_rank)}
 
 
 def _has_if(mod: tvm.IRModule) -> bool:

@@ -8,6 +8,8 @@ from tvm.ir.transform import PassContext, module_pass
 from tvm.relax.distributed import Placement, device_mesh
 from tvm.relax.distributed import transform as distributed
 
+from grape_tvm.runtime.tensor_parallel import rank_inputs
+
 from .var_reads import read_counts
 
 MESH = "mesh"  # the module's global info naming its device mesh
@@ -161,20 +163,9 @@ def shard_inputs(mod: IRModule, inputs: dict, rank: int) -> dict:
     ``grape.shard_plan`` names, its ``rank``-th of ``device_num`` equal slices along its axis
     (the part disco's ``scatter_from_worker0`` would have sent it), the others whole.
     ``inputs``: name to numpy array."""
-    world_size = int(mod.attrs["device_num"])
-    plan = {str(k): int(v) for k, v in (mod["main"].attrs.get(SHARD_PLAN_ATTR) or {}).items()}
-    out = {}
-    for name, value in inputs.items():
-        axis = plan.get(name)
-        out[name] = value if axis is None else _part(name, value, axis, rank, world_size)
-    return out
+    return rank_inputs(shard_plan(mod), int(mod.attrs["device_num"]), inputs, rank)
 
 
-def _part(name: str, value, axis: int, rank: int, world_size: int):
-    if value.shape[axis] % world_size:
-        raise ValueError(f"input {name!r} of shape {value.shape} does not split in "
-                         f"{world_size} along axis {axis}")
-    size = value.shape[axis] // world_size
-    index = [slice(None)] * value.ndim
-    index[axis] = slice(rank * size, (rank + 1) * size)
-    return value[tuple(index)]
+def shard_plan(mod: IRModule) -> dict[str, int]:
+    """``main``'s ``grape.shard_plan``: an input split across the ranks -> its axis."""
+    return {str(k): int(v) for k, v in (mod["main"].attrs.get(SHARD_PLAN_ATTR) or {}).items()}

@@ -144,6 +144,40 @@ def test_local_params_keep_the_collectives_of_values_read_whole_or_computed():
     assert sorted(_ccl_calls(mod)) == ["relax.ccl.scatter_from_worker0"] * 2
 
 
+def _on_ranks(standin: "_Collectives", step) -> list:
+    """``step(rank)`` on every rank, a thread each (its rank set for the collectives): the
+    results in rank order; the first error fails the test (the others' barrier aborted)."""
+    results: list = [None] * standin.world
+    errors: list = []
+
+    def run(rank: int) -> None:
+        standin.local.rank = rank
+        try:
+            results[rank] = step(rank)
+        except BaseException as error:  # pylint: disable=broad-except
+            errors.append(error)
+            standin.barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(standin.world)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return results
+
+
+def _equal_one_device(outputs: list, x, caches, weights) -> None:
+    """Every rank's y equals the step's (replicated); its caches, joined in rank order along
+    the heads, equal the step's."""
+    y, presents = gpt2_numpy(x, caches, weights, HEADS, LAYERS)
+    for rank_outputs in outputs:
+        np.testing.assert_allclose(rank_outputs[0], y, rtol=1e-5, atol=1e-5)
+    for i, present in enumerate(presents):
+        joined = np.concatenate([rank_outputs[1 + i] for rank_outputs in outputs], axis=0)
+        np.testing.assert_allclose(joined, present, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("world, local", [(2, False), (4, False), (2, True), (4, True)])
 def test_ranks_together_equal_one_device(world, local, collectives):
     standin = collectives(world)
@@ -160,29 +194,53 @@ def test_ranks_together_equal_one_device(world, local, collectives):
                   for _ in range(2 * LAYERS)]
         ordered = gpt2_qkv_by_ranks(weights, HEADS, world)  # qkv columns in rank order
         whole = dict(zip(names, [x, *caches, *(ordered[k] for k in weights)]))
-        results: list = [None] * world
-        errors: list = []
 
-        def run(rank: int) -> None:
-            standin.local.rank = rank
+        def step(rank: int) -> list:
             inputs = shard_inputs(per_rank, whole, rank) if local else whole
-            try:
-                vm = relax.VirtualMachine(executable, tvm.cpu())
-                out = vm["main"](*(tvm.runtime.tensor(inputs[name]) for name in names))
-                results[rank] = [o.numpy() for o in out]
-            except BaseException as error:  # pylint: disable=broad-except
-                errors.append(error)
-                standin.barrier.abort()
+            vm = relax.VirtualMachine(executable, tvm.cpu())
+            return [o.numpy() for o in vm["main"](*(tvm.runtime.tensor(inputs[name])
+                                                     for name in names))]
 
-        threads = [threading.Thread(target=run, args=(r,)) for r in range(world)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        assert not errors, errors
-        y, presents = gpt2_numpy(x, caches, weights, HEADS, LAYERS)
-        for rank in range(world):  # y is replicated: every rank holds all of it
-            np.testing.assert_allclose(results[rank][0], y, rtol=1e-5, atol=1e-5)
-        for i, present in enumerate(presents):  # a cache is split by heads, in rank order
-            joined = np.concatenate([results[rank][1 + i] for rank in range(world)], axis=0)
-            np.testing.assert_allclose(joined, present, rtol=1e-5, atol=1e-5)
+        _equal_one_device(_on_ranks(standin, step), x, caches, weights)
+
+
+def test_build_holds_each_ranks_program_and_its_shard_plan(collectives, tmp_path):
+    """``grape_tvm.build(..., tensor_parallel=2)``: one artifact, the program every rank runs
+    (grape's pipeline, its all-reduces host steps between graph regions) and the shard plan;
+    two executors loaded from it, each bound its rank's part of the weights and caches
+    (``runtime.tensor_parallel.rank_inputs``), run as two threads with the stand-in
+    collectives: together they equal the one-device numpy reference."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.tensor_parallel import rank_inputs  # pylint: disable=import-outside-toplevel
+
+    world = 2
+    standin = collectives(world)
+    module = grape_tvm.build(gpt2_decode_step(HIDDEN, HEADS, LAYERS, tensor_parallel=world),
+                             {"past": (1, 32)}, "llvm", tensor_parallel=world)
+    path = module.export(tmp_path / "step.grape")
+    parallel = module.manifest()["plan"]["tensor_parallel"]
+    assert parallel["world_size"] == world and parallel["shard_plan"]  # weights and caches
+    names = [spec.name for spec in module.signature.inputs]
+    rng = np.random.default_rng(7)
+    weights = {k: (0.1 * rng.standard_normal(s)).astype("float32")
+               for k, s in gpt2_shapes(HIDDEN, LAYERS).items()}
+    d = HIDDEN // HEADS
+    x = rng.standard_normal((1, HIDDEN)).astype("float32")
+    caches = [rng.standard_normal((HEADS, 9, d)).astype("float32") for _ in range(2 * LAYERS)]
+    ordered = gpt2_qkv_by_ranks(weights, HEADS, world)
+    whole = dict(zip(names, [x, *caches, *(ordered[k] for k in weights)]))
+
+    def step(rank: int) -> list:
+        with grape_tvm.load(path) as executor:
+            mine = rank_inputs(parallel["shard_plan"], world, whole, rank)
+            return list(executor.run(mine).values())
+
+    _equal_one_device(_on_ranks(standin, step), x, caches, weights)
+
+
+def test_build_refuses_a_module_without_annotations():
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(ValueError, match="no sharding annotations"):
+        grape_tvm.build(gpt2_decode_step(HIDDEN, HEADS, LAYERS), {"past": (1, 32)}, "llvm",
+                        tensor_parallel=2)

@@ -2,7 +2,8 @@
 // optionally causal: query row i of S attends keys j <= i + (T - S) of T, without a bias.
 //
 // One block of four warps takes 64 query rows of one (batch, head); each warp 16 of them. The
-// block walks the keys 64 at a time: K and V tiles in shared memory, the scores of a warp's
+// block walks the keys 64 at a time: K and V tiles in shared memory (cp.async, the next tile's
+// copy in flight during this one's work where two stages fit), the scores of a warp's
 // rows in registers (mma.sync m16n8k16, fp32 accumulation), an online softmax (running max
 // and sum per row, as FlashAttention-2), the probabilities rounded to 16 bits and multiplied
 // by V into fp32 accumulators. Nothing of size seq x seq is written to memory.

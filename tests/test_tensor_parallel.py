@@ -244,3 +244,16 @@ def test_build_refuses_a_module_without_annotations():
     with pytest.raises(ValueError, match="no sharding annotations"):
         grape_tvm.build(gpt2_decode_step(HIDDEN, HEADS, LAYERS), {"past": (1, 32)}, "llvm",
                         tensor_parallel=2)
+
+
+def test_rank_inputs_split_what_the_plan_names_and_refuse_what_does_not_split():
+    from grape_tvm.runtime.tensor_parallel import rank_inputs  # pylint: disable=import-outside-toplevel
+
+    w, x = np.arange(24).reshape(4, 6), np.arange(3)
+    mine = rank_inputs({"w": 1}, 2, {"w": w, "x": x}, 1)
+    np.testing.assert_array_equal(mine["w"], w[:, 3:])
+    assert mine["x"] is x
+    with pytest.raises(ValueError, match="'w' of shape \\(4, 6\\) does not split in 4"):
+        rank_inputs({"w": 1}, 4, {"w": w}, 0)
+    with pytest.raises(ValueError, match="rank 2 is not one of the 2 ranks"):
+        rank_inputs({"w": 1}, 2, {"w": w}, 2)

@@ -1,7 +1,7 @@
 """grape's fused attention kernel (runtime/kernels/attention.cu) against PyTorch, side by side.
 
     python3 bench/attention_kernel.py --cubin build/gpu/attention.cubin --out OUT \
-        [--variant NAME=CUBIN:ROWS_PER_BLOCK ...]
+        [--variant NAME=CUBIN ...]
 
 For each case (dtype, head dim, batch, heads, sequence length; a causal bias as GPT-2's ONNX
 export computes it, -65504 above the diagonal; q, k and v read in place from a packed
@@ -11,13 +11,14 @@ head_dim], as in a GPT-2 layer): the largest difference from PyTorch's fp32 refe
 and reading the bias), of ``F.scaled_dot_product_attention`` with the same bias
 (``attn_mask``) and with ``is_causal`` (FlashAttention), and of the unfused matmul, softmax
 and matmul takes: ``--reps`` calls captured in a CUDA graph, replays timed by CUDA events.
-Prints a table, writes ``attention_kernel.json``. Needs torch and cuda-python on a GPU host.
+grape's kernel is launched by grape's runtime (``runtime/attention.py``'s ``FusedAttention``,
+as a model's call is), from the cubin given. Prints a table, writes ``attention_kernel.json``.
+Needs torch, cuda-python and grape-tvm's runtime on a GPU host.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import sys
 import time
@@ -25,62 +26,57 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from cuda.bindings import driver
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P too
 from torch_graph_timing import graph_us  # noqa: E402  pylint: disable=wrong-import-position
 
-ROWS_PER_BLOCK = 64  # kRows of attention.cu (16 rows a warp)
+from grape_tvm.runtime.attention import (AttentionFunction, AttentionLayout,  # noqa: E402
+                                         FusedAttention, ViewLayout)
 
 
-def _check(result):
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver error {err}")
-    return rest[0] if len(rest) == 1 else rest
+class _Cubin:
+    """A ``CubinStore`` stand-in answering with one build of attention.cu."""
+
+    def __init__(self, path: Path):
+        self.cubin = path.read_bytes()
+
+    def lookup(self, _code: str) -> bytes:
+        return self.cubin
 
 
-def _strides(t: torch.Tensor, heads_axis: int, rows_axis: int) -> tuple[int, int, int]:
-    return t.stride(0), t.stride(heads_axis), t.stride(rows_axis)
+class _Tensor:
+    """A torch tensor as runtime/attention.py reads one: its address and dtype's name."""
+
+    def __init__(self, tensor: torch.Tensor):
+        self.data_ptr = tensor.data_ptr
+        self.dtype = str(tensor.dtype).removeprefix("torch.")
+
+
+def _view(t: torch.Tensor) -> ViewLayout:
+    """A [batch, rows, heads, head_dim] view's strides (a dim of 1 broadcast: stride 0)."""
+    batch, rows, heads = (0 if t.shape[i] == 1 else t.stride(i) for i in range(3))
+    return ViewLayout(0, batch, heads, rows)
 
 
 class Kernel:
-    def __init__(self, cubin: Path, rows_per_block: int = ROWS_PER_BLOCK):
+    """grape's runtime (``FusedAttention``) launching a build of attention.cu."""
+
+    def __init__(self, cubin: Path):
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # the primary context, current
-        self.module = _check(driver.cuModuleLoadData(cubin.read_bytes()))
-        self.functions = {}
-        self.rows_per_block = rows_per_block
-
-    def function(self, dtype: torch.dtype, head_dim: int):
-        name = f"grape_attention_{'f16' if dtype == torch.float16 else 'bf16'}_d{head_dim}"
-        if name not in self.functions:
-            self.functions[name] = _check(driver.cuModuleGetFunction(self.module, name.encode()))
-        return self.functions[name]
+        self.runtime = FusedAttention(_Cubin(cubin))
 
     def launch(self, q, k, v, bias, out, scale: float, causal: bool) -> None:
         """q, k, v, out: [batch, rows, heads, head_dim] views; bias [b, h, rows, keys] or
         None."""
         batch, rows, heads, head_dim = q.shape
-        keys = k.shape[1]
-        layouts = [_strides(t, 2, 1) for t in (q, k, v, out)]
-        # A bias dim of size 1 broadcasts: stride 0.
-        layouts.append(tuple(0 if bias.shape[i] == 1 else bias.stride(i) for i in range(3))
-                       if bias is not None else (0, 0, 0))
-        values = [q.data_ptr(), k.data_ptr(), v.data_ptr(),
-                  bias.data_ptr() if bias is not None else 0, out.data_ptr(), rows, keys,
-                  int(causal)]
-        types = [ctypes.c_void_p] * 5 + [ctypes.c_int] * 3
-        for layout in layouts:
-            values += list(layout)
-            types += [ctypes.c_longlong] * 3
-        values.append(scale)
-        types.append(ctypes.c_float)
-        grid = ((rows + self.rows_per_block - 1) // self.rows_per_block, heads, batch)
-        stream = torch.cuda.current_stream().cuda_stream
-        threads = self.rows_per_block * 2  # a warp per 16 rows
-        _check(driver.cuLaunchKernel(self.function(q.dtype, head_dim), *grid, threads, 1, 1, 0,
-                                     stream, (tuple(values), tuple(types)), 0))
+        bias_view = ViewLayout(0, 0, 0, 0) if bias is None else _view(bias.transpose(1, 2))
+        layout = AttentionLayout(batch, heads, rows, k.shape[1], head_dim, _view(q), _view(k),
+                                 _view(v), _view(out), bias_view)
+        self.runtime.launch(AttentionFunction(bias=bias is not None, causal=causal),
+                            *(_Tensor(t) for t in (q, k, v)),
+                            None if bias is None else _Tensor(bias), _Tensor(out), layout,
+                            scale, torch.cuda.current_stream().cuda_stream)
 
 
 def causal_bias(batch: int, rows: int, dtype) -> torch.Tensor:
@@ -151,14 +147,13 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     parser.add_argument("--reps", type=int, default=20, help="calls per captured graph")
     parser.add_argument("--variant", action="append", default=[],
-                        help="NAME=CUBIN:ROWS_PER_BLOCK, another build timed beside")
+                        help="NAME=CUBIN, another build (as many rows a block) timed beside")
     args = parser.parse_args()
     kernel = Kernel(args.cubin)
     variants = {}
     for spec in args.variant:
-        name, rest = spec.split("=", 1)
-        path, rows = rest.rsplit(":", 1)
-        variants[name] = Kernel(Path(path), int(rows))
+        name, path = spec.split("=", 1)
+        variants[name] = Kernel(Path(path))
     cases = [(torch.float16, 64, 1, 12, s) for s in (1, 7, 16, 100, 128, 512, 1024)]
     cases += [(torch.float16, 64, 2, 12, 300), (torch.float16, 128, 1, 16, 512),
               (torch.bfloat16, 64, 1, 12, 512), (torch.bfloat16, 128, 2, 8, 77)]

@@ -11,7 +11,7 @@ with a head node before the captured ones, as grape's patch node: one that updat
 one that sets every node's grid to the grid it has on the first launch only, and one that
 does so on every launch. Times launches of each (CUDA events over back-to-back launches) and
 lists each node's kernel and cluster dims. Prints a table, writes ``device_updatable.json``.
-Needs torch and cuda-python on a GPU host.
+Needs torch, cuda-python and grape-tvm's runtime on a GPU host.
 """
 
 from __future__ import annotations
@@ -24,39 +24,36 @@ from pathlib import Path
 import torch
 from cuda.bindings import driver
 
-
-def _check(result):
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver error {err}")
-    return rest[0] if len(rest) == 1 else (rest or None)
+from grape_tvm.runtime.cuda_driver import check
 
 
 def capture(fn, stream: torch.cuda.Stream):
     """``fn``'s launches on ``stream`` as a CUgraph (not instantiated)."""
     handle = driver.CUstream(stream.cuda_stream)
     with torch.cuda.stream(stream):
-        _check(driver.cuStreamBeginCapture(
-            handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED))
+        check(driver.cuStreamBeginCapture(
+            handle, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),
+            "cuStreamBeginCapture")
         fn()
-        return _check(driver.cuStreamEndCapture(handle))
+        return check(driver.cuStreamEndCapture(handle), "cuStreamEndCapture")
 
 
 def kernel_nodes(graph) -> list:
-    _, count = _check(driver.cuGraphGetNodes(graph, 0))
-    nodes, _ = _check(driver.cuGraphGetNodes(graph, count))
-    return [n for n in nodes[:count] if _check(driver.cuGraphNodeGetType(n)) ==
+    _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+    nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
+    return [n for n in nodes[:count] if check(driver.cuGraphNodeGetType(n), "cuGraphNodeGetType") ==
             driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL]
 
 
 def describe(node) -> dict:
-    params = _check(driver.cuGraphKernelNodeGetParams(node))
+    params = check(driver.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
     try:
-        name = _check(driver.cuFuncGetName(params.func))
+        name = check(driver.cuFuncGetName(params.func), "cuFuncGetName")
     except Exception:  # pylint: disable=broad-except
         name = b"?"
-    cluster = _check(driver.cuGraphKernelNodeGetAttribute(
-        node, driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION)).clusterDim
+    cluster = check(driver.cuGraphKernelNodeGetAttribute(
+        node, driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
+        "cuGraphKernelNodeGetAttribute").clusterDim
     return {"kernel": (name.decode() if isinstance(name, bytes) else str(name))[:80],
             "grid": [params.gridDimX, params.gridDimY, params.gridDimZ],
             "block": [params.blockDimX, params.blockDimY, params.blockDimZ],
@@ -70,8 +67,10 @@ def make_updatable(graph) -> list[int]:
     for node in kernel_nodes(graph):
         value = driver.CUkernelNodeAttrValue()
         value.deviceUpdatableKernelNode.deviceUpdatable = 1
-        _check(driver.cuGraphKernelNodeSetAttribute(node, attr, value))
-        got = _check(driver.cuGraphKernelNodeGetAttribute(node, attr))
+        check(driver.cuGraphKernelNodeSetAttribute(node, attr, value),
+              "cuGraphKernelNodeSetAttribute")
+        got = check(driver.cuGraphKernelNodeGetAttribute(node, attr),
+                    "cuGraphKernelNodeGetAttribute")
         handles.append(int(got.deviceUpdatableKernelNode.devNode))
     return handles
 
@@ -80,8 +79,9 @@ class TouchHead:
     """A head node launching ``touch_nodes`` over a graph's device-updatable nodes."""
 
     def __init__(self, cubin: Path):
-        self.module = _check(driver.cuModuleLoadData(cubin.read_bytes()))
-        self.function = _check(driver.cuModuleGetFunction(self.module, b"touch_nodes"))
+        self.module = check(driver.cuModuleLoadData(cubin.read_bytes()), "cuModuleLoadData")
+        self.function = check(driver.cuModuleGetFunction(self.module, b"touch_nodes"),
+                              "cuModuleGetFunction")
         self.keep = []  # device buffers and parameter storage, alive with the graphs
 
     def add(self, graph, handles: list[int], mode: str) -> None:
@@ -91,7 +91,7 @@ class TouchHead:
 
         grids = []
         for node in kernel_nodes(graph):
-            p = _check(driver.cuGraphKernelNodeGetParams(node))
+            p = check(driver.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
             grids += [p.gridDimX, p.gridDimY, p.gridDimZ]
         nodes_t = torch.tensor(np.array(handles, np.uint64).view(np.int64), device="cuda")
         grids_t = torch.tensor(grids, dtype=torch.int32, device="cuda")
@@ -107,27 +107,28 @@ class TouchHead:
         params.blockDimX, params.blockDimY, params.blockDimZ = 64, 1, 1
         params.sharedMemBytes = 0
         params.kernelParams = ctypes.addressof(array)
-        _, count = _check(driver.cuGraphGetRootNodes(graph, 0))
-        roots, _ = _check(driver.cuGraphGetRootNodes(graph, count))
-        head = _check(driver.cuGraphAddKernelNode(graph, None, 0, params))
+        _, count = check(driver.cuGraphGetRootNodes(graph, 0), "cuGraphGetRootNodes")
+        roots, _ = check(driver.cuGraphGetRootNodes(graph, count), "cuGraphGetRootNodes")
+        head = check(driver.cuGraphAddKernelNode(graph, None, 0, params), "cuGraphAddKernelNode")
         roots = list(roots[:count])
-        _check(driver.cuGraphAddDependencies(graph, [head] * len(roots), roots, None, len(roots)))
+        check(driver.cuGraphAddDependencies(graph, [head] * len(roots), roots, None, len(roots)),
+              "cuGraphAddDependencies")
 
 
 def time_us(graph, stream, launches: int = 200) -> float:
-    exec_ = _check(driver.cuGraphInstantiate(graph, 0))
+    exec_ = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
     handle = driver.CUstream(stream.cuda_stream)
-    _check(driver.cuGraphUpload(exec_, handle))
+    check(driver.cuGraphUpload(exec_, handle), "cuGraphUpload")
     for _ in range(5):
-        _check(driver.cuGraphLaunch(exec_, handle))
+        check(driver.cuGraphLaunch(exec_, handle), "cuGraphLaunch")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     with torch.cuda.stream(stream):
         start.record()
         for _ in range(launches):
-            _check(driver.cuGraphLaunch(exec_, handle))
+            check(driver.cuGraphLaunch(exec_, handle), "cuGraphLaunch")
         end.record()
     end.synchronize()
-    _check(driver.cuGraphExecDestroy(exec_))
+    check(driver.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
     return start.elapsed_time(end) * 1000.0 / launches
 
 

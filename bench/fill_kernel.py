@@ -7,7 +7,7 @@ memset node, by size.
 size, 20 fills of a zeroed buffer captured in one CUDA graph, as ``runtime/topology_graph.py``
 launches them (``FILL_BLOCK`` threads, at most ``FILL_MAX_BLOCKS`` blocks, 4-byte elements)
 and as ``cuMemsetD32Async``; replays timed by CUDA events. Prints a table, writes
-``fill_kernel.json``. Needs torch and cuda-python on a GPU host.
+``fill_kernel.json``. Needs torch, cuda-python and grape-tvm's runtime on a GPU host.
 """
 
 from __future__ import annotations
@@ -21,18 +21,13 @@ from pathlib import Path
 import torch
 from cuda.bindings import driver
 
+from grape_tvm.runtime.cuda_driver import check
+from grape_tvm.runtime.topology_graph import FILL_BLOCK, FILL_MAX_BLOCKS
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P too
 from torch_graph_timing import graph_us  # noqa: E402  pylint: disable=wrong-import-position
 
-FILL_BLOCK, FILL_MAX_BLOCKS = 256, 1024  # runtime/topology_graph.py's
 SIZES = (64, 4096, 1 << 20, 16 << 20, 64 << 20)  # bytes
-
-
-def _check(result):
-    err, *rest = result if isinstance(result, tuple) else (result,)
-    if err != driver.CUresult.CUDA_SUCCESS:
-        raise RuntimeError(f"CUDA driver error {err}")
-    return rest[0] if len(rest) == 1 else (rest or None)
 
 
 def main() -> int:
@@ -41,8 +36,8 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     torch.zeros(1, device="cuda")
-    module = _check(driver.cuModuleLoadData(args.cubin.read_bytes()))
-    fill = _check(driver.cuModuleGetFunction(module, b"grape_fill"))
+    module = check(driver.cuModuleLoadData(args.cubin.read_bytes()), "cuModuleLoadData")
+    fill = check(driver.cuModuleGetFunction(module, b"grape_fill"), "cuModuleGetFunction")
     rows = []
     for size in SIZES:
         buffer = torch.ones(size // 4, dtype=torch.int32, device="cuda")
@@ -55,12 +50,12 @@ def main() -> int:
 
         def by_kernel():
             stream = torch.cuda.current_stream().cuda_stream
-            _check(driver.cuLaunchKernel(fill, blocks, 1, 1, FILL_BLOCK, 1, 1, 0, stream,
-                                         ctypes.addressof(array), 0))
+            check(driver.cuLaunchKernel(fill, blocks, 1, 1, FILL_BLOCK, 1, 1, 0, stream,
+                                         ctypes.addressof(array), 0), "cuLaunchKernel")
 
         def by_memset():
             stream = torch.cuda.current_stream().cuda_stream
-            _check(driver.cuMemsetD32Async(buffer.data_ptr(), 0, width, stream))
+            check(driver.cuMemsetD32Async(buffer.data_ptr(), 0, width, stream), "cuMemsetD32Async")
 
         by_kernel()
         torch.cuda.synchronize()

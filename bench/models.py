@@ -649,11 +649,14 @@ def attention_products(dtype: str = "float32"):
     return bb.get()
 
 
-def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
-    """``attention_products`` in float64."""
-    scores = q.astype(np.float64) @ np.swapaxes(k.astype(np.float64), -1, -2) * 0.125
+def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray,
+                    bias: np.ndarray | float = 0.0) -> np.ndarray:
+    """``softmax(q @ k^T / sqrt(d) + bias) @ v`` in float64 (``attention_products``,
+    ``dense_attention``)."""
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    scores = q @ np.swapaxes(k, -1, -2) * q.shape[-1] ** -0.5 + np.asarray(bias, np.float64)
     weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return weights / weights.sum(axis=-1, keepdims=True) @ v.astype(np.float64)
+    return weights / weights.sum(axis=-1, keepdims=True) @ v
 
 
 def gemv_test_inputs(m: int, dtype: str, layout: str, seed: int = 0) -> dict[str, np.ndarray]:
@@ -794,14 +797,10 @@ def causal_attention_numpy(qkv: np.ndarray, heads: int, bias: np.ndarray | None 
     is None."""
     b, s, width = qkv.shape
     d = width // (3 * heads)
-    parts = qkv.astype(np.float64).reshape(b, s, 3, heads, d).transpose(2, 0, 3, 1, 4)
-    q, k, v = parts  # (b, h, s, d)
-    scores = q @ np.swapaxes(k, -1, -2) * d ** -0.5
+    q, k, v = qkv.reshape(b, s, 3, heads, d).transpose(2, 0, 3, 1, 4)  # each (b, h, s, d)
     if bias is None:
         bias = np.where(np.arange(s)[None, :] <= np.arange(s)[:, None], 0.0, masked)
-    scores = scores + bias.astype(np.float64)
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    out = weights / weights.sum(axis=-1, keepdims=True) @ v
+    out = attention_numpy(q, k, v, bias)
     return out.transpose(0, 2, 1, 3).reshape(b, s, heads * d)
 
 
@@ -826,11 +825,3 @@ def dense_attention(dtype: str = "float16", heads: int = ATTENTION_HEADS,
         bb.emit_func_output(y)
     return bb.get()
 
-
-def dense_attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray, bias: np.ndarray
-                          ) -> np.ndarray:
-    """``dense_attention`` in float64."""
-    q, k, v, bias = (x.astype(np.float64) for x in (q, k, v, bias))
-    scores = q @ np.swapaxes(k, -1, -2) * q.shape[-1] ** -0.5 + bias
-    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
-    return weights / weights.sum(axis=-1, keepdims=True) @ v

@@ -18,6 +18,8 @@ from .var_reads import read_counts
 _OPS = {name: Op.get(f"relax.{name}") for name in (
     "matmul", "nn.softmax", "add", "multiply", "divide", "permute_dims", "strided_slice",
     "concat", "where", "less_equal", "expand_dims", "arange", "broadcast_to")}
+_HEADS_AND_ROWS = [0, 2, 1, 3]  # [b, h, r, d] <-> [b, r, h, d]
+_LAST_TWO = [0, 1, 3, 2]  # k -> k^T
 # A masked score at most this (a large negative bias): its probability is 0 in fp32, as
 # in the model's fp16 softmax, so a causal mask of it is the kernel's causal mode.
 _MASKED = -1.0e4
@@ -46,6 +48,16 @@ class _View:
 
     tensor: relax.Expr
     layout: ViewLayout
+
+
+@dataclass(frozen=True)
+class _Scores:
+    """What an attention's probabilities are computed from: softmax(q @ k^T * scale + bias)."""
+
+    q: relax.Expr
+    k: relax.Expr  # as stored, [b, h, t, d]
+    scale: float
+    bias: relax.Expr | None
 
 
 @relax.expr_functor.mutator
@@ -86,15 +98,13 @@ class _Fuser(relax.PyExprMutator):
                 len(single.args[0].fields) == 1:
             return self._view(single.args[0].fields[0])
         perm = self._call(expr, "permute_dims")
-        if perm is not None and perm.attrs.axes is not None and \
-                [int(a) for a in perm.attrs.axes] == [0, 2, 1, 3]:
+        if perm is not None and _permutes(perm, _HEADS_AND_ROWS):
             source, first = perm.args[0], 0
             sliced = self._call(source, "strided_slice")
             if sliced is not None and self._sliced_heads(sliced, h) is not None:
                 source, first = sliced.args[0], self._sliced_heads(sliced, h)
             dims = _dims(source)
             if dims is not None and len(dims) == 4 and _static(dims[2]) is not None and \
-                    first + _static(h) <= _static(dims[2]) and \
                     all(self.analyzer.can_prove_equal(x, y)
                         for x, y in ((dims[0], b), (dims[1], r), (dims[3], d))):
                 row = dims[2] * d
@@ -180,8 +190,9 @@ class _Fuser(relax.PyExprMutator):
         return ViewLayout(0, batch, head, row) if _static(key) == 1 or key == 1 else None
 
     # -- the rewrite ------------------------------------------------------------------------
-    def fuse(self, product: relax.Call, out_heads_last: bool) -> relax.Expr | None:
-        """The call for ``product`` = ``softmax(..) @ v``, or None where it does not fit."""
+    def _scores(self, product: relax.Call) -> _Scores | None:
+        """``product``'s ``softmax(q @ k^T * scale + bias)``, every value between read once
+        (fused away), or None."""
         probs = self._call(product.args[0], "nn.softmax")
         if probs is None or not self._once(product.args[0]) or \
                 int(probs.attrs.axis) not in (-1, 3):
@@ -200,25 +211,29 @@ class _Fuser(relax.PyExprMutator):
         scaled = self._call(scores, "multiply", "divide")
         if scaled is not None:
             x, y = scaled.args
-            factor = _scalar(y) if scaled.op == _OPS["divide"] else (
-                _scalar(y) if _scalar(y) is not None else _scalar(x))
-            if factor is None or factor == 0.0:
+            if scaled.op == _OPS["multiply"] and _scalar(y) is None:
+                x, y = y, x  # the constant second
+            factor = _scalar(y)
+            if factor is None or factor == 0.0 or not self._once(x):
                 return None
-            scale = 1.0 / factor if scaled.op == _OPS["divide"] else factor
-            scores = x if _scalar(y) is not None else y
-            if not self._once(scores):
-                return None
+            scores, scale = x, (1.0 / factor if scaled.op == _OPS["divide"] else factor)
         qk = self._call(scores, "matmul")
         if qk is None:
             return None
-        q, kt = qk.args
-        k_perm = self._call(kt, "permute_dims")
-        if k_perm is None or k_perm.attrs.axes is None or \
-                [int(a) for a in k_perm.attrs.axes] != [0, 1, 3, 2]:
+        k_perm = self._call(qk.args[1], "permute_dims")
+        if k_perm is None or not _permutes(k_perm, _LAST_TWO):
             return None
+        return _Scores(qk.args[0], k_perm.args[0], scale, bias)
+
+    def fuse(self, product: relax.Call, out_heads_last: bool) -> relax.Expr | None:
+        """The call for ``product`` = ``softmax(..) @ v``, or None where it does not fit."""
+        found = self._scores(product)
+        if found is None:
+            return None
+        q, k, scale, bias = found.q, found.k, found.scale, found.bias
         # v as this mutator has it (an earlier attention fused here renames its output);
         # q, k and the bias come through lookup_binding, rewritten already.
-        k, v = k_perm.args[0], self.visit_expr(product.args[1])
+        v = self.visit_expr(product.args[1])
         shapes = [_dims(e) for e in (q, k, v, product)]
         dtypes = {str(e.ty.dtype) for e in (q, k, v, product)}
         if any(s is None or len(s) != 4 for s in shapes) or len(dtypes) != 1 or \
@@ -290,10 +305,15 @@ def _visible_after(product: relax.Expr, call: relax.Call) -> bool:
         not any(isinstance(a, relax.DataflowVar) for a in call.args[1].fields)
 
 
-def _heads_back(call: relax.Call) -> bool:
-    """``permute_dims(x, [0, 2, 1, 3])``: attention's output back to [b, r, h, d]."""
+def _permutes(call: relax.Call, axes: list[int]) -> bool:
+    """``call`` is ``permute_dims(x, axes)``."""
     return call.op == _OPS["permute_dims"] and call.attrs.axes is not None and \
-        [int(a) for a in call.attrs.axes] == [0, 2, 1, 3]
+        [int(a) for a in call.attrs.axes] == axes
+
+
+def _heads_back(call: relax.Call) -> bool:
+    """Attention's output back to [b, r, h, d]."""
+    return _permutes(call, _HEADS_AND_ROWS)
 
 
 def _transposed_once(func: relax.Function, reads: dict) -> set[relax.Var]:

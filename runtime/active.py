@@ -4,17 +4,35 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 
-@contextlib.contextmanager
-def activated(slot: threading.local, instance: Any) -> Iterator[Any]:
-    """Make ``instance`` ``slot.instance`` on this thread meanwhile (nesting restores the
-    one before): a backend's library state, used by the calls TVM's VM makes during its
-    calls and captures."""
-    before = getattr(slot, "instance", None)
-    slot.instance = instance
-    try:
-        yield instance
-    finally:
-        slot.instance = before
+class ThreadInstances:
+    """Which instance of a library (its handle, workspace, kernels) a packed function called
+    on this thread uses: the one a grape backend made active for its calls and captures
+    (``activated``), else this thread's own for the device, made on first use (TVM's VM on
+    the library, outside a backend) and kept for the thread's life, as TVM's cuBLAS runtime
+    keeps a handle per thread."""
+
+    def __init__(self, make: Callable[[int], Any]):
+        self._make = make  # device index -> a new instance
+        self._local = threading.local()
+
+    @contextlib.contextmanager
+    def activated(self, instance: Any) -> Iterator[Any]:
+        """``instance`` is this thread's meanwhile (nesting restores the one before)."""
+        before = getattr(self._local, "active", None)
+        self._local.active = instance
+        try:
+            yield instance
+        finally:
+            self._local.active = before
+
+    def current(self, device_index: int) -> Any:
+        active = getattr(self._local, "active", None)
+        if active is not None:
+            return active
+        own = self._local.__dict__.setdefault("own", {})
+        if device_index not in own:
+            own[device_index] = self._make(device_index)
+        return own[device_index]

@@ -19,13 +19,12 @@ there (bench/results/attention_kernel.json).
 from __future__ import annotations
 
 import ctypes
-import threading
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from .cuda_compile import CubinStore, RuntimeKernel
-from .active import activated
+from .active import ThreadInstances
+from .cuda_compile import CubinStore, RuntimeKernel, kernel_params
 from .cuda_driver import check, driver
 from .signature import nbytes
 
@@ -105,17 +104,6 @@ class AttentionLayout:
             views[view] = ViewLayout(*values[start:start + per_view])
         return cls(**sizes, **views)
 
-    @classmethod
-    def length(cls) -> int:
-        return len(cls.SIZES) + len(cls.VIEWS) * len(fields(ViewLayout))
-
-
-def _arguments(values: Sequence[tuple[type, Any]]):
-    """ctypes storage for a kernel's parameters; keep the result alive until the launch."""
-    boxes = [kind(value) for kind, value in values]
-    array = (ctypes.c_void_p * len(boxes))(*[ctypes.addressof(b) for b in boxes])
-    return boxes, array
-
 
 class FusedAttention:
     """The attention kernels, loaded once (one CUmodule, owned: ``close`` unloads it); one
@@ -152,19 +140,15 @@ class FusedAttention:
         if (q_at | k_at | v_at) % 16:
             raise ValueError(f"{function.name}: q, k and v must start on 16 bytes "
                              f"(at {q_at:#x}, {k_at:#x}, {v_at:#x})")
-        values: list[tuple[type, Any]] = [
-            (ctypes.c_uint64, q_at), (ctypes.c_uint64, k_at), (ctypes.c_uint64, v_at),
-            (ctypes.c_uint64,
-             0 if bias is None else bias.data_ptr() + layout.bias.offset * size),
-            (ctypes.c_uint64, out.data_ptr() + layout.out.offset * size),
-            (ctypes.c_int32, layout.rows), (ctypes.c_int32, layout.keys),
-            (ctypes.c_int32, int(function.causal))]
-        for view in ("q", "k", "v", "out", "bias"):
+        values = [("u64", q_at), ("u64", k_at), ("u64", v_at),
+                  ("u64", 0 if bias is None else bias.data_ptr() + layout.bias.offset * size),
+                  ("u64", out.data_ptr() + layout.out.offset * size),
+                  ("i32", layout.rows), ("i32", layout.keys), ("i32", int(function.causal))]
+        for view in AttentionLayout.VIEWS:
             strides = getattr(layout, view)
-            values += [(ctypes.c_int64, strides.batch), (ctypes.c_int64, strides.head),
-                       (ctypes.c_int64, strides.row)]
-        values.append((ctypes.c_float, scale))
-        storage = _arguments(values)
+            values += [("i64", strides.batch), ("i64", strides.head), ("i64", strides.row)]
+        values.append(("f32", scale))
+        storage = kernel_params(values)  # alive until launched
         grid = (-(-layout.rows // ROWS_PER_BLOCK), layout.heads, layout.batch)
         check(driver.cuLaunchKernel(self.function(dtype, layout.head_dim), *grid, THREADS, 1, 1,
                                     0, stream, ctypes.addressof(storage[1]), 0),
@@ -172,17 +156,11 @@ class FusedAttention:
 
     def active(self):
         """Calls of the packed functions on this thread use this instance meanwhile."""
-        return activated(_ACTIVE, self)
+        return _INSTANCES.activated(self)
 
     def close(self) -> None:
         self._functions.clear()
         self._kernel.close()
-
-
-# The FusedAttention a packed function call on this thread uses: the active one (a grape
-# backend's), else this thread's own for the device, made on first use (TVM's VM on the
-# library) and kept for the thread's life, as cublaslt.py's are.
-_ACTIVE = threading.local()
 
 
 class _InstalledStore:
@@ -196,14 +174,8 @@ class _InstalledStore:
         return bytes(tvm.get_global_func("tvm_callback_cuda_compile")(code))
 
 
-def _instance(device_index: int) -> FusedAttention:
-    active = getattr(_ACTIVE, "instance", None)
-    if active is not None:
-        return active
-    own = _ACTIVE.__dict__.setdefault("own", {})
-    if device_index not in own:
-        own[device_index] = FusedAttention(_InstalledStore())
-    return own[device_index]
+# The FusedAttention a packed function call on this thread uses.
+_INSTANCES = ThreadInstances(lambda _device_index: FusedAttention(_InstalledStore()))
 
 
 def _packed(function: AttentionFunction):
@@ -215,9 +187,9 @@ def _packed(function: AttentionFunction):
         q, k, v, *rest, shape, scale, out = args
         bias = rest[0] if function.bias else None
         stream = tvm_ffi.get_raw_stream(out.device)
-        _instance(out.device.index).launch(function, q, k, v, bias, out,
-                                           AttentionLayout.from_shape(shape), float(scale),
-                                           int(stream or 0))
+        _INSTANCES.current(out.device.index).launch(
+            function, q, k, v, bias, out, AttentionLayout.from_shape(shape), float(scale),
+            int(stream or 0))
 
     return call
 

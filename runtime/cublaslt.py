@@ -39,14 +39,13 @@ from __future__ import annotations
 
 import ctypes
 import importlib.util
-import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .active import activated
+from .active import ThreadInstances
 from .cuda_driver import check, driver
 from .signature import nbytes
 
@@ -506,7 +505,7 @@ class CublasLt:
     # -- ownership --------------------------------------------------------------------------
     def active(self):
         """Calls of the packed functions on this thread use this instance meanwhile."""
-        return activated(_ACTIVE, self)
+        return _INSTANCES.activated(self)
 
     def close(self) -> None:
         """Free the descriptors, the layouts, the workspace, the split calls' scratch buffer
@@ -537,21 +536,9 @@ class CublasLt:
             pass  # interpreter shutdown
 
 
-# The CublasLt a packed function call on this thread uses: the active one (a grape
-# backend's, during its calls and captures), else this thread's own for the device, made on
-# first use, as TVM's cuBLAS runtime keeps a handle per thread (TVM's VM on the library),
-# and kept for the thread's life: its workspace, and its scratch buffer once a split call ran.
-_ACTIVE = threading.local()
-
-
-def _instance(device_index: int) -> CublasLt:
-    active = getattr(_ACTIVE, "instance", None)
-    if active is not None:
-        return active
-    own = _ACTIVE.__dict__.setdefault("own", {})
-    if device_index not in own:
-        own[device_index] = CublasLt(device_index)
-    return own[device_index]
+# The CublasLt a packed function call on this thread uses (its scratch buffer, too, kept
+# with it once a split call ran).
+_INSTANCES = ThreadInstances(CublasLt)
 
 
 def _packed(function: MatmulFunction):
@@ -561,7 +548,7 @@ def _packed(function: MatmulFunction):
 
     def call(*args: Any) -> None:
         x, w, *rest, out = args
-        instance = _instance(out.device.index)
+        instance = _INSTANCES.current(out.device.index)
         bias = rest.pop(0) if function.has_bias else None
         residual = rest.pop(0) if function.residual else None
         stream = tvm_ffi.get_raw_stream(out.device)

@@ -141,12 +141,16 @@ class CudaGraphBackend:
 
     @contextlib.contextmanager
     def _on_stream(self, stream):
-        # Library calls (cuBLASLt, attention) the VM makes meanwhile run with this backend's
-        # state.
-        with self._use_stream(self.device, int(stream)), \
-                (self.cublaslt.active() if self.cublaslt is not None else contextlib.nullcontext()), \
-                (self.attention.active() if self.attention is not None else contextlib.nullcontext()):
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(self._use_stream(self.device, int(stream)))
+            # Library calls the VM makes meanwhile run with this backend's state.
+            for library in self._libraries():
+                stack.enter_context(library.active())
             yield
+
+    def _libraries(self) -> list:
+        """The runtime libraries this backend holds (``runtime/libraries.py``'s)."""
+        return [lib for lib in (self.cublaslt, self.attention) if lib is not None]
 
     @property
     def context(self):
@@ -368,12 +372,9 @@ class CudaGraphBackend:
         if self._patch is not None:
             self._patch.close()
             self._patch = None
-        if self.cublaslt is not None:
-            self.cublaslt.close()
-            self.cublaslt = None
-        if self.attention is not None:
-            self.attention.close()
-            self.attention = None
+        for library in self._libraries():
+            library.close()
+        self.cublaslt = self.attention = None
         for stream in (self.stream, self.capture_stream):
             if stream is not None:
                 driver.cuStreamDestroy(stream)

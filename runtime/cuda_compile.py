@@ -8,12 +8,14 @@ keeps the result on disk, so a kernel is compiled once per machine, not on every
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any, Sequence
 
 
 def source_key(code: str) -> str:
@@ -102,3 +104,16 @@ class RuntimeKernel:
         if self.module is not None:
             self._driver.cuModuleUnload(self.module)
             self.module = None
+
+
+_PARAMETER_TYPES = {"u64": ctypes.c_uint64, "u32": ctypes.c_uint32, "i64": ctypes.c_int64,
+                    "i32": ctypes.c_int32, "f32": ctypes.c_float}
+
+
+def kernel_params(values: Sequence[tuple[str, Any]]):
+    """ctypes storage for a kernel's parameters, each ``(kind, value)`` with kind one of
+    ``_PARAMETER_TYPES``; keep the result alive until the launch (its array's address is
+    ``cuLaunchKernel``'s ``kernelParams``)."""
+    boxes = [_PARAMETER_TYPES[kind](value) for kind, value in values]
+    array = (ctypes.c_void_p * len(boxes))(*[ctypes.addressof(b) for b in boxes])
+    return boxes, array

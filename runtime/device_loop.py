@@ -38,7 +38,8 @@ from .cuda_compile import RuntimeKernel
 from .cuda_driver import check, driver
 from .cuda_graph import OwnedGraph
 from .signature import InputError, nbytes
-from .topology_graph import DeviceBuffer, kernel_params
+from .cuda_compile import kernel_params
+from .topology_graph import DeviceBuffer
 
 LOOP_SOURCE = Path(__file__).with_name("kernels") / "loop.cu"
 STOP_DTYPES = ("bool", "int8", "uint8", "int16", "int32", "int64", "uint32", "uint64")

@@ -29,7 +29,7 @@ from tvm.runtime import Tensor
 from .argument_table import ArgumentTable
 from .call_plan import Address
 from .call_program import MAX_GUARDS  # guards per launch: how deep a region may nest in ifs
-from .cuda_compile import CubinStore, RuntimeKernel
+from .cuda_compile import CubinStore, RuntimeKernel, kernel_params
 from .cuda_driver import SUCCESS, check, driver
 from .cuda_graph import OwnedGraph
 
@@ -245,13 +245,6 @@ def kernel_node_params(function, blocks: int, threads: int, shared_bytes: int, s
     params.sharedMemBytes = shared_bytes
     params.kernelParams = ctypes.addressof(storage[1])
     return params
-
-
-def kernel_params(values: Sequence[tuple[str, int]]):
-    """ctypes storage for a kernel's parameters; keep the result alive until the call."""
-    boxes = [ctypes.c_uint64(v) if kind == "u64" else ctypes.c_uint32(v) for kind, v in values]
-    array = (ctypes.c_void_p * len(boxes))(*[ctypes.addressof(b) for b in boxes])
-    return boxes, array
 
 
 def guard_address(where: Any) -> int:

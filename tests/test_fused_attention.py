@@ -257,3 +257,17 @@ def test_no_fusion_reads_an_earlier_blocks_dataflow_variables():
         return bb.emit(relax.op.permute_dims(out, [0, 2, 1, 3]))
 
     assert _fused(_qkv_function(body, pure=False)) == []  # and well formed
+
+
+@pytest.mark.parametrize("scaled", [
+    pytest.param(lambda s: relax.op.multiply(relax.const(0.125, "float16"), s), id="constant_first"),
+    pytest.param(lambda s: relax.op.divide(s, relax.const(8.0, "float16")), id="divided"),
+])
+def test_the_scale_however_written(scaled):
+    def body(bb, q, k, v):
+        scores = bb.emit(scaled(relax.op.matmul(q, relax.op.permute_dims(k, [0, 1, 3, 2]))))
+        probs = bb.emit(relax.op.nn.softmax(scores, axis=-1))
+        return bb.emit(relax.op.matmul(probs, v))
+
+    (call,) = _fused(_qkv_function(body))
+    assert float(call.args[1].fields[-1].value) == pytest.approx(0.125)

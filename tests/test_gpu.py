@@ -784,7 +784,7 @@ def test_fused_attention_of_dense_operands_equals_numpy():
     from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-    from models import dense_attention_numpy  # pylint: disable=import-outside-toplevel
+    from models import attention_numpy  # pylint: disable=import-outside-toplevel
 
     executor = load(_artifact("fused_attention_dense_d64.cuda.grape"), "cuda")
     assert "attention" in executor.manifest["plan"]["libraries"]
@@ -796,7 +796,7 @@ def test_fused_attention_of_dense_operands_equals_numpy():
             inputs = {n: rng.standard_normal((b, 12, s, 64)).astype("float16") for n in "qkv"}
             inputs["bias"] = rng.standard_normal((s, s)).astype("float16")
             got = executor.run(inputs)["y"].astype(np.float64)
-            want = dense_attention_numpy(inputs["q"], inputs["k"], inputs["v"], inputs["bias"])
+            want = attention_numpy(inputs["q"], inputs["k"], inputs["v"], inputs["bias"])
             error = float(np.abs(got - want).max())
             assert error <= 1e-2, (b, s, error)
     finally:

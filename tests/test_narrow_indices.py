@@ -5,7 +5,6 @@ llvm: the rewrite is TVM's ``ForceNarrowIndexToInt32``, target-independent)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 import tvm
 from tvm import relax, tirx
@@ -13,15 +12,13 @@ from tvm import relax, tirx
 from grape_tvm.passes import NarrowIndices
 from grape_tvm.passes.narrow_indices import largest_offset, narrows
 from test_passes import fused_kernel_of
+from test_row_reduction import attention_probabilities, masked_softmax_equals_numpy
 
 
-def _softmax_of_scores(dtype: str = "float32"):
-    """softmax(x * 0.125 + mask) over (b, 12, s, s), GPT-2's attention probabilities."""
-    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
-    return fused_kernel_of(
-        lambda x, mask: relax.op.nn.softmax(
-            relax.op.add(relax.op.multiply(x, relax.const(0.125, dtype)), mask), -1),
-        relax.TensorType((b, 12, s, s), dtype), relax.TensorType((b, 1, s, s), dtype))
+def _softmax_of_scores(dtype: str = "float32") -> tirx.PrimFunc:
+    """GPT-2's attention probabilities over (b, 12, s, s), one kernel."""
+    make, *types = attention_probabilities(dtype)
+    return fused_kernel_of(make, *types)
 
 
 def _index_dtypes(func: tirx.PrimFunc) -> set[str]:
@@ -74,16 +71,5 @@ def test_a_narrowed_kernel_equals_numpy_at_several_shapes(dtype):
     func = _softmax_of_scores(dtype)
     mod = NarrowIndices()(_module(func, {"b": 4, "s": 1024}))
     assert _index_dtypes(mod["kernel"]) == {"int32"}
-    kernel = tvm.compile(tvm.IRModule({"main": mod["kernel"].with_attr("global_symbol", "main")}),
-                         target="llvm")
-    rng = np.random.default_rng(0)
-    for b, s in ((1, 1), (2, 7), (3, 33), (1, 130)):
-        x = rng.standard_normal((b, 12, s, s)).astype(dtype)
-        mask = np.where(rng.random((b, 1, s, s)) < 0.3, -65504.0, 0.0).astype(dtype)
-        out = tvm.runtime.empty(x.shape, dtype, tvm.cpu())
-        kernel(tvm.runtime.tensor(x), tvm.runtime.tensor(mask), out)
-        z = x.astype(np.float64) * 0.125 + mask.astype(np.float64)
-        want = np.exp(z - z.max(-1, keepdims=True))
-        want /= want.sum(-1, keepdims=True)
-        np.testing.assert_allclose(out.numpy().astype(np.float64), want,
-                                   atol=1e-6 if dtype == "float32" else 2e-3)
+    masked_softmax_equals_numpy(mod["kernel"], dtype, ((1, 1, 1), (2, 7, 7), (3, 33, 33),
+                                                       (1, 130, 130)))

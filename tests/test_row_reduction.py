@@ -73,7 +73,7 @@ def test_a_reduction_over_another_axis_than_the_rows_is_left_alone():
     assert RowReductionPerWarp().apply(other_axis, CUDA, False) is None
 
 
-def _attention_probabilities(dtype: str, batch_rows: bool = False):
+def attention_probabilities(dtype: str, batch_rows: bool = False):
     """softmax(s * 0.125 + mask) over (b, 12, s, s) with a (b, 1, s, s) mask, as GPT-2's
     export has it; ``batch_rows``: a decode step's (b, 12, 1, past)."""
     b, s, p = (tirx.Var(name, "int64") for name in ("b", "s", "past"))
@@ -90,7 +90,7 @@ def test_attention_scale_and_mask_join_the_softmax_kernel(dtype, batch_rows):
     mask (``fused_kernel_of`` asserts one PrimFunc), scheduled by the row rule over a
     sequence's rows or by GeneralReduction over a batch's; on llvm, unscheduled, it equals
     numpy at several shapes."""
-    make, *types = _attention_probabilities(dtype, batch_rows)
+    make, *types = attention_probabilities(dtype, batch_rows)
     func = fused_kernel_of(make, *types)
     text = func.script()
     assert 'sblock("T_multiply")' in text and 'sblock("T_add")' in text
@@ -104,11 +104,19 @@ def test_attention_scale_and_mask_join_the_softmax_kernel(dtype, batch_rows):
         # call at 1024 tokens).
         source = _cuda_source(sch.mod["main"])
         assert not re.search(r"[/%] \(?s\b", source), source
+    shapes = ((1, 1, 1), (2, 7, 7), (1, 33, 33)) if not batch_rows else \
+        ((1, 1, 1), (2, 1, 9), (3, 1, 300))
+    masked_softmax_equals_numpy(func, dtype, shapes)
+
+
+def masked_softmax_equals_numpy(func: tirx.PrimFunc, dtype: str, shapes) -> None:
+    """``func`` (``attention_probabilities``' kernel) built for llvm equals numpy's
+    softmax(x * 0.125 + mask) at each (batch, rows, width) of ``shapes``, a random 30% of
+    the mask -65504."""
     kernel = tvm.compile(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
                          target="llvm")
     rng = np.random.default_rng(0)
-    for b, rows, width in ((1, 1, 1), (2, 7, 7), (1, 33, 33)) if not batch_rows else \
-            ((1, 1, 1), (2, 1, 9), (3, 1, 300)):
+    for b, rows, width in shapes:
         x = rng.standard_normal((b, 12, rows, width)).astype(dtype)
         mask = np.where(rng.random((b, 1, rows, width)) < 0.3, -65504.0, 0.0).astype(dtype)
         out = tvm.runtime.empty(x.shape, dtype, tvm.cpu())

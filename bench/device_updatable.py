@@ -115,10 +115,9 @@ class TouchHead:
               "cuGraphAddDependencies")
 
 
-def time_us(graph, stream, launches: int = 200) -> float:
-    exec_ = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+def launched_us(exec_, stream, launches: int = 200) -> float:
+    """us per launch of an instantiated graph: five launches, then ``launches`` timed."""
     handle = driver.CUstream(stream.cuda_stream)
-    check(driver.cuGraphUpload(exec_, handle), "cuGraphUpload")
     for _ in range(5):
         check(driver.cuGraphLaunch(exec_, handle), "cuGraphLaunch")
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -128,8 +127,36 @@ def time_us(graph, stream, launches: int = 200) -> float:
             check(driver.cuGraphLaunch(exec_, handle), "cuGraphLaunch")
         end.record()
     end.synchronize()
-    check(driver.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
     return start.elapsed_time(end) * 1000.0 / launches
+
+
+def instantiated(graph, stream):
+    exec_ = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
+    check(driver.cuGraphUpload(exec_, driver.CUstream(stream.cuda_stream)), "cuGraphUpload")
+    return exec_
+
+
+def time_us(graph, stream) -> float:
+    exec_ = instantiated(graph, stream)
+    took = launched_us(exec_, stream)
+    check(driver.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
+    return took
+
+
+def host_reset_us(graph, stream) -> tuple[float, float]:
+    """Time launches after the head node's updates (as ``time_us``), then set every kernel
+    node's parameters again from the host (its captured ones: cuGraphExecKernelNodeSetParams,
+    which overrides device-side updates from the next upload), upload, and time again."""
+    exec_ = instantiated(graph, stream)
+    updated = launched_us(exec_, stream)
+    for node in kernel_nodes(graph):
+        params = check(driver.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
+        check(driver.cuGraphExecKernelNodeSetParams(exec_, node, params),
+              "cuGraphExecKernelNodeSetParams")
+    check(driver.cuGraphUpload(exec_, driver.CUstream(stream.cuda_stream)), "cuGraphUpload")
+    reset = launched_us(exec_, stream)
+    check(driver.cuGraphExecDestroy(exec_), "cuGraphExecDestroy")
+    return updated, reset
 
 
 def main() -> int:
@@ -138,8 +165,9 @@ def main() -> int:
     parser.add_argument("--touch-cubin", type=Path, default=None,
                         help="bench/kernels/touch_nodes.cu built for this GPU")
     args = parser.parse_args()
-    touch = TouchHead(args.touch_cubin) if args.touch_cubin else None
     stream = torch.cuda.Stream()
+    torch.empty(1, device="cuda")  # the runtime makes the primary context current first
+    touch = TouchHead(args.touch_cubin) if args.touch_cubin else None
     cases = {}
     for m in (16, 128, 1024):
         x = torch.randn(m, 768, device="cuda", dtype=torch.float16)
@@ -147,6 +175,10 @@ def main() -> int:
         y = torch.empty(m, 3072, device="cuda", dtype=torch.float16)
         cases[f"matmul {m}x768x3072 fp16 x4"] = (lambda x=x, w=w, y=y: [torch.matmul(x, w, out=y)
                                                                        for _ in range(4)])
+    x = torch.randn(128, 768, device="cuda")
+    w = torch.randn(768, 3072, device="cuda")
+    y = torch.empty(128, 3072, device="cuda")
+    cases["matmul 128x768x3072 fp32 x4"] = lambda: [torch.matmul(x, w, out=y) for _ in range(4)]
     a = torch.randn(1 << 20, device="cuda")
     cases["add 1M fp32 x4"] = lambda: [torch.add(a, 1.0, out=a) for _ in range(4)]
     results = {}
@@ -165,9 +197,14 @@ def main() -> int:
                 handles = make_updatable(graph)
                 touch.add(graph, handles, mode)
                 results[name][f"head_updating_{mode}_us"] = time_us(graph, stream)
+            graph = capture(fn, stream)
+            touch.add(graph, make_updatable(graph), "once")
+            once, reset = host_reset_us(graph, stream)
+            results[name]["once_then_host_reset_us"] = {"before": once, "after": reset}
         r = results[name]
         print(f"{name:32} " + "  ".join(f"{k[:-3]} {v:7.1f}" for k, v in r.items()
-                                        if k.endswith("_us")) +
+                                        if k.endswith("_us") and isinstance(v, float)) +
+              f"  once, then reset from the host: {r.get('once_then_host_reset_us')}" +
               f"  nodes {[(n['kernel'][:40], n['cluster']) for n in r['nodes'][:1]]}", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "device_updatable.json").write_text(json.dumps({
@@ -175,7 +212,8 @@ def main() -> int:
         "what": "us per launch of a graph of the case's kernels, back to back, CUDA events; "
                 "device_updatable: every kernel node opted into device-side updates, none made; "
                 "head_updating_{none,once,every}: and a head node setting every node's grid to "
-                "its own value never, on the first launch, on every launch",
+                "its own value never, on the first launch, on every launch; once_then_host_reset: "
+                "updated once, then every node's parameters set from the host and uploaded",
         "cases": results}, indent=1))
     return 0
 

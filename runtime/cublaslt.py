@@ -19,6 +19,16 @@ misaligns the output's rows) gets an algorithm chosen for its alignment. A produ
 activations (attention's scores and weighted sum, ``batched``) is one strided-batched call,
 its algorithm chosen per bucket of M, N and the batch count.
 
+Algorithms run without thread-block clusters (``CUBLASLT_CLUSTER_SHAPE_1x1x1`` set on
+cuBLASLt's choice wherever ``cublasLtMatmulAlgoCheck`` accepts it). On the H200 a kernel node
+launched in clusters, once updated from the device (as the patch kernel does on a graph's
+first launch and when a shape or an address changes), runs slower on every later launch:
+four fp16 (128, 768) x (768, 3072) products went from 17 to 88 us a launch, a non-cluster
+kernel was unaffected, and setting the nodes again from the host restored them
+(bench/results/device_updatable.json). With 1x1x1 clusters GPT-2's fp16 prefill at 128
+tokens runs as fast in a topology graph as in a per-shape graph, and the per-shape graph no
+slower than with cuBLASLt's clusters (bench/results/topology_variants.json).
+
 Row-major ``out[M, N] = x[M, K] @ w[K, N]`` is the column-major ``out^T = w^T x^T``: A is
 ``w`` (N x K, or K x N transposed when the model holds ``w`` as [N, K]), B is ``x``.
 
@@ -74,6 +84,7 @@ _PREF_MAX_WORKSPACE_BYTES = 1
 _LAYOUT_BATCH_COUNT, _LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
 _ALIGNED_COLUMNS = 8  # 16 bytes of a 16-bit type: what cuBLASLt's fast kernels need of N
 _ALGO_CONFIG_ID, _ALGO_CONFIG_SPLITK_NUM, _ALGO_CONFIG_REDUCTION_SCHEME = 0, 2, 3
+_ALGO_CONFIG_CLUSTER_SHAPE_ID, _CLUSTER_SHAPE_1x1x1 = 8, 2  # a uint16 attribute
 EPILOGUES = {"": 1, "bias": 4, "gelu": 32, "bias_gelu": 36}
 
 
@@ -484,7 +495,27 @@ class CublasLt:
         if count.value < 1:
             raise CublasLtError(f"cuBLASLt has no algorithm for {function.name} {dtype} "
                                 f"{problem.describe(function)}")
+        self._without_clusters(desc, found, function, dtype, problem)
         return found
+
+    def _without_clusters(self, desc, found: _Heuristic, function: MatmulFunction, dtype: str,
+                          problem: "_Problem") -> None:
+        """Ask ``found``'s algorithm for 1x1x1 clusters (module docstring: device-side updates
+        slow clustered kernels); left as it was where cuBLASLt refuses."""
+        saved = bytes(found.algo)
+        shape = ctypes.c_uint16(_CLUSTER_SHAPE_1x1x1)
+        status = self.lib.cublasLtMatmulAlgoConfigSetAttribute(
+            ctypes.byref(found.algo), _ALGO_CONFIG_CLUSTER_SHAPE_ID, ctypes.byref(shape),
+            ctypes.c_size_t(2))
+        if status == 0:
+            a, b, c = self._layouts_of(function, dtype, problem)
+            checked = _Heuristic()
+            status = self.lib.cublasLtMatmulAlgoCheck(self.handle, desc, a, b, c, c,
+                                                      ctypes.byref(found.algo),
+                                                      ctypes.byref(checked))
+            status = status or checked.workspaceSize > WORKSPACE_BYTES
+        if status != 0:
+            ctypes.memmove(ctypes.addressof(found.algo), saved, len(saved))
 
     def _keep(self, key: tuple, plan: _Plan, where: str) -> None:
         """Own ``plan`` under ``key``; ``chosen`` says, for inspect, what it is."""
@@ -493,13 +524,16 @@ class CublasLt:
             "algo_id": self._algo_config(plan.algo, _ALGO_CONFIG_ID),
             "split_k": self._algo_config(plan.algo, _ALGO_CONFIG_SPLITK_NUM),
             "reduction_scheme": self._algo_config(plan.algo, _ALGO_CONFIG_REDUCTION_SCHEME),
+            "cluster_shape_id": self._algo_config(plan.algo, _ALGO_CONFIG_CLUSTER_SHAPE_ID),
             "workspace_bytes": int(plan.algo.workspaceSize)}
 
     def _algo_config(self, found: _Heuristic, attribute: int) -> int:
-        value, written = ctypes.c_uint32(), ctypes.c_size_t()
+        value = (ctypes.c_uint16 if attribute == _ALGO_CONFIG_CLUSTER_SHAPE_ID else ctypes.c_uint32)()
+        written = ctypes.c_size_t()
         _ok(self.lib.cublasLtMatmulAlgoConfigGetAttribute(
-            ctypes.byref(found.algo), attribute, ctypes.byref(value), ctypes.c_size_t(4),
-            ctypes.byref(written)), "cublasLtMatmulAlgoConfigGetAttribute")
+            ctypes.byref(found.algo), attribute, ctypes.byref(value),
+            ctypes.c_size_t(ctypes.sizeof(value)), ctypes.byref(written)),
+            "cublasLtMatmulAlgoConfigGetAttribute")
         return value.value
 
     # -- ownership --------------------------------------------------------------------------

@@ -37,7 +37,8 @@ from .cublaslt import CublasLt, register_functions
 from .cuda_compile import CubinStore
 from .cuda_driver import check, driver
 from .cuda_graph import (Capture, CapturedGraph, CapturedNodes, OwnedGraph, UnkeptGraph,
-                         check_memsets, find_pointer_slots, node_records, read_nodes)
+                         check_memsets, cluster_blocks, find_pointer_slots, node_records,
+                         read_nodes)
 from .topology_graph import PatchKernel, TopologyGraph, guard_address, memsets_as_kernels
 
 MODES = ("topology", "per-shape")
@@ -124,6 +125,9 @@ class CudaGraphBackend:
         self.synchronizing_guards = 0  # guards read on the host (per-shape mode): each a sync
         self.graphs_not_kept = 0  # captures run once and dropped (``UnkeptGraph``)
         self.memsets_as_kernels = 0  # memset nodes of topology-mode captures made grape_fill
+        # Kernel nodes of topology graphs launched in clusters of several blocks: a device-side
+        # update slows such a node for good (runtime/cublaslt.py), so there should be none.
+        self.cluster_kernel_nodes = 0
         self.not_kept_reason: str | None = None
         self._evicted_graphs = 0
         # Device memory taken by graphs and their tables: free memory read just before and
@@ -301,6 +305,7 @@ class CudaGraphBackend:
                 region.groups.tables[placed.table], len(capture.region_args), patch, self.stream)
             region.graphs.append(topology_graph)
             self.graphs_instantiated += 1
+            self.cluster_kernel_nodes += sum(cluster_blocks(n.node) > 1 for n in nodes)
         else:
             driver.cuGraphDestroy(graph)  # the group's graph serves this shape too
             topology_graph = region.graphs[placed.table]
@@ -350,6 +355,7 @@ class CudaGraphBackend:
                 "synchronizing_guards": self.synchronizing_guards,
                 "graphs_not_kept": self.graphs_not_kept, "not_kept_reason": self.not_kept_reason,
                 "memsets_as_kernels": self.memsets_as_kernels,
+                "cluster_kernel_nodes": self.cluster_kernel_nodes,
                 "cublaslt_algorithms": dict(self.cublaslt.chosen) if self.cublaslt else {},
                 "topology_groups": regions}
 

@@ -170,6 +170,14 @@ def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
     return CapturedNodes(kernels, memsets, memset_nodes)
 
 
+def cluster_blocks(node) -> int:
+    """The blocks per thread-block cluster a kernel node is launched with (1: no clusters)."""
+    dim = check(driver.cuGraphKernelNodeGetAttribute(
+        node, driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
+        "cuGraphKernelNodeGetAttribute(cluster)").clusterDim
+    return max(dim.x, 1) * max(dim.y, 1) * max(dim.z, 1)
+
+
 def check_memsets(memsets: Sequence[MemsetNode], region_args: Sequence[Any]) -> None:
     """Raise ``UnkeptGraph`` if a memset writes into a region argument: a graph keeps its
     address, and a later call's argument may live elsewhere."""

@@ -53,6 +53,12 @@ want topology_probe && {
     python3 -P bench/kernel_profile.py build/gpu/gpt2_prefill_fp16.cuda.grape --dim batch=1 --dim seq=128 --weights build/gpu/gpt2_prefill_fp16.weights.json --executor-steps 20 --graph-mode "$mode" --log-memsets || status=1
   done
 }
+# What of a topology graph slows cuBLASLt's kernels: the head node, device-updatable nodes,
+# device-side updates, or clusters (bench/topology_variants.py), at one shape.
+want topology_variants && {
+  python3 -P bench/topology_variants.py build/gpu/library_float16.cuda.grape --dim n=128 --out "$out" || status=1
+  python3 -P bench/topology_variants.py build/gpu/gpt2_prefill_fp16.cuda.grape --dim batch=1 --dim seq=128 --weights build/gpu/gpt2_prefill_fp16.weights.json --calls 20 --out "$out" || status=1
+}
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }

@@ -7,6 +7,7 @@ from tvm import IRModule, relax
 from tvm.ir.transform import PassContext, module_pass
 from tvm.relax.distributed import Placement, device_mesh
 from tvm.relax.distributed import transform as distributed
+from tvm_ffi.structural import structural_equal
 
 from grape_tvm.runtime.tensor_parallel import rank_inputs
 
@@ -45,11 +46,12 @@ class LowerTensorParallel:
     ``LegalizeRedistribute`` and ``LowerDistIR`` make it a plain Relax program of local
     shapes calling ``R.ccl.*``. ``LegalizeOps`` comes first: on high-level ops
     (``R.matmul``) the propagation gives a row-parallel matmul's output no all-reduce (each
-    rank returned its partial sum, tried on TVM 0.27); on ``call_tir`` it does. It is TVM's
-    default ``LegalizeOps``: in grape's build a matmul would be cuBLASLt's
-    (``OffloadMatmul``, before legalization) and NaN handled as ``numerics`` says, so
-    ``build(..., tensor_parallel=N)`` needs this pass to take grape's legalization and its
-    library calls first; not done yet.
+    rank returned its partial sum, tried on TVM 0.27); on ``call_tir`` it does. The
+    functions it makes of ``RAISED_OPS`` carry the op they came from, and
+    ``RaiseLegalizedOps`` makes each rank's calls of them that op again, at the rank's
+    shapes: grape's pipeline then runs a rank's matmuls as it runs one device's (cuBLASLt
+    on CUDA, ``OffloadMatmul``). The rest stays TVM's legalization, scheduled by grape's
+    rules.
 
     Before (``world_size`` 2; the MLP's hidden activation split by columns, the output
     replicated)::
@@ -63,9 +65,9 @@ class LowerTensorParallel:
         x_r = R.ccl.broadcast_from_worker0(x)
         w1_r = R.ccl.scatter_from_worker0(w1, num_workers=2, axis=1)   # (64, 128)
         w2_r = R.ccl.scatter_from_worker0(w2, num_workers=2, axis=0)   # (128, 64)
-        lv0 = R.call_tir(matmul, (x_r, w1_r), out_ty=R.Tensor((n, 128)))
+        lv0 = R.matmul(x_r, w1_r)                                       # (n, 128)
         lv1 = R.call_tir(gelu, (lv0,), out_ty=R.Tensor((n, 128)))
-        part = R.call_tir(matmul1, (lv1, w2_r), out_ty=R.Tensor((n, 64)))
+        part = R.matmul(lv1, w2_r)                                      # (n, 64)
         lv2 = R.ccl.allreduce(part, op_type="sum")
 
     Inputs come in whole, as one device would take them, and are scattered or broadcast
@@ -74,12 +76,92 @@ class LowerTensorParallel:
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
         return tvm.transform.Sequential([
-            relax.transform.LegalizeOps(),
+            relax.transform.LegalizeOps({op: _legalize_tagged(op) for op in RAISED_OPS}),
             distributed.PropagateSharding(),
             distributed.LowerGlobalViewToLocalView(),
             distributed.LegalizeRedistribute(),
             distributed.LowerDistIR(),
+            RaiseLegalizedOps(),
         ])(mod)
+
+
+# Ops whose call is rebuilt from a legalized function's call: their Relax arguments are the
+# call_tir's (tensors only) and their attributes hold no shape, so the op at a rank's shapes
+# is the same op on the rank's tensors.
+RAISED_OPS = ("relax.matmul", "relax.permute_dims")
+LEGALIZED_OP_ATTR = "grape.legalized_op"  # on a PrimFunc: the op it was legalized from
+LEGALIZED_ATTRS_ATTR = "grape.legalized_attrs"  # and that op's attributes
+
+
+def _legalize_tagged(op_name: str):
+    """TVM's legalization of ``op_name``, its function tagged with the op and attributes."""
+    legalize = tvm.ir.Op.get(op_name).get_attr("FLegalize")
+
+    def tagged(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
+        legalized = legalize(bb, call)
+        if isinstance(legalized, relax.Call) and legalized.op == _CALL_TIR:
+            gvar = legalized.args[0]
+            func = bb.get()[gvar].with_attr(LEGALIZED_OP_ATTR, op_name)
+            if call.attrs is not None:
+                func = func.with_attr(LEGALIZED_ATTRS_ATTR, call.attrs)
+            bb.update_func(gvar, func)
+        return legalized
+
+    return tagged
+
+
+@module_pass(opt_level=0, name="RaiseLegalizedOps")
+class RaiseLegalizedOps:
+    """Make each ``call_tir`` of a function tagged by ``_legalize_tagged`` the op it was
+    legalized from, on the call's arguments, where the op's inferred type is the call's
+    output type (else the call stays); drop the functions no longer called. After
+    ``LowerTensorParallel``'s lowering, whose per-rank copies of the functions keep the tags.
+
+    Before (rank's shapes; ``matmul6`` tagged ``relax.matmul``)::
+
+        lv1 = R.call_tir(matmul6, (lv, w_qkv), out_ty=R.Tensor((1, 96), dtype="float32"))
+
+    After::
+
+        lv1: R.Tensor((1, 96), dtype="float32") = R.matmul(lv, w_qkv)
+    """
+
+    def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
+        raised = _Raise(mod)
+        for gvar, func in mod.functions.items():
+            if isinstance(func, relax.Function):
+                raised.builder_.update_func(gvar, raised.visit_expr(func))
+        return relax.transform.DeadCodeElimination()(raised.builder_.get())
+
+
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
+
+
+@relax.expr_functor.mutator
+class _Raise(relax.PyExprMutator):
+    def __init__(self, mod: IRModule):
+        super().__init__(mod)
+        self.mod = mod
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        if call.op != _CALL_TIR:
+            return call
+        func = self.mod[call.args[0]]
+        op_name = func.attrs.get(LEGALIZED_OP_ATTR) if func.attrs is not None else None
+        if op_name is None:
+            return call
+        # The lowering passes a symbolic dim the function reads as a value after the tensors
+        # (a PrimValue): the op takes the tensors alone.
+        op = tvm.ir.Op.get(str(op_name))
+        tensors = [a for a in call.args[1].fields if isinstance(a.ty, relax.TensorType)]
+        if len(tensors) != int(op.num_inputs):
+            return call
+        raised = self.builder_.normalize(relax.Call(op, tensors,
+                                                    func.attrs.get(LEGALIZED_ATTRS_ATTR)))
+        if not structural_equal(raised.ty, call.ty):
+            return call
+        return raised
 
 
 SHARD_PLAN_ATTR = "grape.shard_plan"  # on main: {parameter name: the axis it is split on}

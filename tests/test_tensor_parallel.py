@@ -238,6 +238,66 @@ def test_build_holds_each_ranks_program_and_its_shard_plan(collectives, tmp_path
     _equal_one_device(_on_ranks(standin, step), x, caches, weights)
 
 
+def test_each_ranks_matmuls_are_ops_again_at_its_shapes():
+    """``RaiseLegalizedOps``: every matmul and transpose of a rank's program is the Relax op
+    again, at the rank's shapes (no ``call_tir`` of a legalized matmul is left), and the
+    all-reduces stay where they were."""
+    mod = _per_rank(2, local=True)
+    ops = []
+    relax.analysis.post_order_visit(mod["main"], lambda e: isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) and ops.append(e.op.name))
+    assert ops.count("relax.matmul") == 6 * LAYERS  # qkv, scores, weighted sum, out, fc, proj
+    assert ops.count("relax.permute_dims") >= 4 * LAYERS
+    assert ops.count("relax.ccl.allreduce") == 2 * LAYERS
+    called = [gvar.name_hint for gvar in mod.get_global_vars()]
+    assert not [name for name in called if name.startswith(("matmul", "transpose"))], called
+    text = mod["main"].script()
+    assert f'R.Tensor((1, {3 * HIDDEN // 2}), dtype="float32") = R.matmul(' in text
+    relax.analysis.well_formed(mod)  # raises where it is not
+
+
+def test_raise_legalized_ops_gives_back_the_ops_on_a_tiny_module():
+    """On one device: a matmul by a transposed weight, legalized with the tags, raised back,
+    is the module it was; a gelu (not one of ``RAISED_OPS``) stays legalized."""
+    from grape_tvm.passes.tensor_parallel import (  # pylint: disable=import-outside-toplevel
+        RAISED_OPS, RaiseLegalizedOps, _legalize_tagged)
+
+    bb = relax.BlockBuilder()
+    x = relax.Var("x", relax.TensorType((tvm.tirx.Var("n", "int64"), 8), "float32"))
+    w = relax.Var("w", relax.TensorType((6, 8), "float32"))
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            wt = bb.emit(relax.op.permute_dims(w, [1, 0]))
+            y = bb.emit(relax.op.matmul(x, wt))
+            out = bb.emit_output(relax.op.nn.gelu(y))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    legalized = relax.transform.LegalizeOps({op: _legalize_tagged(op) for op in RAISED_OPS})(mod)
+    raised = RaiseLegalizedOps()(legalized)
+    ops = []
+    relax.analysis.post_order_visit(raised["main"], lambda e: isinstance(e, relax.Call) and ops.append(
+        e.op.name if isinstance(e.op, tvm.ir.Op) else e.op.name_hint))
+    assert ops.count("relax.permute_dims") == 1 and ops.count("relax.matmul") == 1, ops
+    assert ops.count("relax.call_tir") == 1  # the gelu
+    assert sorted(g.name_hint for g in raised.get_global_vars()) == ["gelu", "main"]
+    relax.analysis.well_formed(raised)  # raises where it is not
+
+
+def test_a_sharded_cuda_build_runs_its_matmuls_on_cublaslt():
+    """A rank's program goes through grape's pipeline like one device's: on CUDA its weight
+    matmuls and attention's products are cuBLASLt calls inside the graph regions."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    module = grape_tvm.build(gpt2_decode_step(HIDDEN, HEADS, LAYERS, tensor_parallel=2),
+                             {"past": (1, 32)}, tvm.target.Target({"kind": "cuda",
+                                                                   "arch": "sm_90"}),
+                             tensor_parallel=2, prebuild_cubin=False, matmul="cublaslt")
+    kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
+    assert sum(k.startswith("grape.cublaslt.") for k in kernels) >= 4 * LAYERS, kernels
+    assert module.plan["libraries"] == ["cublaslt"]
+    assert module.plan["tensor_parallel"]["world_size"] == 2
+
+
 def test_build_refuses_a_module_without_annotations():
     import grape_tvm  # pylint: disable=import-outside-toplevel
 

@@ -14,8 +14,12 @@ per region, so after the first launch the patch kernel has nothing to change):
   node alone.
 - ``no_head``: device-updatable nodes, no patch node (the capture's addresses as they were).
 - ``per_shape``: grape's per-shape graphs, as captured.
-- ``cluster1_*``: cuBLASLt's algorithms asked for 1x1x1 thread-block clusters
-  (``CUBLASLT_ALGO_CONFIG_CLUSTER_SHAPE_ID``) where ``cublasLtMatmulAlgoCheck`` accepts it.
+- ``clustered_*``: cuBLASLt's algorithms as its heuristic gives them, in thread-block
+  clusters where it chooses them (the runtime's ``CublasLt._without_clusters`` turned off).
+
+``bench/results/topology_variants.b111ffc.json`` and ``topology_variants.json`` were written by
+this script's first form: their ``cluster1_*`` variants had the script ask for 1x1x1
+clusters, where these turn the runtime's asking off.
 
 Prints a table of microseconds per call and writes ``topology_variants.json``.
 """
@@ -34,22 +38,21 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = ("topology", "primed", "primed_no_attr", "no_head", "per_shape", "cluster1_topology",
-            "cluster1_per_shape")
-CLUSTER_SHAPE_ID, CLUSTER_SHAPE_1x1x1 = 8, 2  # cublasLt.h
+VARIANTS = ("topology", "primed", "primed_no_attr", "no_head", "per_shape", "clustered_topology",
+            "clustered_per_shape")
 
 
 @contextlib.contextmanager
 def variant(name: str):
-    """Patch ``runtime.topology_graph`` for one variant, restored after."""
+    """Patch ``runtime.topology_graph`` and ``runtime.cublaslt`` for one variant, restored
+    after."""
+    from grape_tvm.runtime import cublaslt  # pylint: disable=import-outside-toplevel
     from grape_tvm.runtime import topology_graph as tg  # pylint: disable=import-outside-toplevel
 
-    from grape_tvm.runtime import cublaslt  # pylint: disable=import-outside-toplevel
-
     saved = (tg.TopologyGraph.replay, tg.TopologyGraph._add_patch_node, tg._device_updatable)
-    heuristic = cublaslt.CublasLt._heuristic
-    if name.startswith("cluster1"):
-        cublaslt.CublasLt._heuristic = _without_clusters(heuristic)
+    without_clusters = cublaslt.CublasLt._without_clusters
+    if name.startswith("clustered"):
+        cublaslt.CublasLt._without_clusters = lambda *args: None
     if name.startswith("primed"):
         replay = tg.TopologyGraph.replay
 
@@ -72,56 +75,24 @@ def variant(name: str):
         yield
     finally:
         tg.TopologyGraph.replay, tg.TopologyGraph._add_patch_node, tg._device_updatable = saved
-        cublaslt.CublasLt._heuristic = heuristic
+        cublaslt.CublasLt._without_clusters = without_clusters
 
 
-CLUSTER_ASKED = {"set": 0, "refused": 0}
-
-
-def _without_clusters(heuristic):
-    """cuBLASLt's choice with its cluster shape set to 1x1x1, where it accepts that."""
-    import ctypes  # pylint: disable=import-outside-toplevel
-
-    from grape_tvm.runtime import cublaslt  # pylint: disable=import-outside-toplevel
-
-    def chosen(self, desc, function, dtype, problem, bias):
-        found = heuristic(self, desc, function, dtype, problem, bias)
-        saved = bytes(found.algo)
-        value = ctypes.c_uint16(CLUSTER_SHAPE_1x1x1)
-        status = self.lib.cublasLtMatmulAlgoConfigSetAttribute(
-            ctypes.byref(found.algo), CLUSTER_SHAPE_ID, ctypes.byref(value), ctypes.c_size_t(2))
-        if status == 0:
-            a, b, c = self._layouts_of(function, dtype, problem)
-            checked = cublaslt._Heuristic()  # pylint: disable=protected-access
-            status = self.lib.cublasLtMatmulAlgoCheck(self.handle, desc, a, b, c, c,
-                                                      ctypes.byref(found.algo),
-                                                      ctypes.byref(checked))
-        if status != 0:
-            ctypes.memmove(ctypes.addressof(found.algo), saved, len(saved))
-        CLUSTER_ASKED["set" if status == 0 else "refused"] += 1
-        return found
-
-    return chosen
-
-
-def cluster_dims(executor) -> list[int]:
-    """The cluster size of each kernel node of the executor's graphs."""
+def cluster_sizes(executor) -> list[int]:
+    """The blocks per cluster of each kernel node of the executor's graphs."""
     from grape_tvm.runtime.cuda_driver import check, driver  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.cuda_graph import cluster_blocks  # pylint: disable=import-outside-toplevel
 
     backend = executor.backend
     graphs = [g.graph for r in backend._regions.values() for g in r.graphs]  # pylint: disable=protected-access
     graphs += [g.graph for g in backend._per_shape.values()]  # pylint: disable=protected-access
-    sizes = []
-    attr = driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
     kernel = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
+    sizes = []
     for graph in graphs:
         _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
         nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
-        for node in nodes[:count]:
-            if check(driver.cuGraphNodeGetType(node), "cuGraphNodeGetType") != kernel:
-                continue
-            dim = check(driver.cuGraphKernelNodeGetAttribute(node, attr), "cluster").clusterDim
-            sizes.append(max(dim.x, 1) * max(dim.y, 1) * max(dim.z, 1))
+        sizes += [cluster_blocks(n) for n in nodes[:count]
+                  if check(driver.cuGraphNodeGetType(n), "cuGraphNodeGetType") == kernel]
     return sizes
 
 
@@ -158,9 +129,9 @@ def time_calls(artifact: Path, named: dict, weight_names: set, graph_mode: str, 
         feeds = {k: v for k, v in named.items() if k not in executor.bound_names}
         executor.run(feeds, return_numpy=False)
         executor.backend.synchronize()
-        sizes = cluster_dims(executor)
+        sizes = cluster_sizes(executor)
         print(f"  kernel nodes {len(sizes)}, in clusters of more than one block "
-              f"{sum(s > 1 for s in sizes)}; cuBLASLt cluster 1x1x1 {CLUSTER_ASKED}")
+              f"{sum(s > 1 for s in sizes)}")
         best = float("inf")
         for _ in range(repeats):
             start = time.perf_counter()

@@ -162,9 +162,11 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     disco; each sharded input taken as the rank's part) and, in ``plan["tensor_parallel"]``,
     the world size and which inputs are split along which axis
     (``runtime.tensor_parallel.rank_inputs`` makes a rank's inputs from whole ones). A
-    rank's matmuls go through ``matmul`` as one device's do (``LowerTensorParallel`` makes
-    them ``R.matmul`` again at the rank's shapes); its other ops are TVM's legalization,
-    scheduled by grape's rules (no fused attention in a sharded build).
+    rank's matmuls go through ``matmul`` (``LowerTensorParallel`` makes them, their adds and
+    GELUs Relax ops again at the rank's shapes): a column-parallel product with its bias, a
+    row-parallel one alone, its bias and residual added after the all-reduce; its other ops
+    are TVM's legalization, scheduled by grape's rules (no fused attention in a sharded
+    build).
     """
     tgt = parse_target(target)
     parallel = None

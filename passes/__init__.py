@@ -28,7 +28,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
   ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).
 - ``LowerTensorParallel``: a model annotated with sharding placements to the program each
-  rank runs (TVM's ``relax.distributed``; ``build(tensor_parallel=N)``); ``LocalParams``: each
+  rank runs (TVM's ``relax.distributed``; ``build(tensor_parallel=N)``), its matmuls, adds
+  and GELUs made Relax ops again (``RaiseLegalizedOps``); ``LocalParams``: each
   rank's part of a weight as its parameter, not scattered on every call.
 - ``NarrowIndices``: 32-bit indices in GPU kernels whose buffers stay below 2^31 elements.
 - ``FuseAttention``: 16-bit ``softmax(q k^T * scale + bias) v`` as one call of grape's fused

@@ -14,6 +14,7 @@ from grape_tvm.runtime.tensor_parallel import rank_inputs
 from .var_reads import read_counts
 
 MESH = "mesh"  # the module's global info naming its device mesh
+_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 def _mesh(world_size: int):
@@ -47,7 +48,8 @@ class LowerTensorParallel:
     shapes calling ``R.ccl.*``. ``LegalizeOps`` comes first: on high-level ops
     (``R.matmul``) the propagation gives a row-parallel matmul's output no all-reduce (each
     rank returned its partial sum, tried on TVM 0.27); on ``call_tir`` it does. The
-    functions it makes of ``RAISED_OPS`` carry the op they came from, and
+    functions it makes of ``RAISED_OPS`` (matmul, permute_dims, add, GELU) carry the op
+    they came from, and
     ``RaiseLegalizedOps`` makes each rank's calls of them that op again, at the rank's
     shapes: grape's pipeline then runs a rank's matmuls as it runs one device's (cuBLASLt
     on CUDA, ``OffloadMatmul``). The rest stays TVM's legalization, scheduled by grape's
@@ -87,8 +89,9 @@ class LowerTensorParallel:
 
 # Ops whose call is rebuilt from a legalized function's call: their Relax arguments are the
 # call_tir's (tensors only) and their attributes hold no shape, so the op at a rank's shapes
-# is the same op on the rank's tensors.
-RAISED_OPS = ("relax.matmul", "relax.permute_dims")
+# is the same op on the rank's tensors. What OffloadMatmul fuses into a library call.
+RAISED_OPS = ("relax.matmul", "relax.permute_dims", "relax.add", "relax.nn.gelu",
+              "relax.nn.gelu_tanh")
 LEGALIZED_OP_ATTR = "grape.legalized_op"  # on a PrimFunc: the op it was legalized from
 LEGALIZED_ATTRS_ATTR = "grape.legalized_attrs"  # and that op's attributes
 
@@ -128,17 +131,21 @@ class RaiseLegalizedOps:
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
         raised = _Raise(mod)
+        relax_functions = []
         for gvar, func in mod.functions.items():
             if isinstance(func, relax.Function):
                 raised.builder_.update_func(gvar, raised.visit_expr(func))
-        return relax.transform.DeadCodeElimination()(raised.builder_.get())
+                relax_functions.append(gvar.name_hint)
+        # Every Relax function kept (called or not, public or not): only what they no
+        # longer call goes.
+        return relax.transform.DeadCodeElimination(relax_functions)(raised.builder_.get())
 
-
-_CALL_TIR = tvm.ir.Op.get("relax.call_tir")
 
 
 @relax.expr_functor.mutator
 class _Raise(relax.PyExprMutator):
+    """``RaiseLegalizedOps``'s rewrite of the calls in one module's Relax functions."""
+
     def __init__(self, mod: IRModule):
         super().__init__(mod)
         self.mod = mod
@@ -184,12 +191,12 @@ class LocalParams:
         def main(x: R.Tensor((n, 64)), w1: R.Tensor((64, 256))):
             xr = R.ccl.broadcast_from_worker0(x)
             w1r = R.ccl.scatter_from_worker0(w1, num_workers=2, axis=1)   # (64, 128)
-            lv0 = R.call_tir(matmul, (xr, w1r), ...)
+            lv0 = R.matmul(xr, w1r)
 
     After::
 
         def main(x: R.Tensor((n, 64)), w1: R.Tensor((64, 128))):   # shard_plan {"w1": 1}
-            lv0 = R.call_tir(matmul, (x, w1), ...)
+            lv0 = R.matmul(x, w1)
     """
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:

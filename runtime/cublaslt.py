@@ -26,8 +26,10 @@ first launch and when a shape or an address changes), runs slower on every later
 four fp16 (128, 768) x (768, 3072) products went from 17 to 88 us a launch, a non-cluster
 kernel was unaffected, and setting the nodes again from the host restored them
 (bench/results/device_updatable.json). With 1x1x1 clusters GPT-2's fp16 prefill at 128
-tokens runs as fast in a topology graph as in a per-shape graph, and the per-shape graph no
-slower than with cuBLASLt's clusters (bench/results/topology_variants.json).
+tokens runs as fast in a topology graph as in a per-shape graph (bench/results/
+topology_variants.json), and a per-shape graph about as fast as with cuBLASLt's clusters
+(491.7 against 500.2 us; the MLP of the GPU tests 14.3 against 13.4:
+topology_variants.b111ffc.json).
 
 Row-major ``out[M, N] = x[M, K] @ w[K, N]`` is the column-major ``out^T = w^T x^T``: A is
 ``w`` (N x K, or K x N transposed when the model holds ``w`` as [N, K]), B is ``x``.
@@ -84,7 +86,8 @@ _PREF_MAX_WORKSPACE_BYTES = 1
 _LAYOUT_BATCH_COUNT, _LAYOUT_STRIDED_BATCH_OFFSET = 5, 6
 _ALIGNED_COLUMNS = 8  # 16 bytes of a 16-bit type: what cuBLASLt's fast kernels need of N
 _ALGO_CONFIG_ID, _ALGO_CONFIG_SPLITK_NUM, _ALGO_CONFIG_REDUCTION_SCHEME = 0, 2, 3
-_ALGO_CONFIG_CLUSTER_SHAPE_ID, _CLUSTER_SHAPE_1x1x1 = 8, 2  # a uint16 attribute
+_ALGO_CONFIG_CLUSTER_SHAPE_ID, _CLUSTER_SHAPE_1x1x1 = 8, 2
+_ALGO_CONFIG_TYPES = {_ALGO_CONFIG_CLUSTER_SHAPE_ID: ctypes.c_uint16}  # the others: uint32
 EPILOGUES = {"": 1, "bias": 4, "gelu": 32, "bias_gelu": 36}
 
 
@@ -440,13 +443,18 @@ class CublasLt:
 
     def _supports(self, plan: _Plan, function: MatmulFunction, dtype: str,
                   problem: "_Problem") -> bool:
-        """``cublasLtMatmulAlgoCheck`` of the plan's algorithm on ``problem``'s layouts."""
+        """Whether the plan's algorithm runs ``problem`` (``_check``)."""
+        return self._check(plan.desc, plan.algo, function, dtype, problem) is not None
+
+    def _check(self, desc, found: _Heuristic, function: MatmulFunction, dtype: str,
+               problem: "_Problem") -> _Heuristic | None:
+        """``cublasLtMatmulAlgoCheck`` of ``found``'s algorithm on ``problem``'s layouts: its
+        result, or None where it cannot run it within the workspace."""
         a, b, c = self._layouts_of(function, dtype, problem)
         result = _Heuristic()
-        status = self.lib.cublasLtMatmulAlgoCheck(self.handle, plan.desc, a, b, c, c,
-                                                  ctypes.byref(plan.algo.algo),
-                                                  ctypes.byref(result))
-        return status == 0 and result.workspaceSize <= WORKSPACE_BYTES
+        status = self.lib.cublasLtMatmulAlgoCheck(self.handle, desc, a, b, c, c,
+                                                  ctypes.byref(found.algo), ctypes.byref(result))
+        return result if status == 0 and result.workspaceSize <= WORKSPACE_BYTES else None
 
     def _release(self, plan: _Plan) -> None:
         self.lib.cublasLtMatmulDescDestroy(plan.desc)
@@ -503,19 +511,16 @@ class CublasLt:
         """Ask ``found``'s algorithm for 1x1x1 clusters (module docstring: device-side updates
         slow clustered kernels); left as it was where cuBLASLt refuses."""
         saved = bytes(found.algo)
-        shape = ctypes.c_uint16(_CLUSTER_SHAPE_1x1x1)
-        status = self.lib.cublasLtMatmulAlgoConfigSetAttribute(
-            ctypes.byref(found.algo), _ALGO_CONFIG_CLUSTER_SHAPE_ID, ctypes.byref(shape),
-            ctypes.c_size_t(2))
-        if status == 0:
-            a, b, c = self._layouts_of(function, dtype, problem)
-            checked = _Heuristic()
-            status = self.lib.cublasLtMatmulAlgoCheck(self.handle, desc, a, b, c, c,
-                                                      ctypes.byref(found.algo),
-                                                      ctypes.byref(checked))
-            status = status or checked.workspaceSize > WORKSPACE_BYTES
-        if status != 0:
+        shape = _ALGO_CONFIG_TYPES[_ALGO_CONFIG_CLUSTER_SHAPE_ID](_CLUSTER_SHAPE_1x1x1)
+        checked = None
+        if self.lib.cublasLtMatmulAlgoConfigSetAttribute(
+                ctypes.byref(found.algo), _ALGO_CONFIG_CLUSTER_SHAPE_ID, ctypes.byref(shape),
+                ctypes.c_size_t(ctypes.sizeof(shape))) == 0:
+            checked = self._check(desc, found, function, dtype, problem)
+        if checked is None:
             ctypes.memmove(ctypes.addressof(found.algo), saved, len(saved))
+        else:
+            found.workspaceSize = checked.workspaceSize
 
     def _keep(self, key: tuple, plan: _Plan, where: str) -> None:
         """Own ``plan`` under ``key``; ``chosen`` says, for inspect, what it is."""
@@ -528,8 +533,7 @@ class CublasLt:
             "workspace_bytes": int(plan.algo.workspaceSize)}
 
     def _algo_config(self, found: _Heuristic, attribute: int) -> int:
-        value = (ctypes.c_uint16 if attribute == _ALGO_CONFIG_CLUSTER_SHAPE_ID else ctypes.c_uint32)()
-        written = ctypes.c_size_t()
+        value, written = _ALGO_CONFIG_TYPES.get(attribute, ctypes.c_uint32)(), ctypes.c_size_t()
         _ok(self.lib.cublasLtMatmulAlgoConfigGetAttribute(
             ctypes.byref(found.algo), attribute, ctypes.byref(value),
             ctypes.c_size_t(ctypes.sizeof(value)), ctypes.byref(written)),

@@ -627,6 +627,7 @@ def test_cublaslt_matmuls_in_graphs_equal_numpy(dtype):
         # Every call runs from the call program; the second round replays every n.
         assert executor.stats.planned_calls == 2 * len(sizes)
         assert executor.stats.region_replays >= len(sizes)
+        assert backend["mode"] == "topology"
         assert backend["cluster_kernel_nodes"] == 0, backend["cublaslt_algorithms"]
 
 

@@ -17,6 +17,7 @@ from tvm.script import tirx as T
 
 import grape_tvm
 from grape_tvm.passes.library_matmul import OffloadMatmul
+from grape_tvm.runtime import cublaslt
 from grape_tvm.runtime.cuda_graph import fields_of, parameter_buffer
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -233,6 +234,44 @@ def test_a_decode_step_uses_cublaslt_and_its_kernels_compile():
     assert module.cubins  # the TVM kernels left, compiled by nvcc here
 
 
+class _ClusterRefusingLt:
+    """cuBLASLt's two calls ``_without_clusters`` makes: the attribute is set in the algo's
+    bytes, and the check accepts it, refuses it, or asks ``workspace`` bytes."""
+
+    def __init__(self, refuse: bool, workspace: int):
+        self.refuse, self.workspace = refuse, workspace
+
+    def cublasLtMatmulAlgoConfigSetAttribute(self, algo, attribute, value, size):
+        ctypes.memmove(ctypes.addressof(algo._obj) + 2 * attribute, value, size.value)
+        return 0
+
+    def cublasLtMatmulAlgoCheck(self, handle, desc, a, b, c, d, algo, result):
+        result._obj.workspaceSize = self.workspace
+        return 15 if self.refuse else 0  # CUBLAS_STATUS_NOT_SUPPORTED
+
+
+@pytest.mark.parametrize("refuse,workspace,kept", [(False, 4096, True), (True, 0, False),
+                                                   (False, cublaslt.WORKSPACE_BYTES + 1, False)])
+def test_clusters_are_given_up_only_where_cublaslt_accepts_it(refuse, workspace, kept):
+    """``CublasLt._without_clusters``: the 1x1x1 cluster shape is kept, with the workspace
+    the check asks, only where ``cublasLtMatmulAlgoCheck`` accepts it within the workspace;
+    else the algorithm is restored byte for byte."""
+    lt = object.__new__(cublaslt.CublasLt)
+    lt.lib, lt.handle = _ClusterRefusingLt(refuse, workspace), None
+    lt._layouts_of = lambda *args: (None, None, None)  # pylint: disable=protected-access
+    found = cublaslt._Heuristic()  # pylint: disable=protected-access
+    for i in range(8):
+        found.algo[i] = 0x0101010101010101 * (i + 1)
+    found.workspaceSize = 7
+    before = bytes(found.algo)
+    function = cublaslt.MatmulFunction("bias", transposed_weight=False)
+    lt._without_clusters(None, found, function, "float16", None)  # pylint: disable=protected-access
+    if kept:
+        assert bytes(found.algo) != before and found.workspaceSize == workspace
+    else:
+        assert bytes(found.algo) == before and found.workspaceSize == 7
+
+
 def test_a_wide_parameter_is_patched_word_by_word():
     """cuBLAS's kernels take one struct of hundreds of bytes: the fields a patch writes are
     its 8-byte words (operands' addresses and sizes sit inside it); narrow parameters stay
@@ -261,8 +300,6 @@ def test_parameter_buffer_from_extra_and_from_kernel_params():
 def test_the_nvidia_cublas_package_is_found_where_pip_put_it(monkeypatch):
     """``pip install 'grape-tvm[cuda]'`` brings libcublasLt in the nvidia-cublas wheel, in a
     folder the loader does not search: the runtime finds it there when no soname loads."""
-    from grape_tvm.runtime import cublaslt
-
     packaged = cublaslt._packaged_libraries()  # pylint: disable=protected-access
     if not packaged:
         pytest.skip("nvidia-cublas is not installed here")

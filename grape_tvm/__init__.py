@@ -19,7 +19,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 __all__ = ["build", "compile_onnx", "compile_loop", "load", "load_loop", "load_onnx_loop",
-           "grape_pipeline",
+           "load_tensor_parallel", "grape_pipeline",
            "__version__"]
 
 
@@ -44,4 +44,8 @@ def __getattr__(name):
         from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 
         return load
+    if name == "load_tensor_parallel":
+        from grape_tvm.tensor_parallel_session import load_tensor_parallel  # pylint: disable=import-outside-toplevel
+
+        return load_tensor_parallel
     raise AttributeError(f"module 'grape_tvm' has no attribute {name!r}")

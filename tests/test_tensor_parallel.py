@@ -3,7 +3,8 @@ annotated for 2 and 4 devices, lowered to the program each rank runs, run by tha
 threads with numpy stand-ins for disco's collectives (this TVM wheel has no CPU collectives:
 ``init_ccl`` takes NCCL or RCCL only), equals the step's numpy reference, at several
 cache lengths: with its inputs whole (scattered on every call), and with each rank handed
-its own part once (``LocalParams``). The NCCL path on GPUs is not built yet."""
+its own part once (``LocalParams``); and ``TensorParallelSession`` on a disco session. Nothing
+here runs NCCL: GPUs only."""
 
 from __future__ import annotations
 
@@ -60,15 +61,15 @@ class _Collectives:
         return tvm.runtime.ShapeTuple([self.local.rank])
 
 
-@pytest.fixture
-def collectives():
-    """Install ``_Collectives`` as ``runtime.disco.*``; the functions before come back after."""
+def _installing(make, names):
+    """A fixture's body: ``install(world)`` registers ``make(world)``'s ``names`` as
+    ``runtime.disco.*``; the functions before come back after."""
     before = {name: tvm.get_global_func(f"runtime.disco.{name}", allow_missing=True)
-              for name in COLLECTIVES}
+              for name in names}
 
-    def install(world: int) -> _Collectives:
-        standin = _Collectives(world)
-        for name in COLLECTIVES:
+    def install(world: int):
+        standin = make(world)
+        for name in names:
             tvm.register_global_func(f"runtime.disco.{name}", getattr(standin, name), override=True)
         return standin
 
@@ -76,6 +77,12 @@ def collectives():
     for name, func in before.items():
         if func is not None:
             tvm.register_global_func(f"runtime.disco.{name}", func, override=True)
+
+
+@pytest.fixture
+def collectives():
+    """``_Collectives`` as disco's collectives and ``worker_id``."""
+    yield from _installing(_Collectives, COLLECTIVES)
 
 
 def _per_rank(world: int, local: bool = False) -> tvm.IRModule:
@@ -317,3 +324,148 @@ def test_rank_inputs_split_what_the_plan_names_and_refuse_what_does_not_split():
         rank_inputs({"w": 1}, 4, {"w": w}, 0)
     with pytest.raises(ValueError, match="rank 2 is not one of the 2 ranks"):
         rank_inputs({"w": 1}, 2, {"w": w}, 2)
+
+
+class _DiscoCollectives(_Collectives):
+    """``_Collectives`` for the workers of a disco threaded session: the rank is disco's own
+    ``worker_id``; a worker that holds no source (not worker 0) gives None."""
+
+    def __init__(self, world: int):
+        super().__init__(world)
+        self._worker_id = tvm.get_global_func("runtime.disco.worker_id")
+
+    def _everyone(self, value):
+        self.local.rank = int(self._worker_id()[0])
+        return super()._everyone(value)
+
+    def broadcast_from_worker0(self, x, _in_group, out):
+        out.copyfrom(self._everyone(None if x is None else x.numpy())[0])
+
+    def scatter_from_worker0(self, x, _in_group, out):
+        chunks = self._everyone(None if x is None else x.numpy())[0].reshape(self.world, -1)
+        out.copyfrom(chunks[self.local.rank].reshape(tuple(out.shape)))
+
+
+@pytest.fixture
+def disco_collectives():
+    """``_DiscoCollectives`` as disco's collectives (its own ``worker_id`` kept)."""
+    yield from _installing(_DiscoCollectives, [n for n in COLLECTIVES if n != "worker_id"])
+
+
+@pytest.fixture(scope="module")
+def step_artifact(tmp_path_factory):
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    module = grape_tvm.build(gpt2_decode_step(HIDDEN, HEADS, LAYERS, tensor_parallel=2),
+                             {"past": (1, 32)}, "llvm", tensor_parallel=2)
+    return module, module.export(tmp_path_factory.mktemp("tp") / "step.grape")
+
+
+def test_a_session_of_two_disco_workers_equals_one_device(step_artifact, disco_collectives):
+    """``TensorParallelSession`` on a threaded disco session of two workers (its collectives
+    numpy stand-ins: no CPU collectives here): the weights bound once, whole, each worker
+    keeping its part; then calls at several cache lengths, inputs whole: rank 0's y equals
+    the one-device step's, its caches the step's first half of the heads."""
+    from grape_tvm.tensor_parallel_session import TensorParallelSession  # pylint: disable=import-outside-toplevel
+
+    module, path = step_artifact
+    disco_collectives(2)
+    names = [spec.name for spec in module.signature.inputs]
+    rng = np.random.default_rng(3)
+    weights = {k: (0.1 * rng.standard_normal(s)).astype("float32")
+               for k, s in gpt2_shapes(HIDDEN, LAYERS).items()}
+    ordered = gpt2_qkv_by_ranks(weights, HEADS, 2)
+    d = HIDDEN // HEADS
+    with TensorParallelSession(path, threaded=True, ccl=None) as ranks:
+        ranks.bind_inputs({k: ordered[k] for k in weights})
+        for past in (1, 9, 31):
+            x = rng.standard_normal((1, HIDDEN)).astype("float32")
+            caches = [rng.standard_normal((HEADS, past, d)).astype("float32")
+                      for _ in range(2 * LAYERS)]
+            got = ranks.run(dict(zip(names, [x, *caches])))
+            y, presents = gpt2_numpy(x, caches, weights, HEADS, LAYERS)
+            outputs = list(got.values())
+            np.testing.assert_allclose(outputs[0], y, rtol=1e-5, atol=1e-5)
+            for mine, present in zip(outputs[1:], presents):
+                np.testing.assert_allclose(mine, present[:HEADS // 2], rtol=1e-5, atol=1e-5)
+
+
+def test_a_session_refuses_a_one_device_artifact_and_a_wrong_device_count(step_artifact,
+                                                                            tmp_path):
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+    from grape_tvm.artifact import ArtifactError  # pylint: disable=import-outside-toplevel
+    from grape_tvm.tensor_parallel_session import TensorParallelSession  # pylint: disable=import-outside-toplevel
+
+    one = grape_tvm.build(gpt2_decode_step(HIDDEN, HEADS, 1), {"past": (1, 8)}, "llvm")
+    with pytest.raises(ArtifactError, match="built for one device"):
+        TensorParallelSession(one.export(tmp_path / "one.grape"), threaded=True, ccl=None)
+    with pytest.raises(ValueError, match="runs on 2 distinct devices, got \\[0, 1, 2\\]"):
+        TensorParallelSession(step_artifact[1], devices=[0, 1, 2], threaded=True, ccl=None)
+
+
+_PROCESS_SESSION = """
+import gc, sys, time
+from grape_tvm.tensor_parallel_session import TensorParallelSession
+ranks = TensorParallelSession(sys.argv[1], ccl=None)
+ranks.close()
+ranks.close()
+time.sleep(1.5)  # the worker process has exited
+del ranks
+gc.collect()
+print("closed")
+"""
+
+
+def test_a_process_session_loads_in_every_worker_and_closes_cleanly(step_artifact):
+    """A ``ProcessSession`` (the per-GPU form; worker 1 a process of grape's entrypoint,
+    ``grape_tvm.rank_worker``): every worker loads an executor of the artifact (the session
+    checks each), and closing twice, then dropping the session after its worker exited, ends
+    the process normally (it wrote to the dead worker and aborted before). In a process of
+    its own: calls need collectives across processes, which this CPU machine has none of."""
+    import subprocess  # pylint: disable=import-outside-toplevel
+
+    done = subprocess.run([sys.executable, "-c", _PROCESS_SESSION, str(step_artifact[1])],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0 and "closed" in done.stdout, (done.returncode, done.stderr[-2000:])
+
+
+def test_bad_input_fails_before_the_ranks_and_the_session_goes_on(step_artifact,
+                                                                   disco_collectives):
+    """Inputs are checked as a rank's executor would check them, before anything is sent: a
+    float64 input, a missing one and an unknown one raise ``InputError`` naming it, and the
+    session runs the next call."""
+    from grape_tvm.runtime.signature import InputError  # pylint: disable=import-outside-toplevel
+    from grape_tvm.tensor_parallel_session import TensorParallelSession  # pylint: disable=import-outside-toplevel
+
+    module, path = step_artifact
+    disco_collectives(2)
+    names = [spec.name for spec in module.signature.inputs]
+    weights = {k: np.zeros(s, "float32") for k, s in gpt2_shapes(HIDDEN, LAYERS).items()}
+    caches = [np.zeros((HEADS, 4, HIDDEN // HEADS), "float32") for _ in range(2 * LAYERS)]
+    good = dict(zip(names, [np.zeros((1, HIDDEN), "float32"), *caches]))
+    with TensorParallelSession(path, threaded=True, ccl=None) as ranks:
+        ranks.bind_inputs(weights)
+        with pytest.raises(InputError, match="input 'x' has dtype float64"):
+            ranks.run({**good, "x": np.zeros((1, HIDDEN))})
+        with pytest.raises(InputError, match="missing input"):
+            ranks.run({k: v for k, v in good.items() if k != "x"})
+        with pytest.raises(InputError, match="unknown input"):
+            ranks.run({**good, "y": np.zeros(1, "float32")})
+        outputs = ranks.run(good)
+        assert outputs[module.signature.outputs[0].name].shape == (1, HIDDEN)
+    with pytest.raises(RuntimeError, match="session is closed"):
+        ranks.run(good)
+
+
+def test_a_worker_that_fails_raises_rank_error(tmp_path):
+    """A worker's failure comes back as ``RankError`` naming its rank (disco would end the
+    process on a worker's exception): a CUDA artifact on a session of CPU workers."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+    from grape_tvm.tensor_parallel_session import RankError, TensorParallelSession  # pylint: disable=import-outside-toplevel
+
+    module = grape_tvm.build(gpt2_decode_step(HIDDEN, HEADS, 1, tensor_parallel=2),
+                             {"past": (1, 8)}, tvm.target.Target({"kind": "cuda",
+                                                                   "arch": "sm_90"}),
+                             tensor_parallel=2, prebuild_cubin=False, matmul="tvm")
+    with pytest.raises(RankError, match="rank 0: "):
+        TensorParallelSession(module.export(tmp_path / "cuda.grape"), threaded=True, ccl=None)

@@ -155,7 +155,8 @@ _MANIFEST = {
         "matmul?": frozenset(MATMUL_IMPLEMENTATIONS),
         "gemv_rows?": _Each([int]),  # a library function -> its GEMV kernels' row buckets
         "call_program?": dict,  # runtime.call_program's format (checked where it is read)
-        "tensor_parallel?": {"world_size": int, "shard_plan": _Each(int)},
+        "tensor_parallel?": {"world_size": int, "shard_plan": _Each(int),
+                             "output_shard_plan": _Each(int)},
     },
     "loop?": {"carried": [str], "stop": str, "max_steps": int, "onnx?": _ONNX_LOOP},
     "sections": [{"name": str, "offset": int, "size": int, "sha256": str}],

@@ -23,6 +23,7 @@ from grape_tvm.runtime.call_program import CallProgram
 from grape_tvm.runtime.attention import LIBRARY as ATTENTION
 from grape_tvm.runtime.attention import SOURCE as ATTENTION_SOURCE
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
+from grape_tvm.runtime.tensor_parallel import OUTPUTS_KEY as TENSOR_PARALLEL_OUTPUTS_KEY
 from grape_tvm.runtime.tensor_parallel import PLAN_KEY as TENSOR_PARALLEL_KEY
 from grape_tvm.runtime.device_loop import LOOP_SOURCE, STOP_DTYPES, LoopSpec
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE
@@ -182,6 +183,9 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
     if parallel is not None:
+        axes = parallel.pop("output_axes")
+        parallel[TENSOR_PARALLEL_OUTPUTS_KEY] = {
+            spec.name: axis for spec, axis in zip(signature.outputs, axes) if axis is not None}
         plan[TENSOR_PARALLEL_KEY] = parallel
     return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)
 
@@ -205,7 +209,26 @@ def _per_rank_program(mod: tvm.IRModule, world_size: int) -> tuple[tvm.IRModule,
         raise ValueError(f"tensor_parallel={world_size}: the module is annotated for "
                          f"{int(declared)} devices")
     per_rank = LocalParams()(LowerTensorParallel()(mod))
-    return per_rank, {"world_size": world_size, "shard_plan": shard_plan(per_rank)}
+    return per_rank, {"world_size": world_size, "shard_plan": shard_plan(per_rank),
+                      "output_axes": _output_axes(mod["main"].ret_ty, per_rank["main"].ret_ty,
+                                                  world_size)}
+
+
+def _output_axes(whole, part, world_size: int) -> list[int | None]:
+    """For each output of ``main`` (``whole``: its type on one device, ``part``: a rank's),
+    the axis it is split on across the ranks, or None where a rank holds it whole."""
+    wholes = list(whole.fields) if isinstance(whole, relax.TupleType) else [whole]
+    parts = list(part.fields) if isinstance(part, relax.TupleType) else [part]
+    axes = []
+    for i, (w, p) in enumerate(zip(wholes, parts)):
+        split = [axis for axis, (a, b) in enumerate(zip(w.shape, p.shape))
+                 if isinstance(a, tvm.tirx.IntImm) and isinstance(b, tvm.tirx.IntImm) and
+                 int(a) != int(b)]
+        if len(split) > 1 or any(int(w.shape[a]) != world_size * int(p.shape[a]) for a in split):
+            raise ValueError(f"output {i} is {w} on one device and {p} on a rank: not one "
+                             f"axis split in {world_size}")
+        axes.append(split[0] if split else None)
+    return axes
 
 
 def _has_if(mod: tvm.IRModule) -> bool:

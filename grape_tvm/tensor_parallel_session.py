@@ -8,13 +8,13 @@ collectives (NCCL) and has every worker load the artifact with grape's executor 
 device disco gave it. Inputs come whole, as one device would take them, checked here first:
 each rank gets its part of those the shard plan splits (disco's scatter from worker 0) and
 the others whole (its broadcast). A call runs the rank's program on every worker, its
-all-reduces through the session's collectives, and returns rank 0's outputs: an output the
-ranks hold whole (after an all-reduce) is everyone's, one they hold in parts (a KV cache
-split by heads) is rank 0's part.
+all-reduces through the session's collectives, and returns the outputs whole, as one device
+would: one the ranks hold whole (after an all-reduce) is rank 0's, one they hold in parts
+(a KV cache split by heads) is gathered to rank 0 and joined, so it can be fed back.
 
     with grape_tvm.load_tensor_parallel("step.grape", devices=[0, 1]) as ranks:
         ranks.bind_inputs(weights)             # whole arrays; each rank keeps its part
-        outputs = ranks.run({"x": x, ...})     # rank 0's outputs, as numpy
+        outputs = ranks.run({"x": x, ...})     # whole, as numpy
 
 Importing this module registers the ``grape.rank.*`` functions the workers run: the
 controller's own (a threaded session's workers, and a process session's worker 0) and, in a
@@ -39,7 +39,7 @@ import tvm
 
 from grape_tvm.artifact import Artifact, ArtifactError
 from grape_tvm.runtime.signature import Signature
-from grape_tvm.runtime.tensor_parallel import PLAN_KEY, rank_part
+from grape_tvm.runtime.tensor_parallel import OUTPUTS_KEY, PLAN_KEY, joined, rank_part
 
 NVLS_ENV = "NCCL_NVLS_ENABLE"
 WORKER_ENTRYPOINT = "grape_tvm.rank_worker"  # a process session's workers: python -m this
@@ -95,6 +95,7 @@ class TensorParallelSession:
                                 f"{PLAN_KEY!r}): load it with grape_tvm.load")
         self.world_size = int(parallel["world_size"])
         self.shard_plan = {str(k): int(v) for k, v in parallel["shard_plan"].items()}
+        self.output_shard_plan = {str(k): int(v) for k, v in parallel[OUTPUTS_KEY].items()}
         self.signature = Signature.from_json(manifest["signature"])  # a rank's program's
         self._bound: set[str] = set()  # inputs bound (bind_inputs) and the dims they set
         self._bound_dims: dict[str, int] = {}
@@ -139,19 +140,27 @@ class TensorParallelSession:
             partial=True))
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        """One call on every rank, inputs whole; rank 0's outputs."""
+        """One call on every rank, inputs whole; the outputs whole, as one device's: those
+        the ranks hold in parts gathered to rank 0 and joined (``output_shard_plan``)."""
         parts = self._checked(inputs, partial=False)
         outputs = self._call("run", self._executor, "run", *self._send(parts, inputs))
         self._raise_failed(outputs, [0])
         flat = list(self._call("output_shapes", outputs).debug_get_from_remote(0))
         hosts = {}
         for i, spec in enumerate(self.signature.outputs):
-            ndim, flat = flat[0], flat[1:]
-            hosts[spec.name] = tvm.runtime.empty(tuple(flat[:ndim]), spec.dtype)
-            flat = flat[ndim:]
-            self.session.copy_from_worker_0(hosts[spec.name], self._call("output", outputs, i))
+            shape, flat = tuple(flat[1:1 + flat[0]]), flat[1 + flat[0]:]
+            output = self._call("output", outputs, i)
+            if spec.name in self.output_shard_plan:  # every rank's slice, stacked on rank 0
+                shape = (self.world_size, *shape)
+                stacked = self.session.empty(shape, spec.dtype, worker0_only=True)
+                self.session.gather_to_worker0(output, stacked)
+                output = stacked
+            hosts[spec.name] = tvm.runtime.empty(shape, spec.dtype)
+            self.session.copy_from_worker_0(hosts[spec.name], output)
         self.session.sync_worker_0()
-        return {name: host.numpy() for name, host in hosts.items()}
+        return {name: joined(host.numpy(), self.output_shard_plan[name])
+                if name in self.output_shard_plan else host.numpy()
+                for name, host in hosts.items()}
 
     def _checked(self, inputs: Mapping[str, Any], partial: bool) -> dict[str, np.ndarray]:
         """Rank 0's part of each input, checked as the rank's executor will check it (names,

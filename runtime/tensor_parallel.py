@@ -1,17 +1,22 @@
 """What each rank of a tensor-parallel artifact needs at run time: its part of each input.
 
 ``grape_tvm.build(..., tensor_parallel=N)`` compiles the program every rank runs and writes
-``plan["tensor_parallel"] = {"world_size": N, "shard_plan": {input: axis}}``: an input the
-plan names is split in N equal slices along its axis, rank ``r`` taking the ``r``-th (the
-part disco's ``scatter_from_worker0`` would send it); every other input is whole on every
-rank.
+``plan["tensor_parallel"] = {"world_size": N, "shard_plan": {input: axis},
+"output_shard_plan": {output: axis}}``: an input the plan names is split in N equal slices
+along its axis, rank ``r`` taking the ``r``-th (the part disco's ``scatter_from_worker0``
+would send it); every other input is whole on every rank. An output the plan names comes
+out of rank ``r`` as its ``r``-th slice along that axis (a KV cache split by heads); the
+others are whole on every rank.
 """
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
+import numpy as np
+
 PLAN_KEY = "tensor_parallel"  # in an artifact's plan
+OUTPUTS_KEY = "output_shard_plan"  # in plan[PLAN_KEY]
 
 
 def rank_part(name: str, value: Any, axis: int, rank: int, world_size: int) -> Any:
@@ -33,3 +38,10 @@ def rank_inputs(shard_plan: Mapping[str, int], world_size: int, inputs: Mapping[
     return {name: value if name not in shard_plan else
             rank_part(name, value, int(shard_plan[name]), rank, world_size)
             for name, value in inputs.items()}
+
+
+def joined(parts: Any, axis: int) -> Any:
+    """The whole of an output from its ranks' slices stacked in rank order (``parts``, a
+    numpy array ``(world_size, *slice)``, as disco's ``gather_to_worker0`` leaves them),
+    joined along ``axis``."""
+    return np.concatenate(list(parts), axis=axis)

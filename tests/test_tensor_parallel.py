@@ -25,7 +25,8 @@ from models import (gpt2_decode_step, gpt2_numpy, gpt2_qkv_by_ranks,  # noqa: E4
                     gpt2_shapes)
 
 HIDDEN, HEADS, LAYERS = 64, 4, 2
-COLLECTIVES = ("allreduce", "broadcast_from_worker0", "scatter_from_worker0", "worker_id")
+COLLECTIVES = ("allreduce", "broadcast_from_worker0", "scatter_from_worker0", "gather_to_worker0",
+               "worker_id")
 
 
 class _Collectives:
@@ -56,6 +57,11 @@ class _Collectives:
         # disco's layout: rank r's part is the r-th of ``world`` contiguous chunks
         chunks = self._everyone(x.numpy())[0].reshape(self.world, -1)
         out.copyfrom(chunks[self.local.rank].reshape(tuple(out.shape)))
+
+    def gather_to_worker0(self, x, _in_group, out):
+        parts = self._everyone(x.numpy())
+        if self.local.rank == 0:  # only worker 0 holds ``out``
+            out.copyfrom(np.stack(parts))
 
     def worker_id(self):
         return tvm.runtime.ShapeTuple([self.local.rank])
@@ -227,6 +233,8 @@ def test_build_holds_each_ranks_program_and_its_shard_plan(collectives, tmp_path
     path = module.export(tmp_path / "step.grape")
     parallel = module.manifest()["plan"]["tensor_parallel"]
     assert parallel["world_size"] == world and parallel["shard_plan"]  # weights and caches
+    outputs = [spec.name for spec in module.signature.outputs]  # y, then the caches
+    assert parallel["output_shard_plan"] == {name: 0 for name in outputs[1:]}
     names = [spec.name for spec in module.signature.inputs]
     rng = np.random.default_rng(7)
     weights = {k: (0.1 * rng.standard_normal(s)).astype("float32")
@@ -364,8 +372,9 @@ def step_artifact(tmp_path_factory):
 def test_a_session_of_two_disco_workers_equals_one_device(step_artifact, disco_collectives):
     """``TensorParallelSession`` on a threaded disco session of two workers (its collectives
     numpy stand-ins: no CPU collectives here): the weights bound once, whole, each worker
-    keeping its part; then calls at several cache lengths, inputs whole: rank 0's y equals
-    the one-device step's, its caches the step's first half of the heads."""
+    keeping its part; then calls at several cache lengths, inputs whole, each call's caches
+    the outputs of the one before: y and the caches (gathered from both ranks, whole) equal
+    the one-device step's."""
     from grape_tvm.tensor_parallel_session import TensorParallelSession  # pylint: disable=import-outside-toplevel
 
     module, path = step_artifact
@@ -378,16 +387,15 @@ def test_a_session_of_two_disco_workers_equals_one_device(step_artifact, disco_c
     d = HIDDEN // HEADS
     with TensorParallelSession(path, threaded=True, ccl=None) as ranks:
         ranks.bind_inputs({k: ordered[k] for k in weights})
-        for past in (1, 9, 31):
+        caches = [rng.standard_normal((HEADS, 7, d)).astype("float32") for _ in range(2 * LAYERS)]
+        for _ in range(3):
             x = rng.standard_normal((1, HIDDEN)).astype("float32")
-            caches = [rng.standard_normal((HEADS, past, d)).astype("float32")
-                      for _ in range(2 * LAYERS)]
-            got = ranks.run(dict(zip(names, [x, *caches])))
+            outputs = list(ranks.run(dict(zip(names, [x, *caches]))).values())
             y, presents = gpt2_numpy(x, caches, weights, HEADS, LAYERS)
-            outputs = list(got.values())
             np.testing.assert_allclose(outputs[0], y, rtol=1e-5, atol=1e-5)
-            for mine, present in zip(outputs[1:], presents):
-                np.testing.assert_allclose(mine, present[:HEADS // 2], rtol=1e-5, atol=1e-5)
+            for got, present in zip(outputs[1:], presents):
+                np.testing.assert_allclose(got, present, rtol=1e-5, atol=1e-5)
+            caches = outputs[1:]  # fed back whole, as one device's
 
 
 def test_a_session_refuses_a_one_device_artifact_and_a_wrong_device_count(step_artifact,

@@ -219,16 +219,31 @@ def _output_axes(whole, part, world_size: int) -> list[int | None]:
     the axis it is split on across the ranks, or None where a rank holds it whole."""
     wholes = list(whole.fields) if isinstance(whole, relax.TupleType) else [whole]
     parts = list(part.fields) if isinstance(part, relax.TupleType) else [part]
-    axes = []
-    for i, (w, p) in enumerate(zip(wholes, parts)):
-        split = [axis for axis, (a, b) in enumerate(zip(w.shape, p.shape))
-                 if isinstance(a, tvm.tirx.IntImm) and isinstance(b, tvm.tirx.IntImm) and
-                 int(a) != int(b)]
-        if len(split) > 1 or any(int(w.shape[a]) != world_size * int(p.shape[a]) for a in split):
-            raise ValueError(f"output {i} is {w} on one device and {p} on a rank: not one "
-                             f"axis split in {world_size}")
-        axes.append(split[0] if split else None)
-    return axes
+    if len(wholes) != len(parts):
+        raise ValueError(f"main returns {len(wholes)} outputs on one device and {len(parts)} "
+                         "on a rank")
+    return [_split_axis(i, w, p, world_size) for i, (w, p) in enumerate(zip(wholes, parts))]
+
+
+def _split_axis(index: int, whole, part, world_size: int) -> int | None:
+    """The one axis output ``index`` is split on in ``world_size`` (static sizes, the rest
+    equal), or None; anything else raises."""
+    shaped = [isinstance(t, relax.TensorType) and t.shape is not None for t in (whole, part)]
+    if not all(shaped):
+        raise ValueError(f"output {index} is {whole} on one device and {part} on a rank: a "
+                         "tensor-parallel output must be a tensor of known shape")
+    split = []
+    for axis, (a, b) in enumerate(zip(whole.shape, part.shape)):
+        if isinstance(a, tvm.tirx.IntImm) and isinstance(b, tvm.tirx.IntImm):
+            if int(a) != int(b):
+                split.append(axis)
+        elif not structural_equal(a, b):
+            split.append(None)  # a symbolic size that differs: not a split this can name
+    if len(whole.shape) != len(part.shape) or len(split) > 1 or None in split or any(
+            int(whole.shape[a]) != world_size * int(part.shape[a]) for a in split):
+        raise ValueError(f"output {index} is {whole} on one device and {part} on a rank: not "
+                         f"one axis of static size split in {world_size}")
+    return split[0] if split else None
 
 
 def _has_if(mod: tvm.IRModule) -> bool:

@@ -28,9 +28,12 @@ unset (NVLink multicast stays off); the rest of the host's NCCL environment is t
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import os
+import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
@@ -38,7 +41,7 @@ import numpy as np
 import tvm
 
 from grape_tvm.artifact import Artifact, ArtifactError
-from grape_tvm.runtime.signature import Signature
+from grape_tvm.runtime.signature import InputError, Signature
 from grape_tvm.runtime.tensor_parallel import OUTPUTS_KEY, PLAN_KEY, joined, rank_part
 
 NVLS_ENV = "NCCL_NVLS_ENABLE"
@@ -88,6 +91,7 @@ class TensorParallelSession:
         self._functions: dict[str, Any] = {}
         self._executor = None
         self._threaded = threaded
+        self._lock = threading.Lock()  # one call at a time: disco's commands must not interleave
         manifest = Artifact.load(path).manifest
         parallel = manifest["plan"].get(PLAN_KEY)
         if parallel is None:
@@ -115,6 +119,7 @@ class TensorParallelSession:
             _keep_nvlink_multicast_off()
         self.session = disco.ThreadedSession(self.world_size) if threaded else \
             disco.ProcessSession(self.world_size, entrypoint=WORKER_ENTRYPOINT)
+        _OPEN.add(self)
         try:
             if ccl is not None:
                 self.session.init_ccl(ccl, *devices)
@@ -122,7 +127,7 @@ class TensorParallelSession:
                                for name in _FUNCTIONS}
             kind = "cuda" if manifest["target"]["kind"] == "cuda" else "cpu"
             self._executor = self._call("load", str(Path(path).resolve()), kind, graph_mode)
-            self._raise_failed(self._executor, range(self.world_size))
+            self._raise_failed(self._executor)
         except BaseException:
             self.close()
             raise
@@ -131,20 +136,23 @@ class TensorParallelSession:
     def bind_inputs(self, inputs: Mapping[str, Any]) -> None:
         """Bind inputs that stay the same across calls (weights), given whole: every rank
         keeps its part (``GraphExecutor.bind_inputs``)."""
-        parts = self._checked(inputs, partial=True)
-        done = self._call("run", self._executor, "bind", *self._send(parts, inputs))
-        self._raise_failed(done, range(self.world_size))
-        self._bound |= set(parts)
-        self._bound_dims.update(self.signature.bind(
-            {k: v.shape for k, v in parts.items()}, {k: str(v.dtype) for k, v in parts.items()},
-            partial=True))
+        with self._lock:
+            parts, dims = self._checked(inputs, partial=True)
+            done = self._call("run", self._executor, "bind", *self._send(parts, inputs))
+            self._raise_failed(done)
+            self._bound |= set(parts)
+            self._bound_dims.update(dims)
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """One call on every rank, inputs whole; the outputs whole, as one device's: those
         the ranks hold in parts gathered to rank 0 and joined (``output_shard_plan``)."""
-        parts = self._checked(inputs, partial=False)
+        with self._lock:
+            return self._run(inputs)
+
+    def _run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        parts, _ = self._checked(inputs, partial=False)
         outputs = self._call("run", self._executor, "run", *self._send(parts, inputs))
-        self._raise_failed(outputs, [0])
+        self._raise_failed(outputs)  # every rank: one that failed must not gather
         flat = list(self._call("output_shapes", outputs).debug_get_from_remote(0))
         hosts = {}
         for i, spec in enumerate(self.signature.outputs):
@@ -162,18 +170,28 @@ class TensorParallelSession:
                 if name in self.output_shard_plan else host.numpy()
                 for name, host in hosts.items()}
 
-    def _checked(self, inputs: Mapping[str, Any], partial: bool) -> dict[str, np.ndarray]:
-        """Rank 0's part of each input, checked as the rank's executor will check it (names,
-        dtypes, shapes, dims), before anything is sent: a worker's failure on bad input
-        would leave the others waiting in a collective."""
+    def _checked(self, inputs: Mapping[str, Any],
+                 partial: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
+        """Rank 0's part of each input, and the dims they set, checked as the rank's
+        executor will check them (names, dtypes, shapes, dims), before anything is sent: a
+        worker's failure on bad input would leave the others waiting in a collective."""
         self._check_open()
-        parts = {name: rank_part(name, np.asarray(value), self.shard_plan[name], 0,
-                                 self.world_size) if name in self.shard_plan else np.asarray(value)
-                 for name, value in inputs.items()}
-        self.signature.bind({k: v.shape for k, v in parts.items()},
-                            {k: str(v.dtype) for k, v in parts.items()},
-                            bound=self._bound_dims, skip=self._bound, partial=partial)
-        return parts
+        parts = {name: self._part(name, np.asarray(value)) for name, value in inputs.items()}
+        dims = self.signature.bind({k: v.shape for k, v in parts.items()},
+                                   {k: str(v.dtype) for k, v in parts.items()},
+                                   bound=self._bound_dims, skip=self._bound, partial=partial)
+        return parts, dims
+
+    def _part(self, name: str, value: np.ndarray) -> np.ndarray:
+        """Rank 0's part of a whole input; ``InputError`` where the plan's split cannot be."""
+        axis = self.shard_plan.get(name)
+        if axis is None:
+            return value
+        if value.ndim <= axis or value.shape[axis] % self.world_size:
+            raise InputError(f"input {name!r} of shape {value.shape} is split across "
+                             f"{self.world_size} ranks along axis {axis}: its size there must "
+                             f"be a multiple of {self.world_size}")
+        return rank_part(name, value, axis, 0, self.world_size)
 
     def _send(self, parts: Mapping[str, np.ndarray], inputs: Mapping[str, Any]) -> list:
         """The names, then each input on the ranks (its part where the plan splits it)."""
@@ -192,11 +210,11 @@ class TensorParallelSession:
     def _call(self, name: str, *args):
         return self.session.call_packed(self._functions[name], *args)
 
-    def _raise_failed(self, result, workers) -> None:
-        """Raise ``RankError`` if a worker function's ``result`` is an error, on ``workers``
-        (each read is a round trip: a call reads worker 0's, which it waits for anyway)."""
+    def _raise_failed(self, result) -> None:
+        """Raise ``RankError`` if a worker function's ``result`` is an error on any rank
+        (a round trip to each)."""
         status = self._call("status", result)
-        for worker in workers:
+        for worker in range(self.world_size):
             message = status.debug_get_from_remote(worker)
             if message:
                 raise RankError(f"rank {worker}: {message}")
@@ -212,11 +230,13 @@ class TensorParallelSession:
         A process session is ended by dropping its last reference, not ``shutdown()``: its
         references still alive after ``shutdown`` (the ones this object and disco's own cache
         hold) would each write to the exited workers when freed, which ends this process.
-        Freed together, the session kills, joins and reaps its workers once. A threaded
-        session's threads end with ``shutdown()`` (freed without it, it waits for them)."""
+        Freed together, the session shuts its workers down once (reaping them needs
+        ``psutil``, which TVM looks for). A threaded session's threads end with
+        ``shutdown()`` (freed without it, it waits for them)."""
         session, self.session = self.session, None
         if session is None:
             return
+        _OPEN.discard(self)
         try:
             if self._executor is not None:
                 session.call_packed(self._functions["run"], self._executor, "close", "")
@@ -232,16 +252,29 @@ class TensorParallelSession:
             del session
 
     def __del__(self):
+        if sys.is_finalizing():  # too late: the workers cannot take Python's lock (_close_open)
+            return
         try:
             self.close()
         except Exception:  # pylint: disable=broad-except
-            pass  # interpreter shutdown: disco may already be gone
+            pass
 
     def __enter__(self) -> "TensorParallelSession":
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
+
+
+# Sessions not closed yet, closed at exit while Python can still run the workers' functions
+# (at finalization a worker waits for Python's lock forever and the process aborts).
+_OPEN: "weakref.WeakSet[TensorParallelSession]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_open() -> None:
+    for session in list(_OPEN):
+        session.close()
 
 
 def load_tensor_parallel(path: str | Path, devices: Sequence[int] | None = None,
@@ -277,6 +310,16 @@ _HANDLES = itertools.count(1)
 _LOCK = threading.Lock()
 
 
+def _collectives_done() -> None:
+    """Wait for this worker's collectives: NCCL's stream where disco has it, else the
+    device."""
+    sync = tvm.get_global_func("runtime.disco.nccl.sync_worker", allow_missing=True)
+    if sync is not None:
+        sync()
+    else:
+        tvm.get_global_func("runtime.disco.device")().sync()
+
+
 @tvm.register_global_func("grape.rank.load", override=True)
 def _load(path: str, kind: str, graph_mode: str):
     """A handle of this worker's executor of ``path``, or the error as a string."""
@@ -307,12 +350,16 @@ def _run(handle, action: str, names: str, *tensors):
             return ""
         executor = _EXECUTORS[handle]
         named = dict(zip(names.split(","), tensors)) if names else {}
-        if named and executor.device.dlpack_device_type() != tvm.cpu(0).dlpack_device_type():
-            executor.device.sync()  # the collectives that sent them ran on a stream of their own
+        on_gpu = executor.device.dlpack_device_type() != tvm.cpu(0).dlpack_device_type()
+        if named and on_gpu:
+            _collectives_done()  # they sent the inputs on a stream of their own
         if action == "bind":
             executor.bind_inputs(named)
             return ""
-        return list(executor.run(named, return_numpy=False).values())
+        outputs = list(executor.run(named, return_numpy=False).values())
+        if on_gpu:  # the gather of the outputs runs on the collectives' stream
+            executor.backend.synchronize()
+        return outputs
     except Exception as err:  # pylint: disable=broad-except
         return _error(err)
 
@@ -326,13 +373,14 @@ def _status(result) -> str:
 
 @tvm.register_global_func("grape.rank.output", override=True)
 def _output(outputs, index: int):
-    return outputs[index]
+    """Output ``index`` of a run (None if the run failed: the controller raises first)."""
+    return None if isinstance(outputs, str) else outputs[index]
 
 
 @tvm.register_global_func("grape.rank.output_shapes", override=True)
 def _output_shapes(outputs):
     """Every output's rank, then its dims, in one tuple (one read for all of them)."""
     flat = []
-    for output in outputs:
+    for output in [] if isinstance(outputs, str) else outputs:
         flat += [len(output.shape), *output.shape]
     return tvm.runtime.ShapeTuple(flat)

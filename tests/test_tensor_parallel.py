@@ -420,6 +420,8 @@ ranks.close()
 time.sleep(1.5)  # the worker process has exited
 del ranks
 gc.collect()
+left_open = [TensorParallelSession(sys.argv[1], ccl=None),
+             TensorParallelSession(sys.argv[1], threaded=True, ccl=None)]
 print("closed")
 """
 
@@ -428,8 +430,10 @@ def test_a_process_session_loads_in_every_worker_and_closes_cleanly(step_artifac
     """A ``ProcessSession`` (the per-GPU form; worker 1 a process of grape's entrypoint,
     ``grape_tvm.rank_worker``): every worker loads an executor of the artifact (the session
     checks each), and closing twice, then dropping the session after its worker exited, ends
-    the process normally (it wrote to the dead worker and aborted before). In a process of
-    its own: calls need collectives across processes, which this CPU machine has none of."""
+    the process normally (it wrote to the dead worker and aborted before); so does exiting
+    with a process and a threaded session left open (closed at exit: they aborted at
+    finalization before). In a process of its own: calls need collectives across processes,
+    which this CPU machine has none of."""
     import subprocess  # pylint: disable=import-outside-toplevel
 
     done = subprocess.run([sys.executable, "-c", _PROCESS_SESSION, str(step_artifact[1])],
@@ -477,3 +481,70 @@ def test_a_worker_that_fails_raises_rank_error(tmp_path):
                              tensor_parallel=2, prebuild_cubin=False, matmul="tvm")
     with pytest.raises(RankError, match="rank 0: "):
         TensorParallelSession(module.export(tmp_path / "cuda.grape"), threaded=True, ccl=None)
+
+
+def test_a_failure_on_one_rank_raises_rank_error_and_the_session_goes_on(step_artifact,
+                                                                         disco_collectives):
+    """A run that fails on rank 1 alone (after its program ran, as a late device error
+    would) raises ``RankError`` naming rank 1, before any output is gathered (a worker
+    handed an error for outputs ended the process before); the next call runs."""
+    from grape_tvm import tensor_parallel_session as tps  # pylint: disable=import-outside-toplevel
+
+    module, path = step_artifact
+    disco_collectives(2)
+    worker_id = tvm.get_global_func("runtime.disco.worker_id")
+
+    class FailingOnRank1:
+        def __init__(self, executor):
+            self.executor, self.device = executor, executor.device
+
+        def run(self, *args, **kwargs):
+            outputs = self.executor.run(*args, **kwargs)
+            if int(worker_id()[0]) == 1:
+                raise RuntimeError("late failure")
+            return outputs
+
+    names = [spec.name for spec in module.signature.inputs]
+    weights = {k: np.zeros(s, "float32") for k, s in gpt2_shapes(HIDDEN, LAYERS).items()}
+    caches = [np.zeros((HEADS, 3, HIDDEN // HEADS), "float32") for _ in range(2 * LAYERS)]
+    good = dict(zip(names, [np.zeros((1, HIDDEN), "float32"), *caches]))
+    with tps.TensorParallelSession(path, threaded=True, ccl=None) as ranks:
+        ranks.bind_inputs(weights)
+        held = dict(tps._EXECUTORS)  # pylint: disable=protected-access
+        tps._EXECUTORS.update({h: FailingOnRank1(e) for h, e in held.items()})  # pylint: disable=protected-access
+        try:
+            with pytest.raises(tps.RankError, match="rank 1: RuntimeError: late failure"):
+                ranks.run(good)
+        finally:
+            tps._EXECUTORS.update(held)  # pylint: disable=protected-access
+        assert ranks.run(good)[module.signature.outputs[0].name].shape == (1, HIDDEN)
+
+
+def test_joined_puts_the_ranks_slices_back_along_their_axis():
+    from grape_tvm.runtime.tensor_parallel import joined  # pylint: disable=import-outside-toplevel
+
+    whole = np.arange(4 * 6 * 8).reshape(4, 6, 8)
+    for axis in range(3):
+        np.testing.assert_array_equal(joined(np.stack(np.split(whole, 2, axis=axis)), axis), whole)
+
+
+def test_output_axes_name_one_static_split_and_refuse_the_rest():
+    """``build``'s ``output_shard_plan``: an output split along one static axis names it; one
+    held whole names none; a split of a symbolic size, an output of unknown shape, or a
+    different number of outputs is refused."""
+    from grape_tvm.compiler import _output_axes  # pylint: disable=import-outside-toplevel
+
+    n = tvm.tirx.Var("n", "int64")
+
+    def tensors(*shapes):
+        return relax.TupleType([relax.TensorType(shape, "float32") for shape in shapes])
+
+    assert _output_axes(tensors((1, 64), (4, n, 16)), tensors((1, 64), (2, n, 16)), 2) == [None, 0]
+    with pytest.raises(ValueError, match="not one axis of static size split in 2"):
+        _output_axes(tensors((4, n)), tensors((4, n // 2)), 2)
+    with pytest.raises(ValueError, match="not one axis of static size split in 2"):
+        _output_axes(tensors((4, 6)), tensors((4, 2)), 2)
+    with pytest.raises(ValueError, match="tensor of known shape"):
+        _output_axes(tensors((4,)), relax.TupleType([relax.TensorType(ndim=1, dtype="float32")]), 2)
+    with pytest.raises(ValueError, match="2 outputs on one device and 1 on a rank"):
+        _output_axes(tensors((4,), (4,)), tensors((4,)), 2)

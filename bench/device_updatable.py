@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 from cuda.bindings import driver
 
+from grape_tvm.runtime.cuda_compile import kernel_params
 from grape_tvm.runtime.cuda_driver import check
+from grape_tvm.runtime.cuda_graph import add_head_node, kernel_nodes
+from grape_tvm.runtime.topology_graph import kernel_node_params, make_device_updatable
 
 
 def capture(fn, stream: torch.cuda.Stream):
@@ -36,13 +39,6 @@ def capture(fn, stream: torch.cuda.Stream):
             "cuStreamBeginCapture")
         fn()
         return check(driver.cuStreamEndCapture(handle), "cuStreamEndCapture")
-
-
-def kernel_nodes(graph) -> list:
-    _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
-    nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
-    return [n for n in nodes[:count] if check(driver.cuGraphNodeGetType(n), "cuGraphNodeGetType") ==
-            driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL]
 
 
 def describe(node) -> dict:
@@ -61,18 +57,8 @@ def describe(node) -> dict:
 
 
 def make_updatable(graph) -> list[int]:
-    """Opt every kernel node in; their device handles."""
-    attr = driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_DEVICE_UPDATABLE_KERNEL_NODE
-    handles = []
-    for node in kernel_nodes(graph):
-        value = driver.CUkernelNodeAttrValue()
-        value.deviceUpdatableKernelNode.deviceUpdatable = 1
-        check(driver.cuGraphKernelNodeSetAttribute(node, attr, value),
-              "cuGraphKernelNodeSetAttribute")
-        got = check(driver.cuGraphKernelNodeGetAttribute(node, attr),
-                    "cuGraphKernelNodeGetAttribute")
-        handles.append(int(got.deviceUpdatableKernelNode.devNode))
-    return handles
+    """Opt every kernel node in, as topology graphs do; their device handles."""
+    return [make_device_updatable(node) for node in kernel_nodes(graph)]
 
 
 class TouchHead:
@@ -86,7 +72,6 @@ class TouchHead:
 
     def add(self, graph, handles: list[int], mode: str) -> None:
         """``mode``: "none" (returns at once), "once" (first launch), "every" launch."""
-        import ctypes  # pylint: disable=import-outside-toplevel
         import numpy as np  # pylint: disable=import-outside-toplevel
 
         grids = []
@@ -96,23 +81,11 @@ class TouchHead:
         nodes_t = torch.tensor(np.array(handles, np.uint64).view(np.int64), device="cuda")
         grids_t = torch.tensor(grids, dtype=torch.int32, device="cuda")
         done_t = torch.tensor([1 if mode == "none" else 0], dtype=torch.int32, device="cuda")
-        boxes = [ctypes.c_uint64(nodes_t.data_ptr()), ctypes.c_uint64(grids_t.data_ptr()),
-                 ctypes.c_uint32(len(handles)), ctypes.c_uint64(done_t.data_ptr()),
-                 ctypes.c_uint32(0 if mode == "every" else 1)]
-        array = (ctypes.c_void_p * len(boxes))(*[ctypes.addressof(b) for b in boxes])
-        self.keep += [nodes_t, grids_t, done_t, boxes, array]
-        params = driver.CUDA_KERNEL_NODE_PARAMS()
-        params.func = self.function
-        params.gridDimX = params.gridDimY = params.gridDimZ = 1
-        params.blockDimX, params.blockDimY, params.blockDimZ = 64, 1, 1
-        params.sharedMemBytes = 0
-        params.kernelParams = ctypes.addressof(array)
-        _, count = check(driver.cuGraphGetRootNodes(graph, 0), "cuGraphGetRootNodes")
-        roots, _ = check(driver.cuGraphGetRootNodes(graph, count), "cuGraphGetRootNodes")
-        head = check(driver.cuGraphAddKernelNode(graph, None, 0, params), "cuGraphAddKernelNode")
-        roots = list(roots[:count])
-        check(driver.cuGraphAddDependencies(graph, [head] * len(roots), roots, None, len(roots)),
-              "cuGraphAddDependencies")
+        storage = kernel_params([("u64", nodes_t.data_ptr()), ("u64", grids_t.data_ptr()),
+                                 ("u32", len(handles)), ("u64", done_t.data_ptr()),
+                                 ("u32", 0 if mode == "every" else 1)])
+        self.keep += [nodes_t, grids_t, done_t, storage]
+        add_head_node(graph, kernel_node_params(self.function, 1, 64, 0, storage), "touch")
 
 
 def launched_us(exec_, stream, launches: int = 200) -> float:

@@ -5,7 +5,7 @@ memset node, by size.
 
 ``PATCH_CUBIN``: ``runtime/kernels/patch.cu`` built with ``nvcc --cubin -arch=sm_90``. For each
 size, 20 fills of a zeroed buffer captured in one CUDA graph, as ``runtime/topology_graph.py``
-launches them (``FILL_BLOCK`` threads, at most ``FILL_MAX_BLOCKS`` blocks, 4-byte elements)
+launches them (``FILL_BLOCK`` threads, ``fill_blocks`` blocks, 4-byte elements)
 and as ``cuMemsetD32Async``; replays timed by CUDA events. Prints a table, writes
 ``fill_kernel.json``. Needs torch, cuda-python and grape-tvm's runtime on a GPU host.
 """
@@ -21,8 +21,9 @@ from pathlib import Path
 import torch
 from cuda.bindings import driver
 
+from grape_tvm.runtime.cuda_compile import kernel_params
 from grape_tvm.runtime.cuda_driver import check
-from grape_tvm.runtime.topology_graph import FILL_BLOCK, FILL_MAX_BLOCKS
+from grape_tvm.runtime.topology_graph import FILL_BLOCK, fill_blocks
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P too
 from torch_graph_timing import graph_us  # noqa: E402  pylint: disable=wrong-import-position
@@ -42,16 +43,14 @@ def main() -> int:
     for size in SIZES:
         buffer = torch.ones(size // 4, dtype=torch.int32, device="cuda")
         width = size // 4
-        boxes = [ctypes.c_uint64(buffer.data_ptr()), ctypes.c_uint64(size),
-                 ctypes.c_uint64(width), ctypes.c_uint64(1), ctypes.c_uint32(0),
-                 ctypes.c_uint32(4)]
-        array = (ctypes.c_void_p * len(boxes))(*[ctypes.addressof(b) for b in boxes])
-        blocks = min(max(-(-width // FILL_BLOCK), 1), FILL_MAX_BLOCKS)
+        storage = kernel_params([("u64", buffer.data_ptr()), ("u64", size), ("u64", width),
+                                 ("u64", 1), ("u32", 0), ("u32", 4)])
+        blocks = fill_blocks(width)
 
         def by_kernel():
             stream = torch.cuda.current_stream().cuda_stream
             check(driver.cuLaunchKernel(fill, blocks, 1, 1, FILL_BLOCK, 1, 1, 0, stream,
-                                         ctypes.addressof(array), 0), "cuLaunchKernel")
+                                         ctypes.addressof(storage[1]), 0), "cuLaunchKernel")
 
         def by_memset():
             stream = torch.cuda.current_stream().cuda_stream

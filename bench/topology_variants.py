@@ -49,7 +49,7 @@ def variant(name: str):
     from grape_tvm.runtime import cublaslt  # pylint: disable=import-outside-toplevel
     from grape_tvm.runtime import topology_graph as tg  # pylint: disable=import-outside-toplevel
 
-    saved = (tg.TopologyGraph.replay, tg.TopologyGraph._add_patch_node, tg._device_updatable)
+    saved = (tg.TopologyGraph.replay, tg.TopologyGraph._add_patch_node, tg.make_device_updatable)
     without_clusters = cublaslt.CublasLt._without_clusters
     if name.startswith("clustered"):
         cublaslt.CublasLt._without_clusters = lambda *args: None
@@ -68,32 +68,24 @@ def variant(name: str):
 
         tg.TopologyGraph.replay = primed
     if name == "primed_no_attr":
-        tg._device_updatable = lambda node: 0
+        tg.make_device_updatable = lambda node: 0
     if name == "no_head":
         tg.TopologyGraph._add_patch_node = lambda self, graph: None
     try:
         yield
     finally:
-        tg.TopologyGraph.replay, tg.TopologyGraph._add_patch_node, tg._device_updatable = saved
+        tg.TopologyGraph.replay, tg.TopologyGraph._add_patch_node, tg.make_device_updatable = saved
         cublaslt.CublasLt._without_clusters = without_clusters
 
 
 def cluster_sizes(executor) -> list[int]:
     """The blocks per cluster of each kernel node of the executor's graphs."""
-    from grape_tvm.runtime.cuda_driver import check, driver  # pylint: disable=import-outside-toplevel
-    from grape_tvm.runtime.cuda_graph import cluster_blocks  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.cuda_graph import cluster_blocks, kernel_nodes  # pylint: disable=import-outside-toplevel
 
     backend = executor.backend
     graphs = [g.graph for r in backend._regions.values() for g in r.graphs]  # pylint: disable=protected-access
     graphs += [g.graph for g in backend._per_shape.values()]  # pylint: disable=protected-access
-    kernel = driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL
-    sizes = []
-    for graph in graphs:
-        _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
-        nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
-        sizes += [cluster_blocks(n) for n in nodes[:count]
-                  if check(driver.cuGraphNodeGetType(n), "cuGraphNodeGetType") == kernel]
-    return sizes
+    return [cluster_blocks(node) for graph in graphs for node in kernel_nodes(graph)]
 
 
 def inputs_of(artifact: Path, dims: dict, weights_path: Path | None):

@@ -161,8 +161,9 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     carries sharding annotations for that many devices (``passes.tensor_parallel.shard``);
     the artifact holds the program each rank runs (its collectives ``R.ccl`` calls, for
     disco; each sharded input taken as the rank's part) and, in ``plan["tensor_parallel"]``,
-    the world size and which inputs are split along which axis
-    (``runtime.tensor_parallel.rank_inputs`` makes a rank's inputs from whole ones). A
+    the world size, which inputs are split along which axis
+    (``runtime.tensor_parallel.rank_inputs`` makes a rank's inputs from whole ones) and which
+    outputs a rank holds a part of (``output_shard_plan``). A
     rank's matmuls go through ``matmul`` (``LowerTensorParallel`` makes them, their adds and
     GELUs Relax ops again at the rank's shapes): a column-parallel product with its bias, a
     row-parallel one alone, its bias and residual added after the all-reduce; its other ops
@@ -170,9 +171,9 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     build).
     """
     tgt = parse_target(target)
-    parallel = None
+    parallel = output_axes = None
     if tensor_parallel != 1:
-        mod, parallel = _per_rank_program(mod, tensor_parallel)
+        mod, parallel, output_axes = _per_rank_program(mod, tensor_parallel)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
     signature = signature or _relax_signature(mod["main"], ranges, output_names)
     dim_names = dim_names or {}
@@ -183,15 +184,17 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
     if parallel is not None:
-        axes = parallel.pop("output_axes")
         parallel[TENSOR_PARALLEL_OUTPUTS_KEY] = {
-            spec.name: axis for spec, axis in zip(signature.outputs, axes) if axis is not None}
+            spec.name: axis for spec, axis in zip(signature.outputs, output_axes)
+            if axis is not None}
         plan[TENSOR_PARALLEL_KEY] = parallel
     return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)
 
 
-def _per_rank_program(mod: tvm.IRModule, world_size: int) -> tuple[tvm.IRModule, dict]:
-    """The program each of ``world_size`` ranks runs, and the plan's tensor-parallel entry."""
+def _per_rank_program(mod: tvm.IRModule,
+                      world_size: int) -> tuple[tvm.IRModule, dict, list[int | None]]:
+    """The program each of ``world_size`` ranks runs, the plan's tensor-parallel entry (its
+    inputs' part), and the axis each output is split on (``_output_axes``)."""
     from grape_tvm.passes.tensor_parallel import (  # pylint: disable=import-outside-toplevel
         LocalParams, LowerTensorParallel, shard_plan)
 
@@ -209,9 +212,8 @@ def _per_rank_program(mod: tvm.IRModule, world_size: int) -> tuple[tvm.IRModule,
         raise ValueError(f"tensor_parallel={world_size}: the module is annotated for "
                          f"{int(declared)} devices")
     per_rank = LocalParams()(LowerTensorParallel()(mod))
-    return per_rank, {"world_size": world_size, "shard_plan": shard_plan(per_rank),
-                      "output_axes": _output_axes(mod["main"].ret_ty, per_rank["main"].ret_ty,
-                                                  world_size)}
+    return (per_rank, {"world_size": world_size, "shard_plan": shard_plan(per_rank)},
+            _output_axes(mod["main"].ret_ty, per_rank["main"].ret_ty, world_size))
 
 
 def _output_axes(whole, part, world_size: int) -> list[int | None]:

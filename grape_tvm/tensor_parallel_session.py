@@ -137,10 +137,10 @@ class TensorParallelSession:
         """Bind inputs that stay the same across calls (weights), given whole: every rank
         keeps its part (``GraphExecutor.bind_inputs``)."""
         with self._lock:
-            parts, dims = self._checked(inputs, partial=True)
-            done = self._call("run", self._executor, "bind", *self._send(parts, inputs))
+            dims = self._checked(inputs, partial=True)
+            done = self._call("run", self._executor, "bind", *self._send(inputs))
             self._raise_failed(done)
-            self._bound |= set(parts)
+            self._bound |= set(inputs)
             self._bound_dims.update(dims)
 
     def run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -150,8 +150,8 @@ class TensorParallelSession:
             return self._run(inputs)
 
     def _run(self, inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
-        parts, _ = self._checked(inputs, partial=False)
-        outputs = self._call("run", self._executor, "run", *self._send(parts, inputs))
+        self._checked(inputs, partial=False)
+        outputs = self._call("run", self._executor, "run", *self._send(inputs))
         self._raise_failed(outputs)  # every rank: one that failed must not gather
         flat = list(self._call("output_shapes", outputs).debug_get_from_remote(0))
         hosts = {}
@@ -170,17 +170,15 @@ class TensorParallelSession:
                 if name in self.output_shard_plan else host.numpy()
                 for name, host in hosts.items()}
 
-    def _checked(self, inputs: Mapping[str, Any],
-                 partial: bool) -> tuple[dict[str, np.ndarray], dict[str, int]]:
-        """Rank 0's part of each input, and the dims they set, checked as the rank's
-        executor will check them (names, dtypes, shapes, dims), before anything is sent: a
-        worker's failure on bad input would leave the others waiting in a collective."""
+    def _checked(self, inputs: Mapping[str, Any], partial: bool) -> dict[str, int]:
+        """The dims the inputs set, their rank 0 parts checked as the rank's executor will
+        check them (names, dtypes, shapes, dims), before anything is sent: a worker's failure
+        on bad input would leave the others waiting in a collective."""
         self._check_open()
         parts = {name: self._part(name, np.asarray(value)) for name, value in inputs.items()}
-        dims = self.signature.bind({k: v.shape for k, v in parts.items()},
+        return self.signature.bind({k: v.shape for k, v in parts.items()},
                                    {k: str(v.dtype) for k, v in parts.items()},
                                    bound=self._bound_dims, skip=self._bound, partial=partial)
-        return parts, dims
 
     def _part(self, name: str, value: np.ndarray) -> np.ndarray:
         """Rank 0's part of a whole input; ``InputError`` where the plan's split cannot be."""
@@ -193,9 +191,9 @@ class TensorParallelSession:
                              f"be a multiple of {self.world_size}")
         return rank_part(name, value, axis, 0, self.world_size)
 
-    def _send(self, parts: Mapping[str, np.ndarray], inputs: Mapping[str, Any]) -> list:
+    def _send(self, inputs: Mapping[str, Any]) -> list:
         """The names, then each input on the ranks (its part where the plan splits it)."""
-        names = list(parts)
+        names = list(inputs)
         if any("," in name for name in names):
             raise ValueError(f"input names with a comma cannot be sent to the ranks: {names}")
         sent = []

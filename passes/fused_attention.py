@@ -187,7 +187,7 @@ class _Fuser(relax.PyExprMutator):
                 return None
             stride = stride * extent
         batch, head, row, key = reversed(strides)
-        return ViewLayout(0, batch, head, row) if _static(key) == 1 or key == 1 else None
+        return ViewLayout(0, batch, head, row) if _static(key) == 1 else None
 
     # -- the rewrite ------------------------------------------------------------------------
     def _scores(self, product: relax.Call) -> _Scores | None:

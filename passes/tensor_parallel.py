@@ -141,7 +141,6 @@ class RaiseLegalizedOps:
         return relax.transform.DeadCodeElimination(relax_functions)(raised.builder_.get())
 
 
-
 @relax.expr_functor.mutator
 class _Raise(relax.PyExprMutator):
     """``RaiseLegalizedOps``'s rewrite of the calls in one module's Relax functions."""

@@ -1,10 +1,21 @@
-"""The instance of a library that packed-function calls on this thread use."""
+"""A runtime library's packed functions: registered once with TVM, and the instance of the
+library (handle, workspace, kernels) their calls on this thread use."""
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
+
+
+def register_once(functions: Mapping[str, Any], packed: Callable[[Any], Callable]) -> None:
+    """Register ``packed(function)`` with TVM under each name of ``functions`` not yet
+    registered (the library's functions, by their packed names)."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    for name, function in functions.items():
+        if tvm.get_global_func(name, allow_missing=True) is None:
+            tvm.register_global_func(name, packed(function))
 
 
 class ThreadInstances:

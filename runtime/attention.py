@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Sequence
 
-from .active import ThreadInstances
+from .active import ThreadInstances, register_once
 from .cuda_compile import CubinStore, RuntimeKernel, kernel_params
 from .cuda_driver import check, driver
 from .signature import nbytes
@@ -196,8 +196,4 @@ def _packed(function: AttentionFunction):
 
 def register_functions() -> None:
     """Register every ``ATTENTION_FUNCTIONS`` entry with TVM (idempotent)."""
-    import tvm  # pylint: disable=import-outside-toplevel
-
-    for name, function in ATTENTION_FUNCTIONS.items():
-        if tvm.get_global_func(name, allow_missing=True) is None:
-            tvm.register_global_func(name, _packed(function))
+    register_once(ATTENTION_FUNCTIONS, _packed)

@@ -26,9 +26,9 @@ first launch and when a shape or an address changes), runs slower on every later
 four fp16 (128, 768) x (768, 3072) products went from 17 to 88 us a launch, a non-cluster
 kernel was unaffected, and setting the nodes again from the host restored them
 (bench/results/device_updatable.json). With 1x1x1 clusters GPT-2's fp16 prefill at 128
-tokens runs as fast in a topology graph as in a per-shape graph (bench/results/
-topology_variants.json), and a per-shape graph about as fast as with cuBLASLt's clusters
-(491.7 against 500.2 us; the MLP of the GPU tests 14.3 against 13.4:
+tokens takes 500.5 us a call in a topology graph against 489.2 in a per-shape graph
+(bench/results/topology_variants.json), and a per-shape graph about as long as with
+cuBLASLt's clusters (491.7 against 500.2 us; the MLP of the GPU tests 14.3 against 13.4:
 topology_variants.b111ffc.json).
 
 Row-major ``out[M, N] = x[M, K] @ w[K, N]`` is the column-major ``out^T = w^T x^T``: A is
@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from .active import ThreadInstances
+from .active import ThreadInstances, register_once
 from .cuda_driver import check, driver
 from .signature import nbytes
 
@@ -597,8 +597,4 @@ def _packed(function: MatmulFunction):
 
 def register_functions() -> None:
     """Register every ``MATMUL_FUNCTIONS`` entry with TVM (idempotent)."""
-    import tvm  # pylint: disable=import-outside-toplevel
-
-    for name, function in MATMUL_FUNCTIONS.items():
-        if tvm.get_global_func(name, allow_missing=True) is None:
-            tvm.register_global_func(name, _packed(function))
+    register_once(MATMUL_FUNCTIONS, _packed)

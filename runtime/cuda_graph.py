@@ -138,15 +138,38 @@ def parameter_buffer(params, parameters: Sequence[tuple[int, int]]) -> bytes:
     return bytes(buffer)
 
 
+def graph_nodes(graph, kind=None) -> list:
+    """A graph's nodes (of ``kind``, a ``CUgraphNodeType``, if given), in creation order."""
+    _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
+    nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
+    nodes = list(nodes[:count])
+    if kind is None:
+        return nodes
+    return [n for n in nodes if check(driver.cuGraphNodeGetType(n), "cuGraphNodeGetType") == kind]
+
+
+def kernel_nodes(graph) -> list:
+    return graph_nodes(graph, driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_KERNEL)
+
+
+def add_head_node(graph, params, what: str):
+    """Add a kernel node (``params``) that every root of ``graph`` waits for; return it."""
+    _, count = check(driver.cuGraphGetRootNodes(graph, 0), "cuGraphGetRootNodes")
+    roots, _ = check(driver.cuGraphGetRootNodes(graph, count), "cuGraphGetRootNodes")
+    roots = list(roots[:count])
+    head = check(driver.cuGraphAddKernelNode(graph, None, 0, params), f"cuGraphAddKernelNode({what})")
+    check(driver.cuGraphAddDependencies(graph, [head] * len(roots), roots, None, len(roots)),
+          "cuGraphAddDependencies")
+    return head
+
+
 def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
     """Kernel and memset nodes of a captured graph, kernels with their parameters;
     ``layouts`` caches each function's parameters across captures. Raises ``UnkeptGraph``
     for a graph with nodes of another type."""
     layouts = {} if layouts is None else layouts
-    _, count = check(driver.cuGraphGetNodes(graph, 0), "cuGraphGetNodes")
-    nodes, _ = check(driver.cuGraphGetNodes(graph, count), "cuGraphGetNodes")
     kernels, memsets, memset_nodes = [], [], []
-    for node in nodes[:count]:
+    for node in graph_nodes(graph):
         kind = check(driver.cuGraphNodeGetType(node), "cuGraphNodeGetType")
         if kind == driver.CUgraphNodeType.CU_GRAPH_NODE_TYPE_MEMSET:
             p = check(driver.cuGraphMemsetNodeGetParams(node), "cuGraphMemsetNodeGetParams")

@@ -31,7 +31,7 @@ from .call_plan import Address
 from .call_program import MAX_GUARDS  # guards per launch: how deep a region may nest in ifs
 from .cuda_compile import CubinStore, RuntimeKernel, kernel_params
 from .cuda_driver import SUCCESS, check, driver
-from .cuda_graph import OwnedGraph
+from .cuda_graph import OwnedGraph, add_head_node
 
 MAX_PARAM_BYTES = 16  # the widest kernel parameter a column may patch
 # Dynamic shared memory the patch kernel stages into, at most: 48 KiB a block without an
@@ -77,8 +77,8 @@ def memsets_as_kernels(graph, memsets: Sequence[Any], fill) -> int:
         storage = kernel_params([("u64", m.dst), ("u64", m.pitch), ("u64", m.width),
                                  ("u64", max(m.height, 1)), ("u32", m.value),
                                  ("u32", m.element_size)])
-        blocks = min(max(-(-(m.width * max(m.height, 1)) // FILL_BLOCK), 1), FILL_MAX_BLOCKS)
-        params = kernel_node_params(fill, blocks, FILL_BLOCK, 0, storage)
+        params = kernel_node_params(fill, fill_blocks(m.width * max(m.height, 1)), FILL_BLOCK, 0,
+                                    storage)
         kernel = check(driver.cuGraphAddKernelNode(graph, deps, len(deps), params),
                        "cuGraphAddKernelNode(grape_fill)")
         if dependents:
@@ -87,6 +87,11 @@ def memsets_as_kernels(graph, memsets: Sequence[Any], fill) -> int:
                   "cuGraphAddDependencies(grape_fill)")
         check(driver.cuGraphDestroyNode(node), "cuGraphDestroyNode(memset)")
     return len(memsets)
+
+
+def fill_blocks(elements: int) -> int:
+    """``grape_fill``'s grid for ``elements`` elements (``FILL_BLOCK`` threads a block)."""
+    return min(max(-(-elements // FILL_BLOCK), 1), FILL_MAX_BLOCKS)
 
 
 def _neighbours(query, node) -> list:
@@ -213,7 +218,7 @@ def _spans(nodes_in_order: Sequence[int]) -> dict[int, tuple[int, int]]:
     return spans
 
 
-def _device_updatable(node) -> int:
+def make_device_updatable(node) -> int:
     """Opt a kernel node into device-side updates; return its device handle."""
     attr = driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_DEVICE_UPDATABLE_KERNEL_NODE
     value = driver.CUkernelNodeAttrValue()
@@ -366,7 +371,7 @@ class TopologyGraph(OwnedGraph):
         self.patch = patch
         self.num_args = num_args
         self._last_caller: Any = None
-        self.dev_nodes = [_device_updatable(n.node) for n in nodes]
+        self.dev_nodes = [make_device_updatable(n.node) for n in nodes]
         # The launch record: its host copy, which knows what the device holds (the last copy
         # queued), so that a call queues a copy only if the record changed. Its device buffer
         # has room for every guard from the start: the patch node holds its address, and a
@@ -406,15 +411,7 @@ class TopologyGraph(OwnedGraph):
         return kernel_node_params(self.patch.function, 1, threads, self.staged_bytes, storage)
 
     def _add_patch_node(self, graph):
-        roots, count = check(driver.cuGraphGetRootNodes(graph, 0), "cuGraphGetRootNodes")
-        roots, count = check(driver.cuGraphGetRootNodes(graph, count), "cuGraphGetRootNodes")
-        storage = self._patch_params()
-        node = check(driver.cuGraphAddKernelNode(graph, None, 0, self._patch_node_params(storage)),
-                     "cuGraphAddKernelNode(patch)")
-        roots = list(roots[:count])
-        check(driver.cuGraphAddDependencies(graph, [node] * len(roots), roots, None, len(roots)),
-              "cuGraphAddDependencies")
-        return node
+        return add_head_node(graph, self._patch_node_params(self._patch_params()), "patch")
 
     def _encode_table(self) -> bool:
         """Write columns and rows, and reset what the patch kernel applied; True if a

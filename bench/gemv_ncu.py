@@ -2,7 +2,7 @@
 
 Reads the CSV of ``bench/gpu/run_all.sh``'s ``ncu_gemv`` step: ncu (caches flushed before
 each kernel, clocks as they are) over ``bench/kernel_profile.py --executor-steps 1`` of each
-``matmul_nk_*.gemv.cuda.grape`` in name order, one process each. A process's last kernel is
+``matmul_{kn,nk}_*.gemv.cuda.grape`` in name order (C locale), one process each. A process's last kernel is
 its step's GEMV (the first launch records the graph). Bandwidth is bytes read over the
 kernel's time, against the device copy bandwidth ``bench/matmul.py`` measured (about 4.2
 TB/s on the H200) and against ncu's own peak (``dram__throughput``).
@@ -58,7 +58,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench/results"))
     args = parser.parse_args()
     # The names build_artifacts.py gives them, in the order the shell's glob ran them.
-    names = sorted(f"matmul_nk_{dtype}_{k}x{n}.gemv.cuda.grape"
+    names = sorted(f"matmul_{layout}_{dtype}_{k}x{n}.gemv.cuda.grape" for layout in ("kn", "nk")
                    for dtype in ("float32", "float16") for k, n in GPT2_MATMULS)
     processes = list(read_kernels(args.csv).values())
     if len(processes) != len(names):

@@ -13,6 +13,8 @@ per region, so after the first launch the patch kernel has nothing to change):
 - ``primed_no_attr``: primed, and the kernel nodes are not made device-updatable: the head
   node alone.
 - ``no_head``: device-updatable nodes, no patch node (the capture's addresses as they were).
+- ``memsets_kept``: a library's memset nodes stay memset nodes (at one shape their address
+  and size never change), not ``grape_fill`` kernels.
 - ``per_shape``: grape's per-shape graphs, as captured.
 - ``clustered_*``: cuBLASLt's algorithms as its heuristic gives them, in thread-block
   clusters where it chooses them (the runtime's ``CublasLt._without_clusters`` turned off).
@@ -38,18 +40,19 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-VARIANTS = ("topology", "primed", "primed_no_attr", "no_head", "per_shape", "clustered_topology",
-            "clustered_per_shape")
+VARIANTS = ("topology", "primed", "primed_no_attr", "no_head", "memsets_kept", "per_shape",
+            "clustered_topology", "clustered_per_shape")
 
 
 @contextlib.contextmanager
 def variant(name: str):
     """Patch ``runtime.topology_graph`` and ``runtime.cublaslt`` for one variant, restored
     after."""
-    from grape_tvm.runtime import cublaslt  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime import cublaslt, cuda_backend  # pylint: disable=import-outside-toplevel
     from grape_tvm.runtime import topology_graph as tg  # pylint: disable=import-outside-toplevel
 
     saved = (tg.TopologyGraph.replay, tg.TopologyGraph._add_patch_node, tg.make_device_updatable)
+    memsets_as_kernels = cuda_backend.memsets_as_kernels
     without_clusters = cublaslt.CublasLt._without_clusters
     if name.startswith("clustered"):
         cublaslt.CublasLt._without_clusters = lambda *args: None
@@ -71,11 +74,14 @@ def variant(name: str):
         tg.make_device_updatable = lambda node: 0
     if name == "no_head":
         tg.TopologyGraph._add_patch_node = lambda self, graph: None
+    if name == "memsets_kept":
+        cuda_backend.memsets_as_kernels = lambda graph, memsets, fill: 0
     try:
         yield
     finally:
         tg.TopologyGraph.replay, tg.TopologyGraph._add_patch_node, tg.make_device_updatable = saved
         cublaslt.CublasLt._without_clusters = without_clusters
+        cuda_backend.memsets_as_kernels = memsets_as_kernels
 
 
 def cluster_sizes(executor) -> list[int]:
@@ -146,17 +152,23 @@ def main() -> int:
     dims = {k: int(v) for k, v in (d.split("=") for d in args.dim)}
     named, weight_names = inputs_of(args.artifact, dims, args.weights)
     times = {}
+    errors = {}
     for name in VARIANTS:
-        with variant(name):
-            mode = "per-shape" if name.endswith("per_shape") else "topology"
-            times[name] = time_calls(args.artifact, named, weight_names, mode, args.calls,
-                                     args.repeats)
+        mode = "per-shape" if name.endswith("per_shape") else "topology"
+        try:
+            with variant(name):
+                times[name] = time_calls(args.artifact, named, weight_names, mode, args.calls,
+                                         args.repeats)
+        except Exception as error:  # pylint: disable=broad-except
+            errors[name] = f"{type(error).__name__}: {error}"  # a probe: the others still run
+            print(f"{args.artifact.name} {dims}: {name:16s} failed: {errors[name]}", flush=True)
+            continue
         print(f"{args.artifact.name} {dims}: {name:16s} {times[name]:9.1f} us/call", flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     path = args.out / "topology_variants.json"
     results = json.loads(path.read_text()) if path.exists() else {}
     results[f"{args.artifact.name} {dims}"] = {"us_per_call": times, "calls": args.calls,
-                                               "repeats": args.repeats}
+                                               "repeats": args.repeats, "errors": errors}
     path.write_text(json.dumps(results, indent=1))
     return 0
 

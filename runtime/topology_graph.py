@@ -40,6 +40,8 @@ STAGED_BYTES = 48 * 1024 - 256
 STAGE_ARGS, STAGE_POINTERS = 1, 2  # what it stages (patch.cu)
 POINTER_BYTES = 24  # one entry of ``pointers`` (encode_pointers)
 NO_ROW = 0xFFFFFFFF  # state.applied_row before anything was applied
+NO_GENERATION = 0  # state.applied_generation before anything was applied (records count from 1)
+RECORD_HEADER = struct.Struct("<IIII")  # launch record: shape_row, num_guards, generation, pad
 NODES_UNKNOWN = 0xFFFFFFFF  # state.nodes when the nodes' enabled state is not known
 GUARD = struct.Struct("<QQ")  # {u64 address, u64 expect}
 PATCH_SOURCE = Path(__file__).with_name("kernels") / "patch.cu"
@@ -266,20 +268,23 @@ _U64 = struct.Struct("<Q")
 
 class LaunchRecord:
     """The host copy of the patch kernel's launch record (layout in kernels/patch.cu):
-    ``{u32 shape_row, u32 num_guards, u64 args[max(num_args, 1)], guards[num_guards]}``,
-    a guard being ``{u64 address, u64 expect}``; room for ``MAX_GUARDS`` guards.
+    ``{u32 shape_row, u32 num_guards, u32 generation, u32 pad, u64 args[max(num_args, 1)],
+    guards[num_guards]}``, a guard being ``{u64 address, u64 expect}``; room for
+    ``MAX_GUARDS`` guards.
 
     It knows what the device holds (what it gave last): ``point`` and ``set_guards``
     compare with what the record holds and mark it changed only if it did, and ``take()``
     says how many bytes a call must copy (0: none), so that a call queues a copy only if
-    the record changed.
+    the record changed. Each changed record taken gets the next ``generation`` (from 1,
+    never ``NO_GENERATION``): the patch kernel returns at once when it applied that
+    generation already.
     The bytes live at a fixed host ``address`` for the whole life of the record: the copy
     reads them there, with no bytes object made per call.
     """
 
     def __init__(self, num_args: int):
         # The kernel finds the guards after max(num_args, 1) slots too: keep them agreeing.
-        self.guards_at = 8 + 8 * max(num_args, 1)
+        self.guards_at = RECORD_HEADER.size + 8 * max(num_args, 1)
         self.capacity = self.guards_at + GUARD.size * MAX_GUARDS  # bytes the device needs
         self.data = bytearray(self.capacity)
         # The address of ``data`` as an int: cuda-python takes an int pointer as it is (an
@@ -289,6 +294,7 @@ class LaunchRecord:
         self._view = (ctypes.c_char * self.capacity).from_buffer(self.data)
         self.address = ctypes.addressof(self._view)
         self.num_guards = 0
+        self.generation = NO_GENERATION
         self._row = 0
         self._args = [0] * max(num_args, 1)
         self._guards: tuple = ()
@@ -314,7 +320,7 @@ class LaunchRecord:
                 address = arg.data_ptr() if hasattr(arg, "data_ptr") else 0
             if address != held[i]:
                 held[i] = address
-                _U64.pack_into(data, 8 + 8 * i, address)
+                _U64.pack_into(data, RECORD_HEADER.size + 8 * i, address)
                 self._changed = True
         return self.take()
 
@@ -351,6 +357,8 @@ class LaunchRecord:
         if not self._changed:
             return 0
         self._changed = False
+        self.generation = self.generation % 0xFFFFFFFF + 1  # 1 .. 2**32 - 1, then 1 again
+        _U32.pack_into(self.data, 8, self.generation)
         return self.used_bytes
 
     def pending(self) -> bytes | None:
@@ -442,9 +450,10 @@ class TopologyGraph(OwnedGraph):
         return moved
 
     def _reset_patch_state(self) -> None:
-        """No row applied and the nodes' enabled state unknown: the next launch patches
-        every column and enables or disables every node (see ``_encode_table``)."""
-        self.buffers["state"].write(struct.pack("<4I", NO_ROW, NODES_UNKNOWN, 0, 0))
+        """No row applied, no record applied and the nodes' enabled state unknown: the next
+        launch patches every column and enables or disables every node (see
+        ``_encode_table``)."""
+        self.buffers["state"].write(struct.pack("<4I", NO_ROW, NODES_UNKNOWN, NO_GENERATION, 0))
 
     def refresh(self, rewritten: int | None = None) -> None:
         """The table gained rows (append them), had row ``rewritten`` given to another

@@ -30,28 +30,29 @@ def pack_launch_record(row: int, addresses, guards=(), num_args: int | None = No
 
 def test_launch_record_layout():
     record = pack_launch_record(7, [0x1000, 0x2000], [(0xA0, 1), (tensor(0xB0), 0)])
-    assert len(record) == 8 + 2 * 8 + 2 * 16
-    assert struct.unpack("<II2Q4Q", record) == (7, 2, 0x1000, 0x2000, 0xA0, 1, 0xB0, 0)
-    # No guards: the record is what it was before guards, with num_guards 0.
-    assert pack_launch_record(3, [0x1000]) == struct.pack("<IIQ", 3, 0, 0x1000)
+    assert len(record) == 16 + 2 * 8 + 2 * 16
+    # row, guards, generation (the record's first change: 1), pad, args, guards
+    assert struct.unpack("<IIII2Q4Q", record) == (7, 2, 1, 0, 0x1000, 0x2000, 0xA0, 1, 0xB0, 0)
+    # No guards: the header and the arguments, with num_guards 0.
+    assert pack_launch_record(3, [0x1000]) == struct.pack("<IIIIQ", 3, 0, 1, 0, 0x1000)
 
 
 def test_a_region_without_arguments_keeps_one_argument_slot():
     """patch.cu finds the guards after max(num_args, 1) slots, as the host reserves them."""
     record = pack_launch_record(1, [], [(0xA0, 1)], num_args=0)
-    assert struct.unpack("<IIQQQ", record) == (1, 1, 0, 0xA0, 1)
+    assert struct.unpack("<II8xQQQ", record) == (1, 1, 0, 0xA0, 1)
 
 
 def test_expect_is_normalized_to_zero_or_one():
     guards = [(0x10, 2), (0x20, True), (0x30, np.bool_(False)), (0x40, 0), (0x50, np.int8(-1))]
     record = pack_launch_record(0, [0x1], guards)
-    expects = [struct.unpack_from("<Q", record, 16 + 16 * g + 8)[0] for g in range(5)]
+    expects = [struct.unpack_from("<Q", record, 24 + 16 * g + 8)[0] for g in range(5)]
     assert expects == [1, 1, 0, 0, 1]
 
 
 def test_guards_beyond_the_nesting_limit_are_refused():
     guards = [(0x10 * (g + 1), 1) for g in range(MAX_GUARDS)]
-    assert len(pack_launch_record(0, [0x1], guards)) == 16 + 16 * MAX_GUARDS
+    assert len(pack_launch_record(0, [0x1], guards)) == 24 + 16 * MAX_GUARDS
     with pytest.raises(ValueError, match=f"nests in at most {MAX_GUARDS} data-dependent ifs"):
         pack_launch_record(0, [0x1], guards + [(0x1000, 0)])
 
@@ -77,10 +78,28 @@ def test_a_copy_is_queued_only_when_the_record_changed():
     record.set_guards([(tensor(0xA0), True)])
     assert record.pending() is None  # the same guard, spelled otherwise
     record.set_guards([(0xA0, 0)])
-    assert struct.unpack_from("<Q", record.pending(), 24)[0] == 0  # expect changed
+    assert struct.unpack_from("<Q", record.pending(), 32)[0] == 0  # expect changed
     record.set_guards([])
-    assert record.pending() == struct.pack("<IIQ", 0, 0, 0x1000)  # guards dropped
+    assert record.pending() == struct.pack("<IIIIQ", 0, 0, 5, 0, 0x1000)  # guards dropped
     assert record.pending() is None
+
+
+def test_each_changed_record_taken_gets_the_next_generation():
+    """patch.cu returns at once when the record's generation is the one it applied last: a
+    record that changed must never keep the generation of the one before."""
+    record = LaunchRecord(2)
+    generations = [struct.unpack_from("<I", record.pending(), 8)[0]]
+    for row, address in ((0, 0x1000), (1, 0x1000), (1, 0x2000)):
+        assert record.point(row, [Address(address), Address(0x3000)], [0, 1]) > 0
+        generations.append(struct.unpack_from("<I", record.used(), 8)[0])
+        assert record.point(row, [Address(address), Address(0x3000)], [0, 1]) == 0
+        assert struct.unpack_from("<I", record.used(), 8)[0] == generations[-1]
+    record.set_guards([(0xA0, 1)])
+    generations.append(struct.unpack_from("<I", record.pending(), 8)[0])
+    assert generations == [1, 2, 3, 4, 5] and record.generation == 5
+    record.generation = 0xFFFFFFFF  # wraps past the all-ones value to 1, never to 0
+    record.set_guards([])
+    assert struct.unpack_from("<I", record.pending(), 8)[0] == 1
 
 
 @pytest.mark.skipif(not nvcc_available(), reason="nvcc is not on PATH")

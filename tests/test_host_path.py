@@ -110,16 +110,16 @@ def test_point_writes_the_row_and_the_addresses_that_moved():
     x = Tensor(0x2000)
     args = [Address(0x1000), x, 7]
     copied = record.point(5, args, range(3))
-    assert copied == record.used_bytes == 8 + 3 * 8
+    assert copied == record.used_bytes == 16 + 3 * 8
     assert ctypes.string_at(record.address, copied) == record.used()
-    assert struct.unpack("<II3Q", record.used()) == (5, 0, 0x1000, 0x2000, 0)
+    assert struct.unpack("<II8x3Q", record.used()) == (5, 0, 0x1000, 0x2000, 0)
     assert record.point(5, args, range(3)) == 0  # nothing moved: no copy
     x.address = 0x3000  # the same dims, an input somewhere else
     assert record.point(5, args, [1]) == copied
-    assert struct.unpack("<II3Q", ctypes.string_at(record.address, copied)) == \
+    assert struct.unpack("<II8x3Q", ctypes.string_at(record.address, copied)) == \
         (5, 0, 0x1000, 0x3000, 0)
     assert record.point(6, args, [1]) == copied  # another row, the input where it was
-    assert struct.unpack("<II3Q", ctypes.string_at(record.address, copied))[:3] == (6, 0, 0x1000)
+    assert struct.unpack("<II8x3Q", ctypes.string_at(record.address, copied))[:3] == (6, 0, 0x1000)
     record.set_guards([(0xA0, 1)])  # a guard came: copied with the next call's record
     guarded = record.point(6, args, [1])
     assert guarded == copied + 16 and record.take() == 0
@@ -208,8 +208,8 @@ def test_every_call_leaves_the_device_its_own_row_and_input(module, monkeypatch)
         [region] = backend._regions  # pylint: disable=protected-access
         _, row = backend._groups[region].where[(n,)]  # pylint: disable=protected-access
         held = stub.copies[-1]  # what the device holds for this launch
-        num_args = (len(held) - 8) // 8
-        got_row, guards, *addresses = struct.unpack(f"<II{num_args}Q", held)
+        num_args = (len(held) - 16) // 8
+        got_row, guards, *addresses = struct.unpack(f"<II8x{num_args}Q", held)
         assert (got_row, guards) == (row, 0)
         assert xs[n].data_ptr() in addresses and y.data_ptr() in addresses
         others = {t.data_ptr() for t in kept if t is not xs[n]}

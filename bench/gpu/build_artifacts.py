@@ -482,13 +482,15 @@ def build_zoo(out: Path) -> None:
 
 
 def build_probe_cubins(out: Path) -> None:
-    """``patch.cubin`` (``runtime/kernels/patch.cu``: ``bench/fill_kernel.py``) and
-    ``touch_nodes.cubin`` (``bench/kernels/touch_nodes.cu``: ``bench/device_updatable.py``)."""
+    """``patch.cubin`` (``runtime/kernels/patch.cu``: ``bench/fill_kernel.py``),
+    ``touch_nodes.cubin`` (``bench/kernels/touch_nodes.cu``: ``bench/device_updatable.py``) and
+    ``read_floor.cubin`` (``bench/kernels/read_floor.cu``: ``bench/read_floor.py``)."""
     from grape_tvm.runtime.cuda_compile import compile_cubin  # pylint: disable=import-outside-toplevel
     from grape_tvm.runtime.topology_graph import PATCH_SOURCE  # pylint: disable=import-outside-toplevel
 
     for name, source in (("patch", PATCH_SOURCE),
-                         ("touch_nodes", ROOT / "bench" / "kernels" / "touch_nodes.cu")):
+                         ("touch_nodes", ROOT / "bench" / "kernels" / "touch_nodes.cu"),
+                         ("read_floor", ROOT / "bench" / "kernels" / "read_floor.cu")):
         (out / f"{name}.cubin").write_bytes(compile_cubin(source.read_text(), "sm_90"))
 
 
@@ -519,6 +521,8 @@ STEPS = {
     "hf_models_fp16": (lambda out: build_hf_models(out, dtype="float16"),),
     "ncu_gemv": (build_matmul_bench,),
     "ncu_patch": (build_bench,),
+    "read_floor": (build_probe_cubins,),
+    "topology_blocks": (build_bench,),
     "zoo": (build_zoo,),
 }
 

@@ -35,9 +35,12 @@ want ncu_gpt2_prefill && { "$ncu_bin" --graph-profiling node --metrics gpu__time
 # Every kernel of Wav2Vec2 base at 16 s of audio (256000 samples), as ncu_gpt2 (no cache flush:
 # its activations are larger than L2): time, share and DRAM bytes per kernel.
 want ncu_wav2vec2 && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum --clock-control none --csv --log-file "$out/wav2vec2_ncu.csv" python3 -P bench/kernel_profile.py build/gpu/wav2vec2.cuda.grape --dim batch=1 --dim samples=256000 --weights build/gpu/wav2vec2.weights.json --executor-steps 1 --graph-mode per-shape && python3 -P bench/kernel_profile.py --ncu-summary "$out/wav2vec2_ncu.csv" --json "$out/wav2vec2_kernels.json" --top 30 || status=1; }
-# grape's GEMV kernels at M = 1 on GPT-2's shapes (weights as [N, K]), timed by ncu with
+# grape's GEMV kernels at M = 1 on GPT-2's shapes (weights as [K, N] and [N, K]), timed by ncu with
 # caches flushed before each kernel: what they read from HBM, and how fast.
-want ncu_gemv && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed --clock-control none --csv --log-file "$out/gemv_ncu.csv" bash -c 'for a in build/gpu/matmul_nk_*.gemv.cuda.grape; do echo "== $a"; python3 -P bench/kernel_profile.py "$a" --dim m=1 --executor-steps 1 --graph-mode per-shape; done' || status=1; }
+want ncu_gemv && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed --clock-control none --csv --log-file "$out/gemv_ncu.csv" bash -c 'LC_ALL=C; for a in build/gpu/matmul_[kn][nk]_*.gemv.cuda.grape; do echo "== $a"; python3 -P bench/kernel_profile.py "$a" --dim m=1 --executor-steps 1 --graph-mode per-shape; done' && python3 -P bench/gemv_ncu.py "$out/gemv_ncu.csv" --copy-tbps 4.27 --out "$out" || status=1; }
+# The same bytes read by a plain read kernel (the fastest of a sweep of grids) and by cuBLAS's
+# GEMV (F.linear at M = 1), under ncu as ncu_gemv: the floor under grape's GEMVs, by size.
+want read_floor && { "$ncu_bin" --metrics gpu__time_duration.sum,dram__bytes_read.sum --cache-control all --clock-control none --csv --log-file "$out/read_floor_ncu.csv" python3 -P bench/read_floor.py launch --cubin build/gpu/read_floor.cubin --out "$out" && python3 -P bench/read_floor.py summary --ncu "$out/read_floor_ncu.csv" --gemv "$out/gemv_ncu.json" --copy-tbps 4.27 --out "$out" || status=1; }
 # The patch kernel of the 24-block model's graph (topology mode: ncu profiles only the patch
 # nodes) at n = 1: first launch, then launches that change nothing; staged in shared memory
 # (the default) and not (--patch-staged-bytes 0), one process each.
@@ -58,6 +61,12 @@ want topology_probe && {
 want topology_variants && {
   python3 -P bench/topology_variants.py build/gpu/library_float16.cuda.grape --dim n=128 --out "$out" || status=1
   python3 -P bench/topology_variants.py build/gpu/gpt2_prefill_fp16.cuda.grape --dim batch=1 --dim seq=128 --weights build/gpu/gpt2_prefill_fp16.weights.json --calls 20 --out "$out" || status=1
+}
+# The 24-block model at n = 1 and 16: what of a topology graph costs over per-shape graphs
+# (bench/topology_variants.py), and the memsets a topology graph runs as grape_fill.
+want topology_blocks && {
+  for n in 1 16; do python3 -P bench/topology_variants.py build/gpu/blocks24.grape.cuda.grape --dim n=$n --out "$out" || status=1; done
+  python3 -P bench/kernel_profile.py build/gpu/blocks24.grape.cuda.grape --dim n=1 --executor-steps 50 --log-memsets || status=1
 }
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }

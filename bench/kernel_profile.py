@@ -150,6 +150,12 @@ def main() -> None:
         _executor_steps(args.artifact, signature, inputs, args.executor_steps, set(weights),
                         args.graph_mode)
         return
+    # grape's library functions (cuBLASLt, attention) for TVM's VM: a grape backend
+    # registers them when it starts, and none runs here.
+    from grape_tvm.runtime import attention, cublaslt  # pylint: disable=import-outside-toplevel
+
+    cublaslt.register_functions()
+    attention.register_functions()
     vm = VirtualMachine(library, dev)
     times: dict[str, list[float]] = defaultdict(list)
     started: list[float] = []
@@ -213,6 +219,8 @@ def _executor_steps(artifact: Path, signature, inputs: list, steps: int,
         described = executor.backend.describe()
         print("backend: " + ", ".join(f"{k} {described.get(k)}" for k in (
             "mode", "graphs_instantiated", "memsets_as_kernels", "graphs_not_kept")))
+        for key, algorithm in (described.get("cublaslt_algorithms") or {}).items():
+            print(f"  cuBLASLt {key}: {algorithm}")
 
 
 if __name__ == "__main__":

@@ -88,6 +88,12 @@ _ALIGNED_COLUMNS = 8  # 16 bytes of a 16-bit type: what cuBLASLt's fast kernels 
 _ALGO_CONFIG_ID, _ALGO_CONFIG_SPLITK_NUM, _ALGO_CONFIG_REDUCTION_SCHEME = 0, 2, 3
 _ALGO_CONFIG_CLUSTER_SHAPE_ID, _CLUSTER_SHAPE_1x1x1 = 8, 2
 _ALGO_CONFIG_TYPES = {_ALGO_CONFIG_CLUSTER_SHAPE_ID: ctypes.c_uint16}  # the others: uint32
+# The heuristic's candidates read, best first, and the least of K a split-K part may sum:
+# its first choice can split K into more parts than K has elements (fp32, M <= 8, K = 128,
+# N = 128: split-K 264, 53.9 us a call where the whole decode step's other kernels take
+# 122; bench/results/loop_kernels_decoder_small_b8.json), which no candidate then beats.
+HEURISTIC_CANDIDATES = 8
+MIN_K_PER_SPLIT = 16
 EPILOGUES = {"": 1, "bias": 4, "gelu": 32, "bias_gelu": 36}
 
 
@@ -494,17 +500,25 @@ class CublasLt:
                 pref, _PREF_MAX_WORKSPACE_BYTES, ctypes.byref(size), ctypes.c_size_t(8)),
                 "cublasLtMatmulPreferenceSetAttribute")
             a, b, c = self._layouts_of(function, dtype, problem)
-            found, count = _Heuristic(), ctypes.c_int()
-            _ok(self.lib.cublasLtMatmulAlgoGetHeuristic(self.handle, desc, a, b, c, c, pref, 1,
-                                                         ctypes.byref(found), ctypes.byref(count)),
-                "cublasLtMatmulAlgoGetHeuristic")
+            candidates, count = (_Heuristic * HEURISTIC_CANDIDATES)(), ctypes.c_int()
+            _ok(self.lib.cublasLtMatmulAlgoGetHeuristic(
+                self.handle, desc, a, b, c, c, pref, HEURISTIC_CANDIDATES, candidates,
+                ctypes.byref(count)), "cublasLtMatmulAlgoGetHeuristic")
         finally:
             self.lib.cublasLtMatmulPreferenceDestroy(pref)
         if count.value < 1:
             raise CublasLtError(f"cuBLASLt has no algorithm for {function.name} {dtype} "
                                 f"{problem.describe(function)}")
+        found = self._sensible(candidates[:count.value], problem.k)
         self._without_clusters(desc, found, function, dtype, problem)
         return found
+
+    def _sensible(self, candidates: list, k: int) -> _Heuristic:
+        """The heuristic's best candidate whose split-K parts each sum at least
+        ``MIN_K_PER_SPLIT`` of K; its first where none does."""
+        chosen = next((found for found in candidates if k >= MIN_K_PER_SPLIT * max(
+            self._algo_config(found, _ALGO_CONFIG_SPLITK_NUM), 1)), candidates[0])
+        return _Heuristic.from_buffer_copy(chosen)  # its own bytes, not a view of the array
 
     def _without_clusters(self, desc, found: _Heuristic, function: MatmulFunction, dtype: str,
                           problem: "_Problem") -> None:

@@ -508,6 +508,7 @@ STEPS = {
     "branches": (build_branches,),
     "memory": (lambda out: build_example(out, hi=4096),),
     "probe_cublaslt": (),
+    "split_k_choices": (),
     "driver_calls": (),
     "ncu_gpt2": (build_hf_models,),
     "ncu_gpt2_prefill": (lambda out: build_hf_models(out, ("gpt2_prefill",), baselines=False,
@@ -523,6 +524,7 @@ STEPS = {
     "ncu_patch": (build_bench,),
     "read_floor": (build_probe_cubins,),
     "topology_blocks": (build_bench,),
+    "loop_kernels": (build_loop,),
     "zoo": (build_zoo,),
 }
 

@@ -68,12 +68,16 @@ want topology_blocks && {
   for n in 1 16; do python3 -P bench/topology_variants.py build/gpu/blocks24.grape.cuda.grape --dim n=$n --out "$out" || status=1; done
   python3 -P bench/kernel_profile.py build/gpu/blocks24.grape.cuda.grape --dim n=1 --executor-steps 50 --log-memsets || status=1
 }
+# Each kernel of the decode loop's step (VM, synchronized per kernel) at batch 1 and 8: what
+# grows with the batch (bench/decode_loop.py's device loop at batch 8).
+want loop_kernels && { for a in decoder_small decoder; do for b in 1 8; do python3 -P bench/kernel_profile.py build/gpu/$a.loop.cuda.grape --dim batch=$b --top 12 || status=1; done; done; }
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }
 want zoo && { python3 -P bench/zoo/gpu.py --artifacts build/gpu/zoo --out "$out" ${GRAPE_ZOO_ARGS:-} || status=1; }
 want matmul && { python3 -P bench/matmul.py --artifacts build/gpu --out "$out" ${GRAPE_MATMUL_ARGS:-} || status=1; }
 want memory && { python3 -P bench/memory.py --device cuda --artifact build/gpu/blocks_4096.cuda.grape --shapes 4096 --cycles 300 --out "$out" || status=1; }
+want split_k_choices && { python3 -P bench/split_k_choices.py --out "$out" || status=1; }
 want probe_cublaslt && { python3 -P bench/probe_cublaslt.py --out "$out" || status=1; }
 want hf_models && { python3 -P bench/hf_models.py --artifacts build/gpu --out "$out" ${GRAPE_HF_MODELS_ARGS:-} || status=1; }
 want hf_models_fp16 && { python3 -P bench/hf_models.py --dtype float16 --artifacts build/gpu --out "$out" ${GRAPE_HF_MODELS_ARGS:-} || status=1; }

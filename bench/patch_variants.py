@@ -18,7 +18,8 @@ from pathlib import Path
 
 from grape_tvm.runtime.cuda_compile import compile_cubin
 from grape_tvm.runtime.cuda_driver import check, driver
-from grape_tvm.runtime.topology_graph import DeviceBuffer, _device_updatable, _kernel_params
+from grape_tvm.runtime.cuda_compile import kernel_params
+from grape_tvm.runtime.topology_graph import DeviceBuffer, make_device_updatable
 
 SOURCE = Path(__file__).resolve().parent / "kernels" / "patch_variants.cu"
 VARIANTS = {  # name: (kernel, threads, batched)
@@ -51,17 +52,17 @@ def run_variant(module, name: str, count: int, stream, launches: int) -> float:
     head_args = [("u64", nodes_buf.address), ("u32", count), ("u64", state.address)]
     if batched:
         head_args += [("u64", scratch.address), ("u64", values.address)]
-    keep = [_kernel_params(head_args)]
+    keep = [kernel_params(head_args)]
     graph = check(driver.cuGraphCreate(0), "cuGraphCreate")
     prev = check(driver.cuGraphAddKernelNode(graph, None, 0, _node_params(head_func, 1, threads, keep[0])),
                  "cuGraphAddKernelNode")
     chain = []
     for _ in range(count):
-        keep.append(_kernel_params([("u64", 1), ("u64", out.address)]))
+        keep.append(kernel_params([("u64", 1), ("u64", out.address)]))
         prev = check(driver.cuGraphAddKernelNode(graph, [prev], 1, _node_params(work, 1, 32, keep[-1])),
                      "cuGraphAddKernelNode")
         chain.append(prev)
-    handles = [_device_updatable(n) for n in chain]
+    handles = [make_device_updatable(n) for n in chain]
     exe = check(driver.cuGraphInstantiate(graph, 0), "cuGraphInstantiate")
     nodes_buf.write(b"".join(h.to_bytes(8, "little") for h in handles))
     check(driver.cuGraphUpload(exe, stream), "cuGraphUpload")

@@ -113,25 +113,28 @@ def _ncu_rows(path: Path) -> list[dict]:
     return [kernels[key] for key in sorted(kernels)]
 
 
-def _by_item(rows: list[dict], count: int) -> list[list[dict]]:
-    """The kernels of each item: those after its marker, up to the next."""
+def _by_item(rows: list[dict], items: list[dict]) -> list[list[dict]]:
+    """The kernels of each item: those after its marker, up to the next; of a read item,
+    only its read kernel (the next shape's setup runs after a shape's last item, before
+    the next marker)."""
     groups: list[list[dict]] = []
     for row in rows:
         if row["name"] == MARK:
             groups.append([])
         elif groups:
             groups[-1].append(row)
-    if len(groups) != count:
-        raise SystemExit(f"{count} items launched but {len(groups)} markers profiled")
-    return groups
+    if len(groups) != len(items):
+        raise SystemExit(f"{len(items)} items launched but {len(groups)} markers profiled")
+    return [[r for r in group if r["name"].startswith("read_floor_u")]
+            if item["what"] == "read_floor" else group for item, group in zip(items, groups)]
 
 
 def summary(args) -> int:
     launched = json.loads((args.ncu.parent / "read_floor_items.json").read_text()
                           if args.items is None else args.items.read_text())
     items = launched["items"]
-    groups = _by_item(_ncu_rows(args.ncu), len(items))
-    gemv = json.loads(args.gemv.read_text())["kernels"] if args.gemv else {}
+    groups = _by_item(_ncu_rows(args.ncu), items)
+    gemv = json.loads(args.gemv.read_text())["kernels"] if args.gemv and args.gemv.exists() else {}
     result = {"machine": launched["machine"], "command": args.command,
               "what": __doc__.split("\n\n", maxsplit=1)[0], "copy_tbps": args.copy_tbps,
               "shapes": {}}
@@ -182,7 +185,7 @@ def main() -> int:
     summ = sub.add_parser("summary", help="join ncu's CSV with the items and grape's GEMVs")
     summ.add_argument("--ncu", type=Path, required=True)
     summ.add_argument("--items", type=Path, help="default: read_floor_items.json beside --ncu")
-    summ.add_argument("--gemv", type=Path, help="gemv_ncu.json of the same run")
+    summ.add_argument("--gemv", type=Path, help="gemv_ncu.json of the same run (if there)")
     summ.add_argument("--copy-tbps", type=float, default=4.25)
     summ.add_argument("--command", default="bash bench/gpu/run_all.sh (step read_floor)")
     summ.add_argument("--out", type=Path, default=Path("bench/results"))

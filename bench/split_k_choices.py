@@ -1,9 +1,10 @@
 """Where grape's cuBLASLt choice differs from the heuristic's first: split-K parts too fine.
 
 For the matmuls of GPT-2 (fp32, fp16) and of the decode-loop benchmark's decoders (fp32),
-at the upper end of every bucket of M (2 to 1024), asks ``runtime.cublaslt.CublasLt`` for
+at the upper end of every bucket of M (1 to 1024), asks ``runtime.cublaslt.CublasLt`` for
 its plan and records the heuristic's first candidate beside the one taken
-(``CublasLt._sensible``: the first whose split-K parts each sum ``MIN_K_PER_SPLIT`` of K).
+(``CublasLt._sensible``: the first whose split-K parts each sum ``MIN_K_PER_SPLIT`` of K, or
+the first with its split-K capped).
 No timing: it says which problems the rule changes.
 
     python3 bench/split_k_choices.py --out OUT
@@ -22,7 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from models import DECODER_BENCH, DECODER_SMALL, GPT2_MATMULS  # noqa: E402  pylint: disable=wrong-import-position
 
-BUCKETS = (2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 def decoder_matmuls(config: dict) -> list[tuple[int, int]]:
@@ -41,13 +42,13 @@ def main() -> int:
     seen: list[dict] = []
     sensible = lt._sensible  # pylint: disable=protected-access
 
-    def recorded(candidates, k):
-        chosen = sensible(candidates, k)
-        split = lt._algo_config  # pylint: disable=protected-access
-        seen.append({"first_split_k": split(candidates[0], cublaslt._ALGO_CONFIG_SPLITK_NUM),  # pylint: disable=protected-access
-                     "chosen_split_k": split(chosen, cublaslt._ALGO_CONFIG_SPLITK_NUM),  # pylint: disable=protected-access
-                     "first_algo": split(candidates[0], cublaslt._ALGO_CONFIG_ID),  # pylint: disable=protected-access
-                     "chosen_algo": split(chosen, cublaslt._ALGO_CONFIG_ID),  # pylint: disable=protected-access
+    def recorded(desc, candidates, function, dtype, problem):
+        chosen = sensible(desc, candidates, function, dtype, problem)
+        config = lt._algo_config  # pylint: disable=protected-access
+        seen.append({"first_split_k": config(candidates[0], cublaslt._ALGO_CONFIG_SPLITK_NUM),  # pylint: disable=protected-access
+                     "chosen_split_k": config(chosen, cublaslt._ALGO_CONFIG_SPLITK_NUM),  # pylint: disable=protected-access
+                     "first_algo": config(candidates[0], cublaslt._ALGO_CONFIG_ID),  # pylint: disable=protected-access
+                     "chosen_algo": config(chosen, cublaslt._ALGO_CONFIG_ID),  # pylint: disable=protected-access
                      "candidates": len(candidates)})
         return chosen
 

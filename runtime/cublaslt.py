@@ -11,7 +11,8 @@ launches are then nodes of the region's graph like any other, re-pointed and re-
 patch kernel (bench/results/probe_cublaslt.json showed both work for cuBLAS's kernels).
 
 An algorithm is chosen once per bucket of M (the rows of the product: powers of two, so M =
-1..1024 gives 11 buckets), by cuBLASLt's heuristic at the bucket's upper end, and kept:
+1..1024 gives 11 buckets), by cuBLASLt's heuristic at the bucket's upper end (its best
+candidate whose split-K parts each sum at least ``MIN_K_PER_SPLIT`` of K), and kept:
 cuBLASLt's own first choice changes with M far more often (bench/results/probe_cublaslt.json),
 and each change would be another graph topology. Each size is checked once against its
 bucket's algorithm (``cublasLtMatmulAlgoCheck``): one that cannot run it (fp16 with an odd N
@@ -91,7 +92,7 @@ _ALGO_CONFIG_TYPES = {_ALGO_CONFIG_CLUSTER_SHAPE_ID: ctypes.c_uint16}  # the oth
 # The heuristic's candidates read, best first, and the least of K a split-K part may sum:
 # its first choice can split K into more parts than K has elements (fp32, M <= 8, K = 128,
 # N = 128: split-K 264, 53.9 us a call where the whole decode step's other kernels take
-# 122; bench/results/loop_kernels_decoder_small_b8.json), which no candidate then beats.
+# 122; bench/results/loop_kernels_decoder_small_b8.7a5959f.json).
 HEURISTIC_CANDIDATES = 8
 MIN_K_PER_SPLIT = 16
 EPILOGUES = {"": 1, "bias": 4, "gelu": 32, "bias_gelu": 36}
@@ -467,7 +468,7 @@ class CublasLt:
 
     def _choose(self, function: MatmulFunction, dtype: str, problem: "_Problem",
                 bias: int | None) -> _Plan:
-        """A descriptor for ``function``, and cuBLASLt's first choice for ``problem``."""
+        """A descriptor for ``function``, and cuBLASLt's choice for ``problem``."""
         desc = ctypes.c_void_p()
         _ok(self.lib.cublasLtMatmulDescCreate(ctypes.byref(desc), _COMPUTE_32F, _CUDA_R["float32"]),
             "cublasLtMatmulDescCreate")
@@ -480,7 +481,8 @@ class CublasLt:
 
     def _heuristic(self, desc, function: MatmulFunction, dtype: str, problem: "_Problem",
                    bias: int | None) -> _Heuristic:
-        """Set ``desc``'s attributes; cuBLASLt's first choice for ``problem``."""
+        """Set ``desc``'s attributes; the heuristic's choice for ``problem`` (``_sensible``,
+        then ``_without_clusters``)."""
         for attr, value in ((_DESC_TRANSA, _OP_T if function.transposed_weight else _OP_N),
                             (_DESC_TRANSB, _OP_N), (_DESC_EPILOGUE, EPILOGUES[function.epilogue])):
             box = ctypes.c_int32(value)
@@ -509,32 +511,55 @@ class CublasLt:
         if count.value < 1:
             raise CublasLtError(f"cuBLASLt has no algorithm for {function.name} {dtype} "
                                 f"{problem.describe(function)}")
-        found = self._sensible(candidates[:count.value], problem.k)
+        found = self._sensible(desc, candidates[:count.value], function, dtype, problem)
         self._without_clusters(desc, found, function, dtype, problem)
         return found
 
-    def _sensible(self, candidates: list, k: int) -> _Heuristic:
+    def _sensible(self, desc, candidates: list, function: MatmulFunction, dtype: str,
+                  problem: "_Problem") -> _Heuristic:
         """The heuristic's best candidate whose split-K parts each sum at least
-        ``MIN_K_PER_SPLIT`` of K; its first where none does."""
-        chosen = next((found for found in candidates if k >= MIN_K_PER_SPLIT * max(
-            self._algo_config(found, _ALGO_CONFIG_SPLITK_NUM), 1)), candidates[0])
-        return _Heuristic.from_buffer_copy(chosen)  # its own bytes, not a view of the array
+        ``MIN_K_PER_SPLIT`` of K. Where none does (fp32, M <= 8, N = 128, K = 128 and 512 on
+        the H200), its first, split into K // MIN_K_PER_SPLIT parts where cuBLASLt accepts
+        it, else as it is. A batched product's K is its bucket's upper end: a size lower in
+        the bucket may leave a part half as much."""
+        most = max(problem.k // MIN_K_PER_SPLIT, 1)
+        for candidate in candidates:
+            if self._split_k(candidate) <= most:
+                return _Heuristic.from_buffer_copy(candidate)  # its own bytes, not a view
+        found = _Heuristic.from_buffer_copy(candidates[0])
+        self._configured(desc, found, _ALGO_CONFIG_SPLITK_NUM, most, function, dtype, problem)
+        return found
+
+    def _split_k(self, found: _Heuristic) -> int:
+        """``found``'s split-K parts (1 where it does not split: cuBLASLt reads back 0 or
+        all ones for algorithms without split-K)."""
+        split = self._algo_config(found, _ALGO_CONFIG_SPLITK_NUM)
+        return 1 if split in (0, 0xFFFFFFFF) else split
 
     def _without_clusters(self, desc, found: _Heuristic, function: MatmulFunction, dtype: str,
                           problem: "_Problem") -> None:
         """Ask ``found``'s algorithm for 1x1x1 clusters (module docstring: device-side updates
         slow clustered kernels); left as it was where cuBLASLt refuses."""
+        self._configured(desc, found, _ALGO_CONFIG_CLUSTER_SHAPE_ID, _CLUSTER_SHAPE_1x1x1,
+                         function, dtype, problem)
+
+    def _configured(self, desc, found: _Heuristic, attribute: int, value: int,
+                    function: MatmulFunction, dtype: str, problem: "_Problem") -> bool:
+        """Set one config ``attribute`` of ``found``'s algorithm and keep it, with the
+        workspace it then needs, where ``cublasLtMatmulAlgoCheck`` accepts it within the
+        workspace; else restore the algorithm byte for byte. Whether it was kept."""
         saved = bytes(found.algo)
-        shape = _ALGO_CONFIG_TYPES[_ALGO_CONFIG_CLUSTER_SHAPE_ID](_CLUSTER_SHAPE_1x1x1)
+        box = _ALGO_CONFIG_TYPES.get(attribute, ctypes.c_uint32)(value)
         checked = None
         if self.lib.cublasLtMatmulAlgoConfigSetAttribute(
-                ctypes.byref(found.algo), _ALGO_CONFIG_CLUSTER_SHAPE_ID, ctypes.byref(shape),
-                ctypes.c_size_t(ctypes.sizeof(shape))) == 0:
+                ctypes.byref(found.algo), attribute, ctypes.byref(box),
+                ctypes.c_size_t(ctypes.sizeof(box))) == 0:
             checked = self._check(desc, found, function, dtype, problem)
         if checked is None:
             ctypes.memmove(ctypes.addressof(found.algo), saved, len(saved))
-        else:
-            found.workspaceSize = checked.workspaceSize
+            return False
+        found.workspaceSize = checked.workspaceSize
+        return True
 
     def _keep(self, key: tuple, plan: _Plan, where: str) -> None:
         """Own ``plan`` under ``key``; ``chosen`` says, for inspect, what it is."""

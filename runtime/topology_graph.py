@@ -452,7 +452,9 @@ class TopologyGraph(OwnedGraph):
     def _reset_patch_state(self) -> None:
         """No row applied, no record applied and the nodes' enabled state unknown: the next
         launch patches every column and enables or disables every node (see
-        ``_encode_table``)."""
+        ``_encode_table``). A synchronous copy: the backend's stream is a blocking one, so
+        no launch still in flight can write the state after it (one that did could leave a
+        generation the next launch takes as applied, and it would patch nothing)."""
         self.buffers["state"].write(struct.pack("<4I", NO_ROW, NODES_UNKNOWN, NO_GENERATION, 0))
 
     def refresh(self, rewritten: int | None = None) -> None:

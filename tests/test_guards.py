@@ -13,7 +13,8 @@ import pytest
 from grape_tvm.runtime.call_program import MAX_GUARDS
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available
 from grape_tvm.runtime.call_plan import Address
-from grape_tvm.runtime.topology_graph import PATCH_SOURCE, LaunchRecord
+from grape_tvm.runtime.topology_graph import (NO_GENERATION, NO_ROW, NODES_UNKNOWN, PATCH_SOURCE,
+                                             LaunchRecord, TopologyGraph)
 
 
 def tensor(address: int):
@@ -129,3 +130,54 @@ def test_the_patch_kernel_stages_what_fits_in_shared_memory():
     many = STAGED_BYTES // POINTER_BYTES
     assert patch_staging(300, many) == (STAGE_ARGS, 16 * 300)
     assert patch_staging(STAGED_BYTES // 16 + 1, 0) == (0, 0)
+
+
+class _KeptBuffer:
+    """A ``DeviceBuffer``'s writes, kept (no device)."""
+
+    def __init__(self):
+        self.nbytes = 1 << 16
+        self.writes: list = []
+
+    def write(self, data: bytes) -> bool:
+        self.writes.append(bytes(data))
+        return False
+
+    def write_at(self, offset: int, data: bytes) -> None:
+        self.writes.append((offset, bytes(data)))
+
+
+class _Table:
+    """An argument table of one grid column (node 0), a row per shape."""
+
+    columns = [(0, 0)]
+
+    def __init__(self, grids):
+        self.grids = grids
+
+    def __len__(self):
+        return len(self.grids)
+
+    def row(self, row: int):
+        return [self.grids[row]]
+
+
+@pytest.mark.parametrize("rewritten,reset", [(None, False), (0, True)])
+def test_a_rewritten_row_makes_the_next_launch_patch_it_again(rewritten, reset):
+    """``TopologyGraph.refresh``: a row given to another shape is written, and, since the
+    patch kernel compares with the row it applied last (whose bytes just changed), the
+    state says nothing is applied, its generation too: the next launch's record may be the
+    one applied last (same row, same addresses), and patch.cu returns early on an applied
+    generation. Rows only appended leave the state as it was."""
+    graph = object.__new__(TopologyGraph)
+    graph.table = _Table([(1, 1, 1), (2, 1, 1)])
+    graph._row_bytes, graph._placement = 12, [(0, 0)]  # pylint: disable=protected-access
+    graph._encoded = (list(_Table.columns), 1)  # pylint: disable=protected-access
+    graph.buffers = {"rows": _KeptBuffer(), "state": _KeptBuffer()}
+    if rewritten is not None:
+        graph.table.grids[rewritten] = (3, 1, 1)
+    graph.refresh(rewritten)
+    rows, state = graph.buffers["rows"].writes, graph.buffers["state"].writes
+    first = 0 if rewritten is not None else 1
+    assert rows == [(12 * first, b"".join(struct.pack("<III", *g) for g in graph.table.grids[first:]))]
+    assert state == ([struct.pack("<4I", NO_ROW, NODES_UNKNOWN, NO_GENERATION, 0)] if reset else [])

@@ -274,10 +274,11 @@ def test_clusters_are_given_up_only_where_cublaslt_accepts_it(refuse, workspace,
 
 class _SplitKLt:
     """cuBLASLt's heuristic as ``_heuristic`` calls it: ``splits`` candidates, best first,
-    each with its split-K number in the algo's config (read back as the library does)."""
+    each with its split-K number in the algo's config (set and read back as the library
+    does); ``cublasLtMatmulAlgoCheck`` accepts a changed config or refuses it."""
 
-    def __init__(self, splits):
-        self.splits = splits
+    def __init__(self, splits, refuse: bool = False):
+        self.splits, self.refuse = splits, refuse
 
     def cublasLtMatmulDescSetAttribute(self, *args):
         return 0
@@ -294,7 +295,7 @@ class _SplitKLt:
     def cublasLtMatmulAlgoGetHeuristic(self, handle, desc, a, b, c, d, pref, asked, out, count):
         for i, split in enumerate(self.splits[:asked]):
             out[i].algo[0] = i  # which candidate
-            out[i].algo[1] = split  # where the config getter below reads it
+            out[i].algo[1] = split  # where the config calls below keep it
         count._obj.value = min(len(self.splits), asked)
         return 0
 
@@ -303,25 +304,37 @@ class _SplitKLt:
         value._obj.value = algo._obj[1]
         return 0
 
+    def cublasLtMatmulAlgoConfigSetAttribute(self, algo, attribute, value, size):
+        assert attribute == cublaslt._ALGO_CONFIG_SPLITK_NUM  # pylint: disable=protected-access
+        algo._obj[1] = value._obj.value
+        return 0
 
-@pytest.mark.parametrize("k,splits,chosen", [
-    (128, [264, 16, 1], 2),  # 264 and 16 parts of K = 128: fewer than 16 each
-    (128, [1, 264], 0),
-    (768, [33, 1], 0),  # 23 each: the heuristic's first choice kept
-    (64, [66, 8], 0),  # none leaves 16 to a part: the first, as cuBLASLt gave it
+    def cublasLtMatmulAlgoCheck(self, handle, desc, a, b, c, d, algo, result):
+        result._obj.workspaceSize = 4096
+        return 15 if self.refuse else 0  # CUBLAS_STATUS_NOT_SUPPORTED
+
+
+@pytest.mark.parametrize("k,splits,refuse,chosen,split", [
+    (128, [264, 16, 1], False, 2, 1),  # 264 and 16 parts of K = 128: fewer than 16 each
+    (128, [1, 264], False, 0, 1),
+    (768, [33, 1], False, 0, 33),  # 23 each: the heuristic's first choice kept
+    (768, [0xFFFFFFFF, 33], False, 0, 0xFFFFFFFF),  # all ones: an algorithm that never splits
+    (128, [264, 66], False, 0, 8),  # none leaves 16 to a part: the first, in 128 // 16 parts
+    (128, [264, 66], True, 0, 264),  # ... unless cuBLASLt refuses that: the first as it is
 ])
-def test_a_split_k_finer_than_k_allows_is_passed_over(k, splits, chosen):
+def test_a_split_k_finer_than_k_allows_is_passed_over(k, splits, refuse, chosen, split):
     """``CublasLt._heuristic`` takes the best candidate whose split-K parts each sum at least
     ``MIN_K_PER_SPLIT`` of K (the H200's first choice for fp32 M <= 8, K = 128, N = 128 split
-    it 264 ways: 53.9 us a call); where none does, the first."""
+    it 264 ways: 53.9 us a call); where none does, the first with fewer parts if cuBLASLt
+    accepts them."""
     lt = object.__new__(cublaslt.CublasLt)
-    lt.lib, lt.handle = _SplitKLt(splits), None
+    lt.lib, lt.handle = _SplitKLt(splits, refuse), None
     lt._layouts_of = lambda *args: (None, None, None)  # pylint: disable=protected-access
     lt._without_clusters = lambda *args: None  # pylint: disable=protected-access
     function = cublaslt.MatmulFunction("bias", transposed_weight=False)
     problem = cublaslt._Problem(8, k, 128)  # pylint: disable=protected-access
     found = lt._heuristic(None, function, "float32", problem, None)  # pylint: disable=protected-access
-    assert found.algo[0] == chosen and found.algo[1] == splits[chosen]
+    assert (found.algo[0], found.algo[1]) == (chosen, split)
 
 
 def test_a_wide_parameter_is_patched_word_by_word():

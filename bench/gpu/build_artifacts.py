@@ -525,6 +525,7 @@ STEPS = {
     "read_floor": (build_probe_cubins,),
     "topology_blocks": (build_bench,),
     "loop_kernels": (build_loop,),
+    "ncu_loop": (build_loop,),
     "zoo": (build_zoo,),
 }
 

@@ -63,14 +63,18 @@ want topology_variants && {
   python3 -P bench/topology_variants.py build/gpu/gpt2_prefill_fp16.cuda.grape --dim batch=1 --dim seq=128 --weights build/gpu/gpt2_prefill_fp16.weights.json --calls 20 --out "$out" || status=1
 }
 # The 24-block model at n = 1 and 16: what of a topology graph costs over per-shape graphs
-# (bench/topology_variants.py), and the memsets a topology graph runs as grape_fill.
+# (bench/topology_variants.py), and the memsets a topology graph runs as grape_fill (n = 16:
+# at n = 1 grape's GEMV kernels run the matmuls, with no memset).
 want topology_blocks && {
   for n in 1 16; do python3 -P bench/topology_variants.py build/gpu/blocks24.grape.cuda.grape --dim n=$n --out "$out" || status=1; done
-  python3 -P bench/kernel_profile.py build/gpu/blocks24.grape.cuda.grape --dim n=1 --executor-steps 50 --log-memsets || status=1
+  python3 -P bench/kernel_profile.py build/gpu/blocks24.grape.cuda.grape --dim n=16 --executor-steps 50 --log-memsets || status=1
 }
 # Each kernel of the decode loop's step (VM, synchronized per kernel) at batch 1 and 8: what
 # grows with the batch (bench/decode_loop.py's device loop at batch 8).
 want loop_kernels && { for a in decoder_small decoder; do for b in 1 8; do python3 -P bench/kernel_profile.py build/gpu/$a.loop.cuda.grape --dim batch=$b --top 12 || status=1; done; done; }
+# Every kernel node of the decode loop's step in a per-shape graph, timed by ncu (caches
+# flushed before each kernel), at batch 1 and 8, and the cuBLASLt algorithms chosen.
+want ncu_loop && { for b in 1 8; do "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum --clock-control none --csv --log-file "$out/loop_ncu_$b.csv" python3 -P bench/kernel_profile.py build/gpu/decoder_small.loop.cuda.grape --dim batch=$b --executor-steps 1 --graph-mode per-shape && python3 -P bench/kernel_profile.py --ncu-summary "$out/loop_ncu_$b.csv" --json "$out/loop_kernels_decoder_small_b$b.json" --top 25 || status=1; done; }
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }

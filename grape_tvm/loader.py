@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -56,13 +57,15 @@ def _library_path(artifact: Artifact) -> Path:
 # same file is loaded (bench/memory.py): each artifact's library is loaded once per process
 # and shared by the executors of it (a VM keeps its own state apart from its library).
 _LIBRARIES: dict[Path, tvm.runtime.Module] = {}
+_LIBRARIES_LOCK = threading.Lock()  # threads load at once (a threaded tensor-parallel session)
 
 
 def _library(artifact: Artifact) -> tvm.runtime.Module:
     path = _library_path(artifact)
-    module = _LIBRARIES.get(path)
-    if module is None:
-        module = _LIBRARIES[path] = tvm.runtime.load_module(str(path))
+    with _LIBRARIES_LOCK:
+        module = _LIBRARIES.get(path)
+        if module is None:
+            module = _LIBRARIES[path] = tvm.runtime.load_module(str(path))
     return module
 
 

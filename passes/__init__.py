@@ -79,8 +79,10 @@ from .row_reduction_fusion import FuseIntoRowReductions
 from .shape_tensors import FoldShapeTensors
 from .split_slices import SplitAsSlices
 from .call_program import DescribeCallProgram
-from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, REGION_PREFIX,
-                           GraphPlan, LiftGraphRegions, graph_plan)
+from .lift_regions import GraphPlan, LiftGraphRegions, graph_plan
+# Names the passes and the runtime share, defined once in the runtime's call program format.
+from grape_tvm.runtime.call_program import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR,
+                                            REGION_PREFIX)
 
 __all__ = [
     "BoundShapeRanges",

@@ -7,10 +7,10 @@ import json
 from tvm import IRModule, relax
 from tvm.ir.transform import PassContext, module_pass
 
-from grape_tvm.runtime.call_program import BRANCHES_ATTR
+from grape_tvm.runtime.call_program import (BRANCHES_ATTR, CONDITIONAL_ATTR, CONDITIONAL_PREFIX,
+                                            REGION_ATTR)
 
-from .lift_regions import (CONDITIONAL_ATTR, CONDITIONAL_PREFIX, REGION_ATTR, classify,
-                           seq_bindings, tir_vars)
+from .lift_regions import classify, seq_bindings, tir_vars
 
 HOST_BRANCHES_ATTR = "grape.host_branches"  # on the caller: If var -> why it stayed on the host
 CONDITION_NAME_ATTR = "grape.condition"  # on a conditional function: its condition's name

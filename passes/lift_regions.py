@@ -10,8 +10,8 @@ import tvm
 from tvm import IRModule, relax, tirx
 from tvm.ir.transform import PassContext, module_pass
 
-from grape_tvm.runtime.call_program import (BRANCHES_ATTR, CONDITIONAL_ATTR, CONDITIONAL_PREFIX,
-                                            PROGRAM_ATTR, REGION_ATTR, REGION_PREFIX)
+from grape_tvm.runtime.call_program import (BRANCHES_ATTR, CONDITIONAL_ATTR, PROGRAM_ATTR,
+                                            REGION_ATTR, REGION_PREFIX)
 from grape_tvm.runtime.libraries import library_of
 
 from .few_rows_gemv import GEMV_ROWS_ATTR, LIBRARY_FUNCTION_ATTR

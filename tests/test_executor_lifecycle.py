@@ -175,3 +175,33 @@ def test_plans_and_recordings_are_bounded_least_recently_used_first(attention_ar
         assert executor.stats.shapes_held <= 4 * len(executor.backend.recorded_shapes())
     assert executor.stats.evicted_shapes > 0 and executor.backend.evicted > 0
     assert executor.stats.planned_calls > 0
+
+
+def test_threads_loading_one_artifact_share_one_library(monkeypatch, tmp_path):
+    """Workers of a threaded session load the same artifact at once: its library is loaded
+    once and shared (TVM keeps host memory per load, ``loader._LIBRARIES``), not once per
+    thread that found the cache empty."""
+    import threading  # pylint: disable=import-outside-toplevel
+    import time  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm import loader  # pylint: disable=import-outside-toplevel
+
+    path = tmp_path / "lib.so"
+    loads = []
+
+    def slow_load(name):  # long enough for every thread to find the cache empty
+        loads.append(name)
+        time.sleep(0.05)
+        return object()
+
+    monkeypatch.setattr(loader, "_library_path", lambda artifact: path)
+    monkeypatch.setattr(loader.tvm.runtime, "load_module", slow_load)
+    monkeypatch.setattr(loader, "_LIBRARIES", {})
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(loader._library(None)))  # pylint: disable=protected-access
+               for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert loads == [str(path)] and len(got) == 4 and all(g is got[0] for g in got)

@@ -36,7 +36,7 @@ TIME = "gpu__time_duration.sum"
 BYTES = ("dram__bytes_read.sum", "dram__bytes_write.sum")
 
 
-def _ncu_kernels(csv_path: Path) -> list[dict]:
+def ncu_kernels(csv_path: Path) -> list[dict]:
     """One dict per profiled kernel (in launch order) from ncu's CSV: name, block, grid,
     and each metric in microseconds or bytes."""
     import csv  # pylint: disable=import-outside-toplevel
@@ -58,7 +58,7 @@ def ncu_summary(csv_path: Path, json_path: Path | None, top: int, copy_tbps: flo
     DRAM bytes (where ncu measured them) and the time over their bound at ``copy_tbps``."""
     import json  # pylint: disable=import-outside-toplevel
 
-    kernels = _ncu_kernels(csv_path)
+    kernels = ncu_kernels(csv_path)
     step = kernels[len(kernels) // 2:]  # two launches of one graph: the second is the step
     groups: dict[tuple, list[dict]] = defaultdict(list)
     for kernel in step:

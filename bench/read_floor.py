@@ -23,15 +23,14 @@ of the same run), prints a table and writes ``read_floor.json``.
 from __future__ import annotations
 
 import argparse
-import csv
 import ctypes
-import io
 import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from kernel_profile import TIME, ncu_kernels  # noqa: E402  pylint: disable=wrong-import-position
 from models import GPT2_MATMULS  # noqa: E402  pylint: disable=wrong-import-position
 
 DTYPES = {"float32": 4, "float16": 2}
@@ -99,20 +98,6 @@ def launch(args) -> int:
     return 0
 
 
-def _ncu_rows(path: Path) -> list[dict]:
-    """ncu's kernels in launch order: name and metrics (seconds, bytes)."""
-    lines = [line for line in path.read_text().splitlines() if line.startswith('"')]
-    kernels: dict[tuple, dict] = {}
-    scale = {"ns": 1e-9, "nsecond": 1e-9, "us": 1e-6, "usecond": 1e-6, "ms": 1e-3,
-             "msecond": 1e-3, "byte": 1, "Kbyte": 1e3, "Mbyte": 1e6, "Gbyte": 1e9}
-    for row in csv.DictReader(io.StringIO("\n".join(lines))):
-        kernel = kernels.setdefault((int(row["Process ID"]), int(row["ID"])),
-                                    {"name": row["Kernel Name"]})
-        value = float(row["Metric Value"].replace(",", "")) * scale[row["Metric Unit"]]
-        kernel[row["Metric Name"]] = value
-    return [kernels[key] for key in sorted(kernels)]
-
-
 def _by_item(rows: list[dict], items: list[dict]) -> list[list[dict]]:
     """The kernels of each item: those after its marker, up to the next; of a read item,
     only its read kernel (the next shape's setup runs after a shape's last item, before
@@ -133,7 +118,7 @@ def summary(args) -> int:
     launched = json.loads((args.ncu.parent / "read_floor_items.json").read_text()
                           if args.items is None else args.items.read_text())
     items = launched["items"]
-    groups = _by_item(_ncu_rows(args.ncu), items)
+    groups = _by_item(ncu_kernels(args.ncu), items)
     gemv = json.loads(args.gemv.read_text())["kernels"] if args.gemv and args.gemv.exists() else {}
     result = {"machine": launched["machine"], "command": args.command,
               "what": __doc__.split("\n\n", maxsplit=1)[0], "copy_tbps": args.copy_tbps,
@@ -144,24 +129,26 @@ def summary(args) -> int:
     for dtype, k, n in shapes():
         mine = [(item, group) for item, group in zip(items, groups)
                 if (item["dtype"], item["k"], item["n"]) == (dtype, k, n)]
-        floors = [(sum(r["gpu__time_duration.sum"] for r in g), item) for item, g in mine
+        floors = [(sum(r[TIME] for r in g), item) for item, g in mine
                   if item["what"] == "read_floor"]
-        floor_s, floor_item = min(floors, key=lambda f: f[0])
+        floor_us, floor_item = min(floors, key=lambda f: f[0])
         cublas = next(g for item, g in mine if item["what"] == "cublas")
-        cublas_s = sum(r["gpu__time_duration.sum"] for r in cublas)
+        cublas_us = sum(r[TIME] for r in cublas)
         nbytes = floor_item["bytes"]
-        entry = {"bytes": nbytes, "read_floor_us": floor_s * 1e6,
+        def of_copy(us: float) -> float:  # the share of the copy bandwidth reading nbytes in us
+            return nbytes / us / 1e6 / args.copy_tbps
+
+        entry = {"bytes": nbytes, "read_floor_us": floor_us,
                  "read_floor_config": {key: floor_item[key] for key in ("unroll", "threads", "blocks")},
-                 "read_floor_fraction_of_copy": nbytes / floor_s / 1e12 / args.copy_tbps,
-                 "cublas_us": cublas_s * 1e6, "cublas_kernels": [r["name"][:80] for r in cublas],
-                 "cublas_over_read_floor": cublas_s / floor_s}
+                 "read_floor_fraction_of_copy": of_copy(floor_us),
+                 "cublas_us": cublas_us, "cublas_kernels": [r["name"][:80] for r in cublas],
+                 "cublas_over_read_floor": cublas_us / floor_us}
         for layout in ("kn", "nk"):  # grape's GEMV with weights [K, N] and [N, K]
             grape = gemv.get(f"matmul_{layout}_{dtype}_{k}x{n}.gemv.cuda.grape")
             if grape:
-                seconds = grape["us"] * 1e-6
                 entry[f"grape_{layout}_us"] = grape["us"]
-                entry[f"grape_{layout}_over_read_floor"] = seconds / floor_s
-                entry[f"grape_{layout}_fraction_of_copy"] = nbytes / seconds / 1e12 / args.copy_tbps
+                entry[f"grape_{layout}_over_read_floor"] = grape["us"] / floor_us
+                entry[f"grape_{layout}_fraction_of_copy"] = of_copy(grape["us"])
         result["shapes"][f"{dtype} {k}x{n}"] = entry
         nan = float("nan")
         print(f"{dtype + f' {k}x{n}':22s} {nbytes / 1e6:6.2f} {entry['read_floor_us']:10.2f} "

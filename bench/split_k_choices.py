@@ -44,12 +44,15 @@ def main() -> int:
 
     def recorded(desc, candidates, function, dtype, problem):
         chosen = sensible(desc, candidates, function, dtype, problem)
-        config = lt._algo_config  # pylint: disable=protected-access
-        seen.append({"first_split_k": config(candidates[0], cublaslt._ALGO_CONFIG_SPLITK_NUM),  # pylint: disable=protected-access
-                     "chosen_split_k": config(chosen, cublaslt._ALGO_CONFIG_SPLITK_NUM),  # pylint: disable=protected-access
-                     "first_algo": config(candidates[0], cublaslt._ALGO_CONFIG_ID),  # pylint: disable=protected-access
-                     "chosen_algo": config(chosen, cublaslt._ALGO_CONFIG_ID),  # pylint: disable=protected-access
+        def algo(found):
+            return lt._algo_config(found, cublaslt._ALGO_CONFIG_ID)  # pylint: disable=protected-access
+
+        first, split = candidates[0], lt._split_k  # pylint: disable=protected-access
+        seen.append({"first_algo": algo(first), "first_split_k": split(first),
+                     "chosen_algo": algo(chosen), "chosen_split_k": split(chosen),
                      "candidates": len(candidates)})
+        seen[-1]["changed"] = (seen[-1]["first_algo"], seen[-1]["first_split_k"]) != \
+            (seen[-1]["chosen_algo"], seen[-1]["chosen_split_k"])
         return chosen
 
     lt._sensible = recorded  # pylint: disable=protected-access
@@ -68,12 +71,11 @@ def main() -> int:
                 row = {"model": model, "function": function_name, "dtype": dtype, "m": m,
                        "k": k, "n": n, **seen[-1]}
                 rows.append(row)
-                if row["first_split_k"] != row["chosen_split_k"] or row["first_algo"] != row["chosen_algo"]:
+                if row["changed"]:
                     print(f"{model:14s} {function_name:38s} {dtype:8s} M<={m:<5d} K={k:<5d} N={n:<6d}"
                           f" first: algo {row['first_algo']} split-K {row['first_split_k']}"
                           f" -> algo {row['chosen_algo']} split-K {row['chosen_split_k']}", flush=True)
-    changed = sum(r["first_split_k"] != r["chosen_split_k"] or r["first_algo"] != r["chosen_algo"]
-                  for r in rows)
+    changed = sum(r["changed"] for r in rows)
     print(f"{changed} of {len(rows)} choices differ from the heuristic's first")
     lt.close()
     args.out.mkdir(parents=True, exist_ok=True)

@@ -544,10 +544,10 @@ class CublasLt:
                          function, dtype, problem)
 
     def _configured(self, desc, found: _Heuristic, attribute: int, value: int,
-                    function: MatmulFunction, dtype: str, problem: "_Problem") -> bool:
+                    function: MatmulFunction, dtype: str, problem: "_Problem") -> None:
         """Set one config ``attribute`` of ``found``'s algorithm and keep it, with the
         workspace it then needs, where ``cublasLtMatmulAlgoCheck`` accepts it within the
-        workspace; else restore the algorithm byte for byte. Whether it was kept."""
+        workspace; else restore the algorithm byte for byte."""
         saved = bytes(found.algo)
         box = _ALGO_CONFIG_TYPES.get(attribute, ctypes.c_uint32)(value)
         checked = None
@@ -557,16 +557,15 @@ class CublasLt:
             checked = self._check(desc, found, function, dtype, problem)
         if checked is None:
             ctypes.memmove(ctypes.addressof(found.algo), saved, len(saved))
-            return False
-        found.workspaceSize = checked.workspaceSize
-        return True
+        else:
+            found.workspaceSize = checked.workspaceSize
 
     def _keep(self, key: tuple, plan: _Plan, where: str) -> None:
         """Own ``plan`` under ``key``; ``chosen`` says, for inspect, what it is."""
         self._plans[key] = plan
         self.chosen[where] = {
             "algo_id": self._algo_config(plan.algo, _ALGO_CONFIG_ID),
-            "split_k": self._algo_config(plan.algo, _ALGO_CONFIG_SPLITK_NUM),
+            "split_k": self._split_k(plan.algo),
             "reduction_scheme": self._algo_config(plan.algo, _ALGO_CONFIG_REDUCTION_SCHEME),
             "cluster_shape_id": self._algo_config(plan.algo, _ALGO_CONFIG_CLUSTER_SHAPE_ID),
             "workspace_bytes": int(plan.algo.workspaceSize)}

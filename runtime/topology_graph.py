@@ -41,7 +41,8 @@ STAGE_ARGS, STAGE_POINTERS = 1, 2  # what it stages (patch.cu)
 POINTER_BYTES = 24  # one entry of ``pointers`` (encode_pointers)
 NO_ROW = 0xFFFFFFFF  # state.applied_row before anything was applied
 NO_GENERATION = 0  # state.applied_generation before anything was applied (records count from 1)
-RECORD_HEADER = struct.Struct("<IIII")  # launch record: shape_row, num_guards, generation, pad
+# The launch record's header (patch.cu's Launch): where each u32 field sits, and its size.
+ROW_AT, NUM_GUARDS_AT, GENERATION_AT, ARGS_AT = 0, 4, 8, 16
 NODES_UNKNOWN = 0xFFFFFFFF  # state.nodes when the nodes' enabled state is not known
 GUARD = struct.Struct("<QQ")  # {u64 address, u64 expect}
 PATCH_SOURCE = Path(__file__).with_name("kernels") / "patch.cu"
@@ -284,7 +285,7 @@ class LaunchRecord:
 
     def __init__(self, num_args: int):
         # The kernel finds the guards after max(num_args, 1) slots too: keep them agreeing.
-        self.guards_at = RECORD_HEADER.size + 8 * max(num_args, 1)
+        self.guards_at = ARGS_AT + 8 * max(num_args, 1)
         self.capacity = self.guards_at + GUARD.size * MAX_GUARDS  # bytes the device needs
         self.data = bytearray(self.capacity)
         # The address of ``data`` as an int: cuda-python takes an int pointer as it is (an
@@ -307,7 +308,7 @@ class LaunchRecord:
         data, held = self.data, self._args
         if row != self._row:
             self._row = row
-            _U32.pack_into(data, 0, row)
+            _U32.pack_into(data, ROW_AT, row)
             self._changed = True
         for i in positions:
             arg = region_args[i]
@@ -320,7 +321,7 @@ class LaunchRecord:
                 address = arg.data_ptr() if hasattr(arg, "data_ptr") else 0
             if address != held[i]:
                 held[i] = address
-                _U64.pack_into(data, RECORD_HEADER.size + 8 * i, address)
+                _U64.pack_into(data, ARGS_AT + 8 * i, address)
                 self._changed = True
         return self.take()
 
@@ -339,7 +340,7 @@ class LaunchRecord:
             GUARD.pack_into(self.data, self.guards_at + GUARD.size * g, *guard)
         self._guards = packed
         self.num_guards = len(packed)
-        _U32.pack_into(self.data, 4, self.num_guards)
+        _U32.pack_into(self.data, NUM_GUARDS_AT, self.num_guards)
         self._changed = True
 
     @property
@@ -358,7 +359,7 @@ class LaunchRecord:
             return 0
         self._changed = False
         self.generation = self.generation % 0xFFFFFFFF + 1  # 1 .. 2**32 - 1, then 1 again
-        _U32.pack_into(self.data, 8, self.generation)
+        _U32.pack_into(self.data, GENERATION_AT, self.generation)
         return self.used_bytes
 
     def pending(self) -> bytes | None:

@@ -28,28 +28,11 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P too
+from runtime_kernels import CubinFile, RuntimeTensor  # noqa: E402  pylint: disable=wrong-import-position
 from torch_graph_timing import graph_us  # noqa: E402  pylint: disable=wrong-import-position
 
-from grape_tvm.runtime.attention import (AttentionFunction, AttentionLayout,  # noqa: E402
-                                         FusedAttention, ViewLayout)
-
-
-class _Cubin:
-    """A ``CubinStore`` stand-in answering with one build of attention.cu."""
-
-    def __init__(self, path: Path):
-        self.cubin = path.read_bytes()
-
-    def lookup(self, _code: str) -> bytes:
-        return self.cubin
-
-
-class _Tensor:
-    """A torch tensor as runtime/attention.py reads one: its address and dtype's name."""
-
-    def __init__(self, tensor: torch.Tensor):
-        self.data_ptr = tensor.data_ptr
-        self.dtype = str(tensor.dtype).removeprefix("torch.")
+from grape_tvm.runtime.attention import (SOURCE, AttentionFunction,  # noqa: E402
+                                         AttentionLayout, FusedAttention, ViewLayout)
 
 
 def _view(t: torch.Tensor) -> ViewLayout:
@@ -64,7 +47,7 @@ class Kernel:
     def __init__(self, cubin: Path):
         torch.cuda.init()
         torch.zeros(1, device="cuda")  # the primary context, current
-        self.runtime = FusedAttention(_Cubin(cubin))
+        self.runtime = FusedAttention(CubinFile(cubin), sources=[SOURCE])
 
     def launch(self, q, k, v, bias, out, scale: float, causal: bool) -> None:
         """q, k, v, out: [batch, rows, heads, head_dim] views; bias [b, h, rows, keys] or
@@ -74,9 +57,9 @@ class Kernel:
         layout = AttentionLayout(batch, heads, rows, k.shape[1], head_dim, _view(q), _view(k),
                                  _view(v), _view(out), bias_view)
         self.runtime.launch(AttentionFunction(bias=bias is not None, causal=causal),
-                            *(_Tensor(t) for t in (q, k, v)),
-                            None if bias is None else _Tensor(bias), _Tensor(out), layout,
-                            scale, torch.cuda.current_stream().cuda_stream)
+                            *(RuntimeTensor(t) for t in (q, k, v)),
+                            None if bias is None else RuntimeTensor(bias), RuntimeTensor(out),
+                            layout, scale, torch.cuda.current_stream().cuda_stream)
 
 
 def causal_bias(batch: int, rows: int, dtype) -> torch.Tensor:

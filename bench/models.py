@@ -583,6 +583,7 @@ def library_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.nda
 
 
 ATTENTION_HEADS, ATTENTION_HEAD_DIM = 12, 64  # GPT-2's
+UNFUSED_HEAD_DIM = 80  # no attention kernel of grape's takes it: cuBLASLt's products run it
 
 
 # Outputs of odd width from weights stored [N, K]: GPT-2's LM head (50257, more rows than
@@ -627,23 +628,32 @@ def wide_head_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.n
     return x64 @ w["w"].T, x64 @ w["v"].T + w["b"]
 
 
-def attention_products(dtype: str = "float32"):
+def attention_products(dtype: str = "float32", head_dim: int = ATTENTION_HEAD_DIM,
+                       mask: bool = False):
     """A decode step's attention over a symbolic past (the shape GPT-2's ONNX export has):
-    ``o = softmax(q @ k^T * 0.125) @ v``, q: (b, 12, 1, 64), k and v: (b, 12, p, 64). On CUDA
-    both products are strided-batched cuBLASLt calls (``OffloadMatmul``)."""
+    ``o = softmax(q @ k^T / sqrt(d) [+ mask]) @ v``, q: (b, 12, 1, d), k and v: (b, 12, p, d),
+    ``mask`` (b, 1, 1, p) an input added to the scores (Hugging Face's attention mask). On
+    CUDA one call of grape's decode attention kernel (``FuseAttention``) where it has a
+    kernel for ``head_dim`` (64, 128), else both products strided-batched cuBLASLt calls
+    (``OffloadMatmul``)."""
     from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
 
     b, p = tirx.Var("b", "int64"), tirx.Var("p", "int64")
-    h, d = ATTENTION_HEADS, ATTENTION_HEAD_DIM
+    h, d = ATTENTION_HEADS, head_dim
     q = relax.Var("q", relax.TensorType((b, h, 1, d), dtype))
     k = relax.Var("k", relax.TensorType((b, h, p, d), dtype))
     v = relax.Var("v", relax.TensorType((b, h, p, d), dtype))
+    params = [q, k, v]
+    if mask:
+        params.append(relax.Var("mask", relax.TensorType((b, 1, 1, p), dtype)))
     op = relax.op
     bb = relax.BlockBuilder()
-    with bb.function("main", [q, k, v]):
+    with bb.function("main", params):
         with bb.dataflow():
             scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(k, [0, 1, 3, 2])),
-                                         relax.const(0.125, dtype)))
+                                         relax.const(d ** -0.5, dtype)))
+            if mask:
+                scores = bb.emit(op.add(scores, params[-1]))
             o = bb.emit_output(op.matmul(op.nn.softmax(scores, axis=-1), v))
         bb.emit_func_output(o)
     return bb.get()

@@ -20,8 +20,7 @@ from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.passes.planned_memory import planned_bytes
 from grape_tvm.pipeline import grape_pipeline, is_gpu, matmul_implementation
 from grape_tvm.runtime.call_program import CallProgram
-from grape_tvm.runtime.attention import LIBRARY as ATTENTION
-from grape_tvm.runtime.attention import SOURCE as ATTENTION_SOURCE
+from grape_tvm.runtime.attention import SOURCE_OF as ATTENTION_SOURCE_OF
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
 from grape_tvm.runtime.tensor_parallel import OUTPUTS_KEY as TENSOR_PARALLEL_OUTPUTS_KEY
 from grape_tvm.runtime.tensor_parallel import PLAN_KEY as TENSOR_PARALLEL_KEY
@@ -319,11 +318,12 @@ def package(executable, signature: Signature, target: Any, plan: dict | None = N
     info = target_json(tgt)
     cubins = {}
     if is_gpu(tgt) and prebuild_cubin and nvcc_available():
-        # The model's kernels and the runtime's own (patch, loop, attention if called), for
+        # The model's kernels and the runtime's own (patch, loop, attention's if called), for
         # the target's arch.
         sources = _cuda_sources(executable) + [PATCH_SOURCE.read_text(), LOOP_SOURCE.read_text()]
-        if ATTENTION in (plan or {}).get("libraries", ()):
-            sources.append(ATTENTION_SOURCE.read_text())
+        sources += [ATTENTION_SOURCE_OF[library].read_text()
+                    for library in (plan or {}).get("libraries", ())
+                    if library in ATTENTION_SOURCE_OF]
         cubins = {source_key(code): compile_cubin(code, info.get("arch", "sm_90"))
                   for code in sources}
     plan = plan if plan is not None else {"regions": [], "host_steps": [], "host_bookkeeping": 0}

@@ -126,8 +126,8 @@ class GrapePipeline:
             # A split read part by part: a slice per part, fused with its readers.
             passes.append(SplitAsSlices())
             if target.kind.name == "cuda" and matmul != "tvm":
-                # 16-bit attention as one kernel of grape's runtime (before OffloadMatmul
-                # takes its two products).
+                # Attention as one kernel of grape's runtime, 16-bit or a decode step's
+                # (before OffloadMatmul takes its two products).
                 passes.append(FuseAttention())
             if matmul in ("auto", "cublaslt"):
                 passes.append(OffloadMatmul())

@@ -1,5 +1,5 @@
-"""Attention, ``softmax(q @ k^T * scale + bias) @ v`` over 16-bit tensors, as one call of
-grape's fused attention kernel (``runtime/attention.py``)."""
+"""Attention, ``softmax(q @ k^T * scale + bias) @ v``, as one call of grape's fused attention
+kernel, or of its decode attention kernel for a few query rows (``runtime/attention.py``)."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ from tvm.sym import Analyzer
 from tvm.ir import GenericConst, Op, PrimType
 from tvm.ir.transform import PassContext, module_pass
 
-from grape_tvm.runtime.attention import (ALIGN_ELEMENTS, DTYPES, HEAD_DIMS, ROWS_PER_BLOCK,
-                                         AttentionFunction, AttentionLayout, ViewLayout)
+from grape_tvm.runtime.attention import (ALIGN_ELEMENTS, DECODE_DTYPES, DECODE_ROWS, DTYPES,
+                                         HEAD_DIMS, AttentionFunction, AttentionLayout,
+                                         ViewLayout)
 
 from .var_reads import read_counts
 
@@ -23,6 +24,9 @@ _LAST_TWO = [0, 1, 3, 2]  # k -> k^T
 # A masked score at most this (a large negative bias): its probability is 0 in fp32, as
 # in the model's fp16 softmax, so a causal mask of it is the kernel's causal mode.
 _MASKED = -1.0e4
+# A score replaced by at most this (``where(keep, s, fill)``) is as well added to it: fp32
+# rounds s + fill to fill for any |s| below 3.8e22, so the two softmaxes agree exactly.
+_OVERWHELMING = -1.0e30
 
 
 def _static(expr) -> int | None:
@@ -58,6 +62,15 @@ class _Scores:
     k: relax.Expr  # as stored, [b, h, t, d]
     scale: float
     bias: relax.Expr | None
+
+
+@dataclass(frozen=True)
+class _KeyMask:
+    """Scores replaced by ``fill`` where ``keep`` is false: the bias ``where(keep, 0, fill)``,
+    made once the attention is known to fuse."""
+
+    keep: relax.Expr
+    fill: float
 
 
 @relax.expr_functor.mutator
@@ -171,9 +184,9 @@ class _Fuser(relax.PyExprMutator):
             self.analyzer.can_prove_equal(a, b) for a, b in ((key_count, keys),
                                                              (row_count, rows), (rows, keys)))
 
-    def _bias_layout(self, bias: relax.Expr, dims: list) -> ViewLayout | None:
-        """A bias broadcast to [b, h, r, t] read in place: stride 0 on its dims of 1."""
-        shape = _dims(bias)
+    def _bias_layout(self, shape: list | None, dims: list) -> ViewLayout | None:
+        """A bias of ``shape`` broadcast to [b, h, r, t] read in place: stride 0 on its dims
+        of 1."""
         if shape is None or len(shape) > 4:
             return None
         shape = [tirx.const(1, "int64")] * (4 - len(shape)) + shape
@@ -200,7 +213,14 @@ class _Fuser(relax.PyExprMutator):
         scores, bias = probs.args[0], None
         if not self._once(scores):
             return None
-        added = self._call(scores, "add")
+        masked = self._call(scores, "where")
+        if masked is not None:
+            keep, kept, fill = masked.args
+            value = _scalar(fill)
+            if value is None or value > _OVERWHELMING or not self._once(kept):
+                return None
+            scores, bias = kept, _KeyMask(keep, value)
+        added = None if bias is not None else self._call(scores, "add")
         if added is not None:
             x, y = added.args
             scaled_first = self._call(x, "matmul", "multiply", "divide") is not None
@@ -236,14 +256,15 @@ class _Fuser(relax.PyExprMutator):
         v = self.visit_expr(product.args[1])
         shapes = [_dims(e) for e in (q, k, v, product)]
         dtypes = {str(e.ty.dtype) for e in (q, k, v, product)}
-        if any(s is None or len(s) != 4 for s in shapes) or len(dtypes) != 1 or \
-                dtypes.pop() not in DTYPES:
+        if any(s is None or len(s) != 4 for s in shapes) or len(dtypes) != 1:
             return None
         batch, heads, rows, head_dim = shapes[0]
         keys = shapes[1][2]
-        if _static(head_dim) not in HEAD_DIMS or _static(heads) is None or \
-                (_static(rows) is not None and _static(rows) < ROWS_PER_BLOCK // 4):
-            return None  # decode's one row: the scores' GEMV kernels keep it
+        # A query of a few rows (decode's one) on the decode kernel, which takes fp32 too.
+        decode = _static(rows) is not None and _static(rows) < DECODE_ROWS
+        if dtypes.pop() not in (DECODE_DTYPES if decode else DTYPES) or \
+                _static(head_dim) not in HEAD_DIMS or _static(heads) is None:
+            return None
         # The kernel reads k and v at q's batch and head, as many keys in both, and one
         # head_dim throughout: a matmul broadcasting k or v (shared heads) is left alone.
         same = [(s[0], batch) for s in shapes[1:]] + [(s[1], heads) for s in shapes[1:]] + \
@@ -253,14 +274,20 @@ class _Fuser(relax.PyExprMutator):
         views = [self._view(e) for e in (q, k, v)]
         if not all(self._aligned(view.layout) for view in views):
             return None
-        causal = bias is not None and self._causal(bias, rows, keys)
+        mask = bias if isinstance(bias, _KeyMask) else None
+        causal = bias is not None and mask is None and self._causal(bias, rows, keys)
         bias_layout = ViewLayout(0, 0, 0, 0)
         if bias is not None and not causal:
-            if str(bias.ty.dtype) != str(product.ty.dtype):
+            if mask is None and str(bias.ty.dtype) != str(product.ty.dtype):
                 return None
-            bias_layout = self._bias_layout(bias, [batch, heads, rows, keys])
+            shape = _dims(mask.keep if mask is not None else bias)
+            bias_layout = self._bias_layout(shape, [batch, heads, rows, keys])
             if bias_layout is None:
                 return None
+        if mask is not None:  # the bias the mask stands for, computed here
+            dtype = str(product.ty.dtype)
+            bias = self.builder_.emit(relax.op.where(
+                mask.keep, relax.const(0.0, dtype), relax.const(mask.fill, dtype)), "mask_bias")
         if out_heads_last:  # written [b, r, h, d]: the transpose after it is done
             out_shape = [batch, rows, heads, head_dim]
             out_layout = ViewLayout(0, rows * heads * head_dim, head_dim, heads * head_dim)
@@ -269,7 +296,8 @@ class _Fuser(relax.PyExprMutator):
             out_layout = ViewLayout(0, heads * rows * head_dim, rows * head_dim, head_dim)
         layout = AttentionLayout(batch, heads, rows, keys, head_dim, *(v.layout for v in views),
                                  out_layout, bias_layout)
-        function = AttentionFunction(bias=bias is not None and not causal, causal=causal)
+        function = AttentionFunction(bias=bias is not None and not causal, causal=causal,
+                                     decode=decode)
         args = [view.tensor for view in views] + ([bias] if function.bias else [])
         args += [relax.ShapeExpr(layout.to_shape()), tirx.FloatImm("float32", scale)]
         self.fused += 1
@@ -343,14 +371,17 @@ def _scalar_prim(expr: relax.Expr) -> int | None:
 @module_pass(opt_level=0, name="FuseAttention")
 class FuseAttention:
     """Run attention as one kernel: ``softmax(q @ permute_dims(k) * scale + bias) @ v`` over
-    [batch, heads, rows, head_dim] tensors of fp16 or bf16 (head_dim 64 or 128, heads static,
-    more than a few rows: decode's one row is left to the GEMV kernels) becomes one call of
-    ``grape.attention.fused*``. q, k and v that are heads sliced and transposed out of one
-    tensor (GPT-2's qkv product) are read in place, and a transpose of the output back to
-    [batch, rows, heads, head_dim] is written directly. A bias of ``where(key <= query, 0,
-    -65504)`` over aranges of as many keys as rows (a causal mask, as Hugging Face's exports
-    compute it) is the kernel's causal mode: it skips the masked keys and reads no bias. The
-    scores, their scale, the mask and the probabilities are never written to memory.
+    [batch, heads, rows, head_dim] tensors (head_dim 64 or 128, heads static) becomes one call
+    of ``grape.attention.fused*`` (fp16 or bf16) or, for a query of fewer than
+    ``DECODE_ROWS`` static rows (decode's one), of ``grape.decode_attention.fused*`` (fp32 too),
+    whose kernel reads each key and value row once. q, k and v that are heads sliced and
+    transposed out of one tensor (GPT-2's qkv product) are read in place, and a transpose of the
+    output back to [batch, rows, heads, head_dim] is written directly. A bias of ``where(key <=
+    query, 0, -65504)`` over aranges of as many keys as rows (a causal mask, as Hugging Face's
+    exports compute it) is the kernel's causal mode: it skips the masked keys and reads no bias.
+    Scores replaced where masked, ``where(keep, s, fill)`` with ``fill`` <= -1e30, are the
+    bias ``where(keep, 0, fill)``, computed before the call (fp32 rounds s + fill to fill).
+    The scores, their scale, the mask and the probabilities are never written to memory.
 
     Before (``s`` symbolic)::
 
@@ -373,6 +404,19 @@ class FuseAttention:
                                  0, 0, 0, 0]),                 # no bias
                                  T.float32(0.125)),
                                 out_ty=R.Tensor((b, s, 12, 64), "float16"))
+
+    A decode step (``p`` symbolic, fp32), before::
+
+        scores = R.matmul(q, R.permute_dims(k, [0, 1, 3, 2])) * R.const(0.125)  # q: (b, 12, 1, 64)
+        out = R.matmul(R.nn.softmax(scores + mask, axis=-1), v)        # k, v: (b, 12, p, 64)
+
+    After::
+
+        out = R.call_dps_packed("grape.decode_attention.fused_bias",
+                                (q, k, v, mask, R.shape([b, 12, 1, p, 64,
+                                 0, 768, 64, 64,  0, 768 * p, 64 * p, 64,  0, 768 * p, 64 * p, 64,
+                                 0, 768, 64, 64,  0, p, 0, p]), T.float32(0.125)),
+                                out_ty=R.Tensor((b, 12, 1, 64), "float32"))
     """
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:

@@ -10,6 +10,10 @@ one shape argument whose symbolic entries TVM's VM evaluates at each call. The f
 launches ``runtime/kernels/attention.cu`` on the stream TVM is capturing: a kernel node like
 any other, re-pointed and re-shaped by the patch kernel in topology graphs.
 
+A query of fewer than ``DECODE_ROWS`` rows (a decode step's one), fp32 included, runs
+``runtime/kernels/decode_attention.cu`` instead (``grape.decode_attention.*``): a block per
+query row reads each key and value row once.
+
 No score matrix is written. On the H200, GPT-2's fp16 prefill at 1024 tokens ran its kernels
 in 1445 us with it, 2107 without (ncu; bench/results/gpt2_prefill_kernels.fp16_1024.json and
 its ``.split_lm_head`` predecessor); the kernel itself takes 2.2x FlashAttention-2's time
@@ -29,31 +33,67 @@ from .cuda_driver import check, driver
 from .signature import nbytes
 
 LIBRARY = "attention"  # its name in a plan's "libraries" (what the runtime must provide)
+DECODE_LIBRARY = "decode_attention"
 FUNCTION_PREFIX = f"grape.{LIBRARY}."
+DECODE_FUNCTION_PREFIX = f"grape.{DECODE_LIBRARY}."
 SOURCE = Path(__file__).with_name("kernels") / "attention.cu"
+DECODE_SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cu"
+SOURCE_OF = {LIBRARY: SOURCE, DECODE_LIBRARY: DECODE_SOURCE}  # each library's kernels
 ROWS_PER_BLOCK = 64  # kRows of attention.cu
-THREADS = 128  # kWarps * 32
-HEAD_DIMS = (64, 128)  # the kernels compiled (GRAPE_ATTENTION instances)
+# Queries of fewer rows run the decode kernel: attention.cu's blocks of 64 rows would be
+# mostly idle, and its tensor-core tiles need 16-bit operands.
+DECODE_ROWS = ROWS_PER_BLOCK // 4
+HEAD_DIMS = (64, 128)  # the kernels compiled (GRAPE_ATTENTION, GRAPE_DECODE_ATTENTION instances)
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
-ALIGN_ELEMENTS = 8  # every stride and offset: the kernel loads 16 bytes at a time
+DECODE_DTYPES = {"float32": "f32", **DTYPES}
+ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
+ALIGN_ELEMENTS = 8  # every stride and offset: the kernels load 16 bytes at a time
+_FIRST_KERNEL = {SOURCE: f"grape_attention_f16_d{HEAD_DIMS[0]}",  # what loading a source checks
+                 DECODE_SOURCE: f"grape_decode_attention_f32_d{HEAD_DIMS[0]}"}
+# The decode kernel splits a row of more than SPLIT_AFTER keys a thread over up to
+# MAX_SPLITS blocks, a key a thread each, where its grid would fill few SMs (at most
+# SPLIT_BLOCKS blocks), combining them through a workspace of SPLIT_ROWS (batch, head, row)
+# entries. On the H200 a split costs about 2 us and a block's round of 256 keys 1.4 (fp16)
+# to 2.5 (fp32): splitting 257 keys was slower, 513 and more faster
+# (bench/results/decode_attention.json).
+MAX_SPLITS = 8
+SPLIT_AFTER = 2
+SPLIT_BLOCKS = 128  # about the H200's 132 SMs: a split's combine costs more than a wave
+SPLIT_ROWS = 256
+_SPLIT_PARTIAL_BYTES = SPLIT_ROWS * MAX_SPLITS * (max(HEAD_DIMS) + 2) * 4  # acc, max, sum
+_SPLIT_COUNTER_BYTES = SPLIT_ROWS * 4
 
 
 @dataclass(frozen=True)
 class AttentionFunction:
     """What one packed function does: add a bias tensor [b, h, rows, keys] (a dim of 1
-    broadcast) to the scaled scores, and mask keys after row i + keys - rows (causal)."""
+    broadcast) to the scaled scores, and mask keys after row i + keys - rows (causal);
+    ``decode``: a query of fewer than ``DECODE_ROWS`` rows, on the decode kernel (library
+    ``decode_attention``)."""
 
     bias: bool
     causal: bool
+    decode: bool = False
 
     @property
     def name(self) -> str:
-        return FUNCTION_PREFIX + "_".join(
+        prefix = DECODE_FUNCTION_PREFIX if self.decode else FUNCTION_PREFIX
+        return prefix + "_".join(
             p for p in ("fused", "causal" if self.causal else "", "bias" if self.bias else "") if p)
 
+    @property
+    def dtypes(self) -> dict[str, str]:
+        """The dtypes its kernels take, with their names in the kernels' names."""
+        return DECODE_DTYPES if self.decode else DTYPES
 
-ATTENTION_FUNCTIONS = {f.name: f for f in (AttentionFunction(b, c) for b in (False, True)
-                                           for c in (False, True))}
+    def kernel(self, dtype: str, head_dim: int) -> str:
+        """The name of its kernel for ``dtype`` and ``head_dim``."""
+        kind = "decode_attention" if self.decode else "attention"
+        return f"grape_{kind}_{self.dtypes[dtype]}_d{head_dim}"
+
+
+ATTENTION_FUNCTIONS = {f.name: f for f in (AttentionFunction(b, c, d) for b in (False, True)
+                                           for c in (False, True) for d in (False, True))}
 
 
 @dataclass(frozen=True)
@@ -105,54 +145,139 @@ class AttentionLayout:
         return cls(**sizes, **views)
 
 
+@dataclass(frozen=True)
+class KeySplit:
+    """How the decode kernel splits a row's keys over blocks: ``splits`` blocks a row (1: no
+    split), their partial results left at ``partials``, counted at ``counters``."""
+
+    splits: int
+    partials: int = 0  # device addresses
+    counters: int = 0
+
+
+def decode_splits(layout: AttentionLayout, threads: int, split_after: int = SPLIT_AFTER,
+                  max_splits: int = MAX_SPLITS) -> int:
+    """Blocks a row of the decode kernel takes: one up to ``split_after`` keys a thread, else
+    a key a thread each, up to ``max_splits``, while the grid stays within ``SPLIT_BLOCKS``
+    and the workspace holds its rows."""
+    rows = layout.batch * layout.heads * layout.rows
+    if rows > SPLIT_ROWS or layout.keys <= threads * split_after:
+        return 1
+    return max(1, min(max_splits, -(-layout.keys // threads), SPLIT_BLOCKS // rows))
+
+
+def kernel_arguments(function: AttentionFunction, layout: AttentionLayout,
+                     addresses: Sequence[int], scale: float, split: KeySplit | None = None
+                     ) -> list[tuple[str, Any]]:
+    """The kernel's parameters as ``(kind, value)`` (``cuda_compile.kernel_params``):
+    ``addresses`` those of q, k, v, the bias (0 without) and out, each at its view's
+    offset; the decode kernel's ``split`` last."""
+    values = [("u64", address) for address in addresses]
+    values += [("i32", layout.rows), ("i32", layout.keys), ("i32", int(function.causal))]
+    for view in AttentionLayout.VIEWS:
+        strides = getattr(layout, view)
+        values += [("i64", strides.batch), ("i64", strides.head), ("i64", strides.row)]
+    values.append(("f32", scale))
+    if function.decode:
+        values += [("u64", split.partials), ("u64", split.counters), ("i32", split.splits)]
+    return values
+
+
+def kernel_grid(function: AttentionFunction, layout: AttentionLayout,
+                split: KeySplit | None = None) -> tuple[int, int, int]:
+    """The kernel's grid: blocks of 64 query rows, or (decode) a block per row and split."""
+    if function.decode:
+        return layout.rows * split.splits, layout.heads, layout.batch
+    return -(-layout.rows // ROWS_PER_BLOCK), layout.heads, layout.batch
+
+
 class FusedAttention:
-    """The attention kernels, loaded once (one CUmodule, owned: ``close`` unloads it); one
-    per backend. ``active`` makes it the one the packed functions use."""
+    """The attention kernels, loaded once (a CUmodule per source, owned: ``close`` unloads
+    them, and frees the decode kernel's workspace); one per backend. ``active`` makes it the
+    one the packed functions use. ``sources``: those to load now (a backend's, before any
+    capture); any other is loaded on first use (TVM's VM on the library). ``split_after``
+    and ``max_splits``: the decode kernel's split of long rows (``decode_splits``). The split
+    workspace is one per instance: its launches must not run at once, as a backend's do not
+    (its calls and graphs run in order on its one stream)."""
 
-    def __init__(self, store: CubinStore):
-        self._kernel = RuntimeKernel(store, SOURCE, f"grape_attention_f16_d{HEAD_DIMS[0]}")
-        self._functions: dict[str, Any] = {}
+    def __init__(self, store: CubinStore, sources: Sequence[Path] = (), *,
+                 split_after: int = SPLIT_AFTER, max_splits: int = MAX_SPLITS):
+        self._store = store
+        self.split_after, self.max_splits = split_after, max_splits
+        self._kernels: dict[Path, RuntimeKernel] = {}
+        self._functions: dict[str, tuple[Any, int]] = {}  # name -> (CUfunction, threads)
+        self._workspace = 0
+        try:
+            for source in sources:
+                self._kernel(source)
+        except BaseException:
+            self.close()
+            raise
 
-    def function(self, dtype: str, head_dim: int):
-        name = f"grape_attention_{DTYPES[dtype]}_d{head_dim}"
+    def _kernel(self, source: Path) -> RuntimeKernel:
+        if source not in self._kernels:
+            self._kernels[source] = RuntimeKernel(self._store, source, _FIRST_KERNEL[source])
+            if source == DECODE_SOURCE:
+                self._workspace = self._decode_workspace()
+        return self._kernels[source]
+
+    @staticmethod
+    def _decode_workspace() -> int:
+        """The decode kernel's split workspace: partial results, then counters (zeroed: the
+        kernel leaves them at 0 after each row it combines)."""
+        workspace = check(driver.cuMemAlloc(_SPLIT_PARTIAL_BYTES + _SPLIT_COUNTER_BYTES),
+                          "cuMemAlloc(decode attention workspace)")
+        check(driver.cuMemsetD8(int(workspace) + _SPLIT_PARTIAL_BYTES, 0, _SPLIT_COUNTER_BYTES),
+              "cuMemsetD8")
+        return int(workspace)
+
+    def function(self, function: AttentionFunction, dtype: str, head_dim: int) -> tuple[Any, int]:
+        """The CUfunction of ``function``'s kernel and its threads a block (the kernel's own
+        ``__launch_bounds__``)."""
+        name = function.kernel(dtype, head_dim)
         if name not in self._functions:
-            self._functions[name] = check(
-                driver.cuModuleGetFunction(self._kernel.module, name.encode()),
-                f"cuModuleGetFunction({name})")
+            module = self._kernel(DECODE_SOURCE if function.decode else SOURCE).module
+            handle = check(driver.cuModuleGetFunction(module, name.encode()),
+                           f"cuModuleGetFunction({name})")
+            threads = check(driver.cuFuncGetAttribute(
+                driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, handle),
+                "cuFuncGetAttribute")
+            self._functions[name] = (handle, threads)
         return self._functions[name]
 
     def launch(self, function: AttentionFunction, q, k, v, bias, out, layout: AttentionLayout,
                scale: float, stream: int) -> None:
         """One launch on ``stream``: q, k, v, bias and out are the tensors passed."""
         dtype = str(out.dtype)
-        if dtype not in DTYPES or layout.head_dim not in HEAD_DIMS:
+        if dtype not in function.dtypes or layout.head_dim not in HEAD_DIMS:
             raise ValueError(f"{function.name}: no kernel for {dtype} with head_dim "
-                             f"{layout.head_dim} (kernels: {sorted(DTYPES)}, {HEAD_DIMS})")
+                             f"{layout.head_dim} (kernels: {sorted(function.dtypes)}, "
+                             f"{HEAD_DIMS})")
         if layout.batch == 0 or layout.rows == 0:
             return
         if layout.keys == 0:  # a weighted sum over no keys: zeros, as the unfused product
             check(driver.cuMemsetD8Async(out.data_ptr(), 0, nbytes(out), stream),
                   "cuMemsetD8Async")
             return
-        size = 2  # bytes of a 16-bit element
+        size = ELEMENT_BYTES[dtype]
         q_at, k_at, v_at = (t.data_ptr() + getattr(layout, n).offset * size
                             for t, n in ((q, "q"), (k, "k"), (v, "v")))
         if (q_at | k_at | v_at) % 16:
             raise ValueError(f"{function.name}: q, k and v must start on 16 bytes "
                              f"(at {q_at:#x}, {k_at:#x}, {v_at:#x})")
-        values = [("u64", q_at), ("u64", k_at), ("u64", v_at),
-                  ("u64", 0 if bias is None else bias.data_ptr() + layout.bias.offset * size),
-                  ("u64", out.data_ptr() + layout.out.offset * size),
-                  ("i32", layout.rows), ("i32", layout.keys), ("i32", int(function.causal))]
-        for view in AttentionLayout.VIEWS:
-            strides = getattr(layout, view)
-            values += [("i64", strides.batch), ("i64", strides.head), ("i64", strides.row)]
-        values.append(("f32", scale))
-        storage = kernel_params(values)  # alive until launched
-        grid = (-(-layout.rows // ROWS_PER_BLOCK), layout.heads, layout.batch)
-        check(driver.cuLaunchKernel(self.function(dtype, layout.head_dim), *grid, THREADS, 1, 1,
+        handle, threads = self.function(function, dtype, layout.head_dim)
+        split = None
+        if function.decode:
+            splits = decode_splits(layout, threads, self.split_after, self.max_splits)
+            split = KeySplit(splits, self._workspace,
+                             self._workspace + _SPLIT_PARTIAL_BYTES)
+        addresses = (q_at, k_at, v_at,
+                     0 if bias is None else bias.data_ptr() + layout.bias.offset * size,
+                     out.data_ptr() + layout.out.offset * size)
+        storage = kernel_params(kernel_arguments(function, layout, addresses, scale, split))
+        check(driver.cuLaunchKernel(handle, *kernel_grid(function, layout, split), threads, 1, 1,
                                     0, stream, ctypes.addressof(storage[1]), 0),
-              "cuLaunchKernel(grape_attention)")
+              f"cuLaunchKernel({function.name})")
 
     def active(self):
         """Calls of the packed functions on this thread use this instance meanwhile."""
@@ -160,7 +285,12 @@ class FusedAttention:
 
     def close(self) -> None:
         self._functions.clear()
-        self._kernel.close()
+        for kernel in self._kernels.values():
+            kernel.close()
+        self._kernels.clear()
+        if self._workspace:
+            driver.cuMemFree(self._workspace)
+            self._workspace = 0
 
 
 class _InstalledStore:
@@ -195,5 +325,5 @@ def _packed(function: AttentionFunction):
 
 
 def register_functions() -> None:
-    """Register every ``ATTENTION_FUNCTIONS`` entry with TVM (idempotent)."""
+    """Register every ``ATTENTION_FUNCTIONS`` entry (both libraries') with TVM (idempotent)."""
     register_once(ATTENTION_FUNCTIONS, _packed)

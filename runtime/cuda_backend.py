@@ -114,9 +114,11 @@ class CudaGraphBackend:
             # The library's handle and workspace are this backend's: its captures use them.
             register_functions()
             self.cublaslt = CublasLt(device.index)
-        if attention.LIBRARY in libraries:
+        attention_sources = [attention.SOURCE_OF[library] for library in libraries
+                             if library in attention.SOURCE_OF]
+        if attention_sources:  # loaded now: a capture cannot load a module
             attention.register_functions()
-            self.attention = attention.FusedAttention(self.cubins)
+            self.attention = attention.FusedAttention(self.cubins, attention_sources)
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # CUfunction -> parameter layout
         self.graphs_captured = 0
         self.graphs_instantiated = 0

@@ -4,12 +4,15 @@ kernels, launched inside the graphs like a PrimFunc's."""
 
 from __future__ import annotations
 
+from .attention import DECODE_FUNCTION_PREFIX as DECODE_ATTENTION_PREFIX
+from .attention import DECODE_LIBRARY as DECODE_ATTENTION
 from .attention import FUNCTION_PREFIX as ATTENTION_PREFIX
 from .attention import LIBRARY as ATTENTION
 from .cublaslt import FUNCTION_PREFIX as CUBLASLT_PREFIX
 from .cublaslt import LIBRARY as CUBLASLT
 
-LIBRARY_PREFIXES = {CUBLASLT: CUBLASLT_PREFIX, ATTENTION: ATTENTION_PREFIX}
+LIBRARY_PREFIXES = {CUBLASLT: CUBLASLT_PREFIX, ATTENTION: ATTENTION_PREFIX,
+                    DECODE_ATTENTION: DECODE_ATTENTION_PREFIX}
 
 
 def library_of(function: str) -> str | None:

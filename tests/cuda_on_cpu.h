@@ -1,8 +1,10 @@
-// The part of CUDA that TVM's generated kernels use, on the CPU (tests/test_gemv_on_cpu.py):
+// The part of CUDA that TVM's generated kernels and runtime/kernels/decode_attention.cu use,
+// on the CPU (tests/test_gemv_on_cpu.py, tests/test_decode_attention_on_cpu.py):
 // each CUDA thread of a block is an OS thread; __syncthreads is a barrier of the block's
 // threads, __shfl_*_sync an exchange among a warp's 32 lanes (a barrier of the warp on either
 // side); blocks run one after another, all in one order or all in the reverse order.
 // __shared__ arrays are statics: one copy, used by one block at a time.
+#include <algorithm>
 #include <barrier>
 #include <cmath>
 #include <cstdint>
@@ -17,9 +19,11 @@
 #define __forceinline__ inline
 #define __launch_bounds__(x)
 #define __restrict__
+#define __shared__ static
 #define uint unsigned int
 
 typedef _Float16 half;
+typedef _Float16 __half;
 struct dim3_ { unsigned x, y, z; };
 thread_local dim3_ threadIdx, blockIdx;
 static dim3_ blockDim, gridDim;
@@ -66,6 +70,11 @@ static std::vector<Warp>* warps;
 thread_local int lane_id, warp_id;
 
 static inline void __syncthreads() { block_barrier->arrive_and_wait(); }
+static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline unsigned atomicAdd(unsigned* at, unsigned value) {
+  return __atomic_fetch_add(at, value, __ATOMIC_SEQ_CST);
+}
+template <class T> static inline T __ldcg(const T* at) { return *at; }
 static inline unsigned __activemask() { return 0xffffffffu; }
 
 template <class T> static inline T exchange(T v, int src) {
@@ -85,10 +94,14 @@ template <class T> static inline T __shfl_down_sync(unsigned, T v, int delta, in
 template <class T> static inline T __shfl_sync(unsigned, T v, long lane, int width) {
   return exchange(v, (lane_id & ~(width - 1)) | ((int)lane & (width - 1)));
 }
+template <class T> static inline T __shfl_xor_sync(unsigned, T v, int lane_mask, int width) {
+  return exchange(v, (lane_id & ~(width - 1)) | ((lane_id ^ lane_mask) & (width - 1)));
+}
 
-template <class K> static void launch(K kernel, unsigned gx, unsigned gy, unsigned bx, unsigned by) {
-  unsigned threads = bx * by, blocks = gx * gy;
-  gridDim = {gx, gy, 1};
+template <class K>
+static void launch(K kernel, unsigned gx, unsigned gy, unsigned bx, unsigned by, unsigned gz = 1) {
+  unsigned threads = bx * by, blocks = gx * gy * gz;
+  gridDim = {gx, gy, gz};
   blockDim = {bx, by, 1};
   std::barrier<> bar(threads);
   block_barrier = &bar;
@@ -104,7 +117,7 @@ template <class K> static void launch(K kernel, unsigned gx, unsigned gy, unsign
       warp_id = t / 32;
       for (unsigned i = 0; i < blocks; ++i) {
         unsigned b = reverse_blocks ? blocks - 1 - i : i;
-        blockIdx = {b % gx, b / gx, 0};
+        blockIdx = {b % gx, b / gx % gy, b / (gx * gy)};
         kernel();
         bar.arrive_and_wait();  // the next block reuses the shared arrays
       }

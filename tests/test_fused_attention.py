@@ -15,7 +15,8 @@ from tvm_ffi.structural import structural_equal
 
 import grape_tvm
 from grape_tvm.passes import FuseAttention
-from grape_tvm.runtime.attention import SOURCE, AttentionLayout
+from grape_tvm.runtime.attention import (DECODE_FUNCTION_PREFIX, DECODE_SOURCE, FUNCTION_PREFIX,
+                                         SOURCE, AttentionLayout)
 from grape_tvm.runtime.cuda_compile import nvcc_available, source_key
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
@@ -26,14 +27,14 @@ CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
 
 def _fused(mod: tvm.IRModule) -> list[relax.Call]:
-    """The ``grape.attention`` calls of ``main`` after FuseAttention."""
+    """The attention calls (either library's) of ``main`` after FuseAttention."""
     out = FuseAttention()(relax.transform.ConvertToDataflow()(mod))
     calls = []
 
     def visit(expr):
         if isinstance(expr, relax.Call) and \
                 getattr(expr.op, "name", "") == "relax.call_dps_packed" and \
-                expr.args[0].global_symbol.startswith("grape.attention."):
+                expr.args[0].global_symbol.startswith((FUNCTION_PREFIX, DECODE_FUNCTION_PREFIX)):
             calls.append(expr)
 
     relax.analysis.post_order_visit(out["main"], visit)
@@ -90,10 +91,63 @@ def test_a_mask_that_does_not_remove_its_keys_stays_a_bias():
     assert call.args[0].global_symbol == "grape.attention.fused_bias"
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_decode_one_row_runs_the_decode_kernel(dtype):
+    """A query of one row over a symbolic past (GPT-2's decode step), fp32 too: the decode
+    kernel, k and v read dense, the mask read broadcast over heads, the output left
+    [b, h, 1, d]."""
+    (call,) = _fused(attention_products(dtype, mask=True))
+    assert call.args[0].global_symbol == "grape.decode_attention.fused_bias"
+    assert float(call.args[1].fields[-1].value) == pytest.approx(0.125)
+    analyzer = tvm.sym.Analyzer()
+    for var in call.args[1].fields[1].ty.shape.values:  # k: (b, 12, p, 64)
+        if not isinstance(var, tirx.IntImm):
+            analyzer.bind(var, tirx.const({"b": 2, "p": 10}[var.name], "int64"))
+    layout = AttentionLayout.from_shape([int(analyzer.simplify(v))
+                                         for v in call.args[1].fields[-2].values])
+    assert (layout.batch, layout.heads, layout.rows, layout.keys, layout.head_dim) == \
+        (2, 12, 1, 10, 64)
+    assert (layout.k.batch, layout.k.head, layout.k.row) == (12 * 10 * 64, 10 * 64, 64)
+    assert (layout.bias.batch, layout.bias.head, layout.bias.row) == (10, 0, 10)
+    assert (layout.out.batch, layout.out.head, layout.out.row) == (12 * 64, 64, 64)
+
+
+def _where_masked(fill: float) -> tvm.IRModule:
+    """A decode step's attention over a static cache whose unwritten keys are masked by a
+    ``where`` (``models.decoder_step``'s): keys j <= pos of 288."""
+    b = tirx.Var("b", "int64")
+    q = relax.Var("q", relax.TensorType((b, 4, 1, 64), "float32"))
+    k = relax.Var("k", relax.TensorType((b, 4, 288, 64), "float32"))
+    v = relax.Var("v", relax.TensorType((b, 4, 288, 64), "float32"))
+    pos = relax.Var("pos", relax.TensorType((1,), "int32"))
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v, pos]):
+        with bb.dataflow():
+            visible = bb.emit(op.less_equal(relax.const(np.arange(288, dtype="int32")), pos))
+            scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(k, [0, 1, 3, 2])),
+                                         relax.const(0.125, "float32")))
+            scores = bb.emit(op.where(visible, scores, relax.const(fill, "float32")))
+            out = bb.emit_output(op.matmul(op.nn.softmax(scores, axis=-1), v))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def test_scores_replaced_where_masked_become_a_bias():
+    """``where(visible, s, -1e30)``: the decode kernel with the bias ``where(visible, 0,
+    -1e30)``, one row of keys read for every batch and head (s + -1e30 rounds to -1e30)."""
+    (call,) = _fused(_where_masked(-1.0e30))
+    assert call.args[0].global_symbol == "grape.decode_attention.fused_bias"
+    layout = AttentionLayout.from_shape([int(x) if isinstance(x, tirx.IntImm) else 0
+                                         for x in call.args[1].fields[-2].values])
+    assert (layout.bias.batch, layout.bias.head) == (0, 0)  # one row of keys for all
+
+
 @pytest.mark.parametrize("model", [
-    pytest.param(lambda: causal_attention("float32"), id="float32"),
+    pytest.param(lambda: causal_attention("float32"), id="float32_many_rows"),
     pytest.param(lambda: causal_attention("float16", heads=4, head_dim=32), id="head_dim_32"),
-    pytest.param(lambda: attention_products("float16"), id="decode_one_row"),
+    pytest.param(lambda: attention_products("float32", head_dim=80), id="decode_head_dim_80"),
+    pytest.param(lambda: _where_masked(-1.0e4), id="where_fill_not_overwhelming"),
 ])
 def test_left_alone(model):
     assert _fused(model()) == []
@@ -136,6 +190,18 @@ def test_cuda_build_calls_the_library_and_carries_its_cubin():
     assert plan["libraries"] == ["attention"]
     assert any("grape.attention.fused_causal" in r["kernels"] for r in plan["regions"])
     assert source_key(SOURCE.read_text()) in module.cubins
+    assert source_key(DECODE_SOURCE.read_text()) not in module.cubins  # not called
+
+
+@pytest.mark.skipif(not nvcc_available(), reason="nvcc")
+def test_cuda_build_of_a_decode_step_carries_only_the_decode_kernels():
+    module = grape_tvm.build(attention_products("float32", mask=True),
+                             {"b": (1, 2), "p": (1, 1024)}, CUDA, output_names=["o"])
+    plan = module.manifest()["plan"]
+    assert plan["libraries"] == ["decode_attention"]
+    assert any("grape.decode_attention.fused_bias" in r["kernels"] for r in plan["regions"])
+    assert source_key(DECODE_SOURCE.read_text()) in module.cubins
+    assert source_key(SOURCE.read_text()) not in module.cubins
 
 
 def _attention_of(q_shape, k_shape, v_shape, prepare=None) -> tvm.IRModule:

@@ -703,18 +703,20 @@ def test_split_k_counters_are_zeroed_for_every_m_of_a_topology():
 @pytest.mark.timeout(180, method="thread")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_cublaslt_attention_products_equal_numpy(dtype):
-    """A decode step's attention, ``softmax(q @ k^T / 8) @ v``, at pasts p from 1 to 1024
-    and batches 1 and 3: both products are strided-batched cuBLASLt calls in the region's
-    graph (k's transpose read in place), an algorithm per bucket of the sizes. Every
-    (b, p), first seen and replayed at new addresses in a random order, equals numpy."""
+    """A decode step's attention, ``softmax(q @ k^T / sqrt(d)) @ v`` at a head_dim no attention
+    kernel of grape's takes (``UNFUSED_HEAD_DIM``), at pasts p from 1 to 1024 and batches 1
+    and 3: both products are strided-batched cuBLASLt calls in the region's graph (k's
+    transpose read in place), an algorithm per bucket of the sizes. Every (b, p), first seen
+    and replayed at new addresses in a random order, equals numpy."""
     import sys  # pylint: disable=import-outside-toplevel
 
     from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-    from models import attention_numpy  # pylint: disable=import-outside-toplevel
+    from models import UNFUSED_HEAD_DIM, attention_numpy  # pylint: disable=import-outside-toplevel
 
     executor = load(_artifact(f"attention_products_{dtype}.cuda.grape"), "cuda")
+    d = UNFUSED_HEAD_DIM
     rng = np.random.default_rng(3)
     shapes = [(b, p) for b in (1, 3) for p in (1, 2, 7, 64, 65, 300, 1024)]
     tolerance = 1e-4 if dtype == "float32" else 2e-2
@@ -723,7 +725,7 @@ def test_cublaslt_attention_products_equal_numpy(dtype):
         for index in [int(i) for _ in range(2) for i in rng.permutation(len(shapes))]:
             b, p = shapes[index]
             q, k, v = (rng.standard_normal(shape).astype(dtype)
-                       for shape in ((b, 12, 1, 64), (b, 12, p, 64), (b, 12, p, 64)))
+                       for shape in ((b, 12, 1, d), (b, 12, p, d), (b, 12, p, d)))
             got = executor.run({"q": q, "k": k, "v": v})["o"].astype(np.float64)
             want = attention_numpy(q, k, v)
             error = float(np.abs(got - want).max() / np.abs(want).max())
@@ -733,6 +735,48 @@ def test_cublaslt_attention_products_equal_numpy(dtype):
         print(f"{dtype}: worst relative error {worst:.2e}; topologies "
               f"{ {r: len(g) for r, g in groups.items()} }; {executor.stats}")
         assert executor.stats.planned_calls == 2 * len(shapes)  # every call, from the program
+    finally:
+        executor.close()
+
+
+@pytest.mark.timeout(180, method="thread")
+@pytest.mark.parametrize("name", [f"decode_attention_{dtype}_d{head_dim}"
+                                  for dtype in ("float32", "float16") for head_dim in (64, 128)])
+def test_decode_attention_equals_numpy(name):
+    """A decode step's attention, ``softmax(q @ k^T / sqrt(d) + mask) @ v`` with one query
+    row, on grape's decode attention kernel (``passes.FuseAttention``), at pasts p from 1 to
+    1024 (inside, at and past a warp's 32 keys and a block's 256) and batches 1 and 3, a
+    mask input with some keys at the dtype's lowest value, first seen and replayed at new
+    addresses in a random order: every output equals numpy's float64."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import attention_numpy  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact(f"{name}.cuda.grape"), "cuda")
+    kernels = {k for r in executor.manifest["plan"]["regions"] for k in r["kernels"]}
+    assert "grape.decode_attention.fused_bias" in kernels, kernels
+    dtype, head_dim = name.split("_")[2], int(name.split("_d")[-1])
+    rng = np.random.default_rng(7)
+    shapes = [(b, p) for b in (1, 3) for p in (1, 2, 31, 33, 255, 256, 257, 1024)]
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    worst = 0.0
+    try:
+        for index in [int(i) for _ in range(2) for i in rng.permutation(len(shapes))]:
+            b, p = shapes[index]
+            q, k, v = (rng.standard_normal(shape).astype(dtype) for shape in
+                       ((b, 12, 1, head_dim), (b, 12, p, head_dim), (b, 12, p, head_dim)))
+            mask = (rng.standard_normal((b, 1, 1, p)) * 2).astype(dtype)
+            mask[..., 1::3] = np.finfo(dtype).min
+            got = executor.run({"q": q, "k": k, "v": v, "mask": mask})["o"].astype(np.float64)
+            want = attention_numpy(q, k, v, mask)
+            error = float(np.abs(got - want).max() / np.abs(want).max())
+            worst = max(worst, error)
+            assert error <= tolerance, (name, b, p, error)
+        print(f"{name}: worst relative error {worst:.2e}; {executor.stats}")
+        assert executor.stats.planned_calls == 2 * len(shapes)
     finally:
         executor.close()
 

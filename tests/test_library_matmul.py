@@ -157,10 +157,12 @@ def test_an_add_that_broadcasts_is_not_a_residual():
 
 @I.ir_module
 class Attention:
+    # A head_dim of 80: no kernel of grape's fused attention takes it, so the full build keeps
+    # the products for cuBLASLt too.
     @R.function
-    def main(q: R.Tensor(("b", 12, 1, 64), "float32"), k: R.Tensor(("b", 12, "p", 64), "float32"),
-             v: R.Tensor(("b", 12, "p", 64), "float32"), k1: R.Tensor((1, 12, "p", 64), "float32"),
-             k3: R.Tensor(("b", 12, 64, "p"), "float32")):
+    def main(q: R.Tensor(("b", 12, 1, 80), "float32"), k: R.Tensor(("b", 12, "p", 80), "float32"),
+             v: R.Tensor(("b", 12, "p", 80), "float32"), k1: R.Tensor((1, 12, "p", 80), "float32"),
+             k3: R.Tensor(("b", 12, 80, "p"), "float32")):
         with R.dataflow():
             s = R.matmul(q, R.permute_dims(k, [0, 1, 3, 2]))   # q @ k^T: batched, k as stored
             o = R.matmul(R.nn.softmax(s), v)                   # p @ v: batched

@@ -7,6 +7,11 @@
 - ``fused_attention_{causal,bias}_d64.cuda.grape``, ``fused_attention_causal_d128.cuda.grape``:
   ``models.causal_attention`` in fp16 on grape's fused attention kernel;
   ``fused_attention_dense_d64.cuda.grape``: ``models.dense_attention`` (tests).
+- ``decode_attention_{float32,float16}_d{64,128}.cuda.grape``: ``models.attention_products``
+  with a mask, on grape's decode attention kernel; ``attention_products_{float32,float16}``:
+  the same without a mask at a head_dim of 80, cuBLASLt's two products (tests);
+  ``decode_attention{,_w4}.cubin``: the decode attention kernel, 8 and 4 warps a block
+  (``bench/decode_attention.py``).
 - ``library_{float32,float16}.cuda.grape``: a GPT-2 MLP whose matmuls are cuBLASLt calls
   (tests).
 - ``blocks.cuda.grape``: the bundled example (tests, demo); ``blocks_4096.cuda.grape`` the
@@ -69,6 +74,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     DECODER_TINY,
     REDUCTION_OUTPUTS,
     GPT2_MATMULS,
+    UNFUSED_HEAD_DIM,
     blocks_relax,
     branch_model,
     conv_stack,
@@ -394,8 +400,9 @@ def build_attention(out: Path) -> None:
 def build_library(out: Path) -> None:
     """``models.library_layer`` and ``models.attention_products`` in fp32 and fp16: matmuls
     as cuBLASLt calls, and (``library_auto_*``) by default, grape's GEMV kernels for few
-    rows; ``models.wide_head`` in fp16, cuBLASLt's split calls; ``models.causal_attention``
-    in fp16, grape's fused attention (tests)."""
+    rows; ``models.wide_head`` in fp16, cuBLASLt's split calls; ``models.attention_products``
+    with a mask on grape's decode attention kernel (``decode_attention_*``);
+    ``models.causal_attention`` in fp16, grape's fused attention (tests)."""
     for dtype in ("float32", "float16"):
         for matmul in ("cublaslt", "auto"):
             name = f"library_{dtype}" if matmul == "cublaslt" else f"library_{matmul}_{dtype}"
@@ -407,10 +414,18 @@ def build_library(out: Path) -> None:
                 wide_head("float16"), {"n": (1, 1024)}, CUDA, output_names=["y", "z"],
                 matmul="cublaslt"))
             module.export(out / "wide_head_float16.cuda.grape")
+        # A head_dim grape's decode attention kernel has not: cuBLASLt's two products.
         module = _timed(f"attention_products_{dtype}", lambda d=dtype: grape_tvm.build(
-            attention_products(d), {"b": (1, 4), "p": (1, 1024)}, CUDA, output_names=["o"],
-            matmul="cublaslt"))
+            attention_products(d, head_dim=UNFUSED_HEAD_DIM), {"b": (1, 4), "p": (1, 1024)},
+            CUDA, output_names=["o"], matmul="cublaslt"))
         module.export(out / f"attention_products_{dtype}.cuda.grape")
+        # grape's decode attention kernel: a mask input added, head dims 64 and 128.
+        for head_dim in (64, 128):
+            name = f"decode_attention_{dtype}_d{head_dim}"
+            module = _timed(name, lambda d=dtype, hd=head_dim: grape_tvm.build(
+                attention_products(d, head_dim=hd, mask=True), {"b": (1, 4), "p": (1, 1024)},
+                CUDA, output_names=["o"]))
+            module.export(out / f"{name}.cuda.grape")
     # grape's fused attention kernel (passes.FuseAttention): causal and with a bias input,
     # head dims 64 and 128.
     for name, mask, heads, head_dim in (("fused_attention_causal_d64", "causal", 12, 64),
@@ -494,6 +509,18 @@ def build_probe_cubins(out: Path) -> None:
         (out / f"{name}.cubin").write_bytes(compile_cubin(source.read_text(), "sm_90"))
 
 
+def build_decode_attention_cubins(out: Path) -> None:
+    """``decode_attention.cubin`` (``runtime/kernels/decode_attention.cu`` as the runtime
+    builds it) and ``decode_attention_w4.cubin`` (4 warps a block) for
+    ``bench/decode_attention.py``."""
+    from grape_tvm.runtime.attention import DECODE_SOURCE  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.cuda_compile import compile_cubin  # pylint: disable=import-outside-toplevel
+
+    for suffix, define in (("", ""), ("_w4", "#define GRAPE_DECODE_WARPS 4\n")):
+        code = define + DECODE_SOURCE.read_text()
+        (out / f"decode_attention{suffix}.cubin").write_bytes(compile_cubin(code, "sm_90"))
+
+
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.
 STEPS = {
     "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
@@ -523,6 +550,7 @@ STEPS = {
     "ncu_gemv": (build_matmul_bench,),
     "ncu_patch": (build_bench,),
     "read_floor": (build_probe_cubins,),
+    "decode_attention": (build_decode_attention_cubins,),
     "topology_blocks": (build_bench,),
     "loop_kernels": (build_loop,),
     "ncu_loop": (build_loop,),

@@ -1,0 +1,204 @@
+"""grape's decode attention kernel (``runtime/kernels/decode_attention.cu``) run on the CPU
+and checked against numpy.
+
+The kernel's own source, compiled with g++ against ``cuda_on_cpu.h`` (a CUDA thread per OS
+thread, the warp shuffles as exchanges among 32 threads), is launched on strided views as
+``runtime/attention.py`` passes them: q heads sliced out of a packed qkv, the output written
+[batch, rows, heads, head_dim], a bias broadcast over heads, the causal mode, keys over
+several tiles of every warp, masked keys. Blocks run in one order and in the reverse order.
+What the GPU adds (timing, the driver, the graphs) is tests/test_gpu.py's
+(``test_decode_attention_equals_numpy``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import subprocess
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from grape_tvm.runtime.attention import (DECODE_SOURCE, MAX_SPLITS, SPLIT_ROWS,
+                                         AttentionFunction, AttentionLayout, KeySplit,
+                                         ViewLayout, decode_splits, kernel_arguments,
+                                         kernel_grid)
+from grape_tvm.runtime.cuda_compile import kernel_params
+from test_gemv_on_cpu import HEADER, _gxx_cxx20_float16
+
+pytestmark = pytest.mark.skipif(not _gxx_cxx20_float16(),
+                                reason="needs g++ with C++20 <barrier> and _Float16")
+
+KERNELS = {("float32", 64): "grape_decode_attention_f32_d64",
+           ("float32", 128): "grape_decode_attention_f32_d128",
+           ("float16", 64): "grape_decode_attention_f16_d64",
+           ("float16", 128): "grape_decode_attention_f16_d128"}
+THREADS = 256  # the kernel's block (kDecodeWarps = 8); on a GPU, read from the function
+
+
+@pytest.fixture(scope="module")
+def kernels(tmp_path_factory) -> ctypes.CDLL:
+    wrappers = "".join(
+        f'extern "C" void run_{name}(void** a, unsigned gx, unsigned gy, unsigned gz) {{\n'
+        f"  launch([=]() {{ {name}({_arguments(dtype)}); }}, gx, gy, {THREADS}, 1, gz);\n"
+        "}\n" for (dtype, _), name in KERNELS.items())
+    code = (f'#include "{HEADER}"\nusing std::min;\n#define GRAPE_CPU_HALF 1\n'
+            f'#include "{DECODE_SOURCE}"\n{wrappers}')
+    workdir = tmp_path_factory.mktemp("decode_attention")
+    digest = hashlib.sha256((code + DECODE_SOURCE.read_text()).encode()).hexdigest()[:16]
+    lib = workdir / f"k_{digest}.so"
+    src = lib.with_suffix(".cpp")
+    src.write_text(code)
+    subprocess.run(["g++", "-std=c++20", "-O1", "-shared", "-fPIC", "-pthread", "-w", "-o",
+                    str(lib), str(src)], check=True, capture_output=True)
+    return ctypes.CDLL(str(lib))
+
+
+def _arguments(dtype: str) -> str:
+    """The kernel's arguments read from ``kernel_params``' array (runtime/attention.py's
+    ``kernel_arguments``, in order): five pointers, three ints, fifteen strides, the scale,
+    the split's two pointers and its count."""
+    element = "float" if dtype == "float32" else "__half"
+    pointers = [f"({element}*)*(void**)a[{i}]" for i in range(5)]
+    ints = [f"*(int*)a[{i}]" for i in range(5, 8)]
+    strides = [f"*(long long*)a[{i}]" for i in range(8, 23)]
+    split = ["(float*)*(void**)a[24]", "(unsigned*)*(void**)a[25]", "*(int*)a[26]"]
+    return ", ".join(pointers + ints + strides + ["*(float*)a[23]"] + split)
+
+
+@dataclass
+class View:
+    """A [batch, heads, rows, head_dim] view of ``base`` (a flat array), in elements."""
+
+    base: np.ndarray
+    offset: int
+    batch: int
+    head: int
+    row: int
+
+    def read(self, shape) -> np.ndarray:
+        b, h, r, d = shape
+        itemsize = self.base.itemsize
+        return np.lib.stride_tricks.as_strided(
+            self.base[self.offset:], (b, h, r, d),
+            (self.batch * itemsize, self.head * itemsize, self.row * itemsize, itemsize))
+
+
+def _run(kernels, dtype, q: View, k: View, v: View, out: View, bias: View | None, shape,
+         keys: int, causal: bool, scale: float, reverse: bool, splits: int | None = None) -> int:
+    """Launch the kernel as ``FusedAttention.launch`` does (its parameters, grid and split
+    from runtime/attention.py); the blocks a row took."""
+    batch, heads, rows, head_dim = shape
+    views = [ViewLayout(0, x.batch, x.head, x.row) for x in (q, k, v, out)]
+    bias_view = ViewLayout(0, 0, 0, 0) if bias is None else ViewLayout(0, bias.batch, bias.head,
+                                                                       bias.row)
+    layout = AttentionLayout(batch, heads, rows, keys, head_dim, *views, bias_view)
+    function = AttentionFunction(bias=bias is not None, causal=causal, decode=True)
+    partials = np.full(SPLIT_ROWS * MAX_SPLITS * (head_dim + 2), np.nan, np.float32)
+    counters = np.zeros(SPLIT_ROWS, np.uint32)
+    split = KeySplit(splits or decode_splits(layout, THREADS), partials.ctypes.data,
+                     counters.ctypes.data)
+    addresses = [x.base[x.offset:].ctypes.data for x in (q, k, v)]
+    addresses += [0 if bias is None else bias.base[bias.offset:].ctypes.data,
+                  out.base[out.offset:].ctypes.data]
+    _boxes, array = kernel_params(kernel_arguments(function, layout, addresses, scale, split))
+    ctypes.c_int.in_dll(kernels, "reverse_blocks").value = int(reverse)
+    getattr(kernels, f"run_{KERNELS[(dtype, head_dim)]}")(array, *kernel_grid(function, layout,
+                                                                              split))
+    assert not counters.any()  # the last block of each row set its counter back to 0
+    return split.splits
+
+
+def _reference(q, k, v, bias, scale, causal) -> np.ndarray:
+    q, k, v = (x.astype(np.float64) for x in (q, k, v))
+    scores = q @ np.swapaxes(k, -1, -2) * scale
+    if bias is not None:
+        scores = scores + bias.astype(np.float64)
+    if causal:
+        rows, keys = scores.shape[-2:]
+        visible = np.arange(keys)[None, :] <= np.arange(rows)[:, None] + keys - rows
+        scores = np.where(visible, scores, -np.inf)
+    weights = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    return weights / weights.sum(axis=-1, keepdims=True) @ v
+
+
+CASES = [  # dtype, head_dim, batch, heads, rows, keys, bias, causal, splits (None: the runtime's)
+    ("float32", 64, 2, 3, 1, 1, False, False, None),
+    ("float32", 64, 2, 3, 1, 33, True, False, None),
+    ("float32", 64, 1, 2, 1, 300, True, False, 1),     # two tiles for some warps
+    ("float32", 64, 1, 2, 1, 600, False, False, 1),    # three for some
+    ("float32", 64, 1, 2, 1, 600, True, False, None),  # split over 3 blocks a row
+    ("float32", 64, 1, 2, 1, 70, True, False, 8),      # splits with no key at all
+    ("float32", 64, 2, 2, 3, 70, False, True, None),   # a few rows, causal
+    ("float32", 64, 2, 2, 3, 300, False, True, 4),     # causal and split
+    ("float32", 128, 1, 2, 2, 45, True, False, None),
+    ("float32", 128, 1, 1, 1, 700, True, False, None),
+    ("float16", 64, 2, 2, 1, 257, True, False, None),
+    ("float16", 64, 1, 3, 4, 9, False, True, None),
+    ("float16", 128, 1, 2, 1, 520, True, False, None),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,batch,heads,rows,keys,with_bias,causal,splits", CASES)
+def test_decode_attention_equals_numpy(kernels, dtype, head_dim, batch, heads, rows, keys,
+                                       with_bias, causal, splits):
+    rng = np.random.default_rng(keys)
+    shape = (batch, heads, rows, head_dim)
+    width = heads * head_dim
+    # q: heads of a packed [batch, rows, 3 * width] qkv; k, v: dense [batch, heads, keys, d]
+    # caches; out: [batch, rows, heads, head_dim]; bias: [batch, 1, rows, keys].
+    qkv = rng.standard_normal(batch * rows * 3 * width).astype(dtype)
+    q = View(qkv, 0, rows * 3 * width, head_dim, 3 * width)
+    k, v = (View(rng.standard_normal(batch * heads * keys * head_dim).astype(dtype), 0,
+                 heads * keys * head_dim, keys * head_dim, head_dim) for _ in range(2))
+    bias = None
+    if with_bias:
+        values = (rng.standard_normal(batch * rows * keys) * 2).astype(dtype)
+        values[::5] = np.finfo(dtype).min  # masked keys, as Hugging Face's masks have them
+        bias = View(values, 0, rows * keys, 0, keys)
+    scale = head_dim ** -0.5
+    want = _reference(q.read(shape), k.read((batch, heads, keys, head_dim)),
+                      v.read((batch, heads, keys, head_dim)),
+                      None if bias is None else bias.read((batch, heads, rows, keys)), scale,
+                      causal)
+    tolerance = 2e-5 if dtype == "float32" else 2e-3
+    for reverse in (False, True):
+        flat = np.full(batch * rows * width, np.nan, dtype)
+        out = View(flat, 0, rows * width, head_dim, width)
+        _run(kernels, dtype, q, k, v, out, bias, shape, keys, causal, scale, reverse, splits)
+        got = out.read(shape).astype(np.float64)
+        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+
+
+def test_rows_with_every_key_masked_average_as_softmax_does(kernels):
+    """A row whose keys all carry the dtype's lowest value: softmax gives each the same
+    weight (not NaN, not zero), and so does the kernel."""
+    rng = np.random.default_rng(0)
+    batch, heads, rows, keys, head_dim = 1, 2, 1, 40, 64
+    q = View(rng.standard_normal(heads * head_dim).astype(np.float32), 0, heads * head_dim,
+             head_dim, head_dim)
+    k, v = (View(rng.standard_normal(heads * keys * head_dim).astype(np.float32), 0,
+                 heads * keys * head_dim, keys * head_dim, head_dim) for _ in range(2))
+    bias = View(np.full(keys, np.finfo(np.float32).min, np.float32), 0, 0, 0, keys)
+    out = View(np.full(heads * head_dim, np.nan, np.float32), 0, heads * head_dim, head_dim,
+               head_dim)
+    for splits in (1, 2):
+        _run(kernels, "float32", q, k, v, out, bias, (batch, heads, rows, head_dim), keys, False,
+             0.125, False, splits)
+        np.testing.assert_allclose(out.read((batch, heads, rows, head_dim)),
+                                   v.read((batch, heads, keys, head_dim)).astype(np.float64)
+                                   .mean(axis=2, keepdims=True), rtol=1e-5, atol=1e-6)
+
+
+def test_the_runtime_splits_long_rows_of_small_grids():
+    """A row's keys go to several blocks, a key a thread each, only past two keys a thread
+    and where the grid is small."""
+    def splits(batch, heads, keys):
+        view = ViewLayout(0, 0, 0, 0)
+        return decode_splits(AttentionLayout(batch, heads, 1, keys, 64, *[view] * 5), THREADS)
+
+    assert [splits(1, 12, keys) for keys in (1, 256, 512, 513, 1024, 4096)] == \
+        [1, 1, 1, 3, 4, 8]
+    assert splits(4, 12, 1024) == 2  # 48 rows: 96 blocks
+    assert splits(8, 12, 1024) == 1  # 96 rows: a block a row fills most SMs already

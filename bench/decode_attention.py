@@ -12,7 +12,7 @@ time a call takes of grape's kernel (launched by grape's runtime, ``FusedAttenti
 the cubin given; ``splits``: the blocks it gave a row), of the unfused matmul, softmax and
 matmul (what grape ran before: two cuBLAS products and a softmax kernel), and of
 ``F.scaled_dot_product_attention`` with the mask: ``--reps`` calls captured in one CUDA
-graph, replays timed by CUDA events (where K and V fit in the 60 MB L2 they stay there
+graph, replays timed by CUDA events (where K and V fit in the L2 they stay there
 between calls, as in a decode step, where the cache was just written). ``bound_us``: K's
 and V's bytes at ``--copy-tbps`` (HBM). Prints a table, writes ``decode_attention.json``.
 """
@@ -158,8 +158,9 @@ def main() -> int:
         "machine": torch.cuda.get_device_name(), "torch": torch.__version__,
         "command": " ".join(sys.argv),
         "what": "us per call: reps calls in one CUDA graph, 5 replays timed by CUDA events "
-                "(K and V L2-resident between calls); max_abs_error against PyTorch's fp32 "
-                "softmax(q k^T * scale + mask) v; bound_us: K and V bytes at copy_tbps; "
+                "(K and V left in L2 between calls where they fit); max_abs_error against "
+                "PyTorch's fp32 softmax(q k^T * scale + mask) v; bound_us: K and V bytes at "
+                "copy_tbps; "
                 "torch_unfused: matmul, softmax, matmul; torch_sdpa: "
                 "F.scaled_dot_product_attention with the mask; variants: no_split (a block a "
                 "row), split_afterN (rows of more than N keys a thread split, a key a thread "

@@ -61,7 +61,7 @@ class _Scores:
     q: relax.Expr
     k: relax.Expr  # as stored, [b, h, t, d]
     scale: float
-    bias: relax.Expr | None
+    bias: "relax.Expr | _KeyMask | None"
 
 
 @dataclass(frozen=True)
@@ -78,6 +78,9 @@ class _Fuser(relax.PyExprMutator):
     def __init__(self, mod: IRModule):
         super().__init__(mod)
         self.reads: dict[relax.Var, int] = {}
+        self.block_vars: set[relax.Var] = set()  # bound in this block, before and after rewrite
+        self.gone: set[relax.Var] = set()  # dataflow variables of the blocks before this one
+        self.mask_biases: dict[tuple, relax.Var] = {}  # _KeyMask's bias, made once a block
         self.transposed: set[relax.Var] = set()  # ``_transposed_once``
         self.analyzer = Analyzer()
         self.fused = 0
@@ -284,10 +287,12 @@ class _Fuser(relax.PyExprMutator):
             bias_layout = self._bias_layout(shape, [batch, heads, rows, keys])
             if bias_layout is None:
                 return None
-        if mask is not None:  # the bias the mask stands for, computed here
-            dtype = str(product.ty.dtype)
-            bias = self.builder_.emit(relax.op.where(
-                mask.keep, relax.const(0.0, dtype), relax.const(mask.fill, dtype)), "mask_bias")
+        operands = [view.tensor for view in views] + \
+            [mask.keep if mask is not None else bias] * (bias is not None and not causal)
+        if not all(self._visible(x) for x in operands):
+            return None
+        if mask is not None:
+            bias = self._mask_bias(mask, str(product.ty.dtype))
         if out_heads_last:  # written [b, r, h, d]: the transpose after it is done
             out_shape = [batch, rows, heads, head_dim]
             out_layout = ViewLayout(0, rows * heads * head_dim, head_dim, heads * head_dim)
@@ -304,15 +309,44 @@ class _Fuser(relax.PyExprMutator):
         return relax.op.call_dps_packed(function.name, relax.Tuple(args),
                                         relax.TensorType(out_shape, product.ty.dtype))
 
+    def _visible(self, operand: relax.Expr) -> bool:
+        """Whether the call, emitted at the binding being visited, can read ``operand``: a
+        dataflow variable of an earlier block is gone (a product that is a block's output
+        may be transposed, or multiplied by v, in a later block)."""
+        return not (isinstance(operand, relax.DataflowVar) and operand in self.gone)
+
+    def _mask_bias(self, mask: _KeyMask, dtype: str) -> relax.Var:
+        """The bias ``where(keep, 0, fill)``, emitted once a block for every attention it
+        masks (a decoder's layers share one)."""
+        key = (mask.keep, mask.fill, dtype)
+        if key not in self.mask_biases:
+            self.mask_biases[key] = self.builder_.emit(relax.op.where(
+                mask.keep, relax.const(0.0, dtype), relax.const(mask.fill, dtype)), "mask_bias")
+        return self.mask_biases[key]
+
+    def _new_block(self) -> None:
+        self.gone |= {v for v in self.block_vars if isinstance(v, relax.DataflowVar)}
+        self.block_vars, self.mask_biases = set(), {}
+
+    def visit_binding_block_(self, block):  # pylint: disable=arguments-renamed
+        self._new_block()
+        return super().visit_binding_block_(block)
+
+    def visit_dataflow_block_(self, block):  # pylint: disable=arguments-renamed
+        self._new_block()
+        return super().visit_dataflow_block_(block)
+
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        self._visit_binding(binding)
+        self.block_vars |= {binding.var, self.visit_expr(binding.var)}  # as bound, as renamed
+
+    def _visit_binding(self, binding: relax.VarBinding) -> None:
         value, fused = binding.value, None
         if not isinstance(value, relax.Call):
             pass
         elif _heads_back(value) and self._once(value.args[0]):
             product = self._call(value.args[0], "matmul")
             fused = self.fuse(product, out_heads_last=True) if product is not None else None
-            if fused is not None and not _visible_after(value.args[0], fused):
-                fused = None
         elif value.op == _OPS["matmul"] and binding.var not in self.transposed:
             fused = self.fuse(value, out_heads_last=False)
         if fused is None:
@@ -323,14 +357,6 @@ class _Fuser(relax.PyExprMutator):
             self.builder_.current_block_is_dataflow()
         emit = self.builder_.emit_output if output else self.builder_.emit
         self.set_var_remap(binding.var, emit(fused, binding.var.name))
-
-
-def _visible_after(product: relax.Expr, call: relax.Call) -> bool:
-    """Whether ``call``, emitted at the transpose of ``product``, sees its operands: a
-    product that is a block's output may be transposed in a later block, where the
-    earlier block's dataflow variables are gone."""
-    return isinstance(product, relax.DataflowVar) or \
-        not any(isinstance(a, relax.DataflowVar) for a in call.args[1].fields)
 
 
 def _permutes(call: relax.Call, axes: list[int]) -> bool:
@@ -380,7 +406,9 @@ class FuseAttention:
     query, 0, -65504)`` over aranges of as many keys as rows (a causal mask, as Hugging Face's
     exports compute it) is the kernel's causal mode: it skips the masked keys and reads no bias.
     Scores replaced where masked, ``where(keep, s, fill)`` with ``fill`` <= -1e30, are the
-    bias ``where(keep, 0, fill)``, computed before the call (fp32 rounds s + fill to fill).
+    bias ``where(keep, 0, fill)``, computed once a block before the call (fp32 rounds s + fill
+    to fill; only a masked key whose score is not finite, an inf or NaN in its row of k,
+    differs: NaN, where the ``where`` dropped it).
     The scores, their scale, the mask and the probabilities are never written to memory.
 
     Before (``s`` symbolic)::

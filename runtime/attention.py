@@ -48,18 +48,16 @@ DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 DECODE_DTYPES = {"float32": "f32", **DTYPES}
 ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ALIGN_ELEMENTS = 8  # every stride and offset: the kernels load 16 bytes at a time
-_FIRST_KERNEL = {SOURCE: f"grape_attention_f16_d{HEAD_DIMS[0]}",  # what loading a source checks
-                 DECODE_SOURCE: f"grape_decode_attention_f32_d{HEAD_DIMS[0]}"}
 # The decode kernel splits a row of more than SPLIT_AFTER keys a thread over up to
 # MAX_SPLITS blocks, a key a thread each, where its grid would fill few SMs (at most
 # SPLIT_BLOCKS blocks), combining them through a workspace of SPLIT_ROWS (batch, head, row)
 # entries. On the H200 a split costs about 2 us and a block's round of 256 keys 1.4 (fp16)
-# to 2.5 (fp32): splitting 257 keys was slower, 513 and more faster
-# (bench/results/decode_attention.json).
+# to 2.5 (fp32) at batch 1: splitting 257 keys was slower; 513 faster in fp32 and slower in
+# fp16; 1024 faster in both (bench/results/decode_attention.json).
 MAX_SPLITS = 8
 SPLIT_AFTER = 2
 SPLIT_BLOCKS = 128  # about the H200's 132 SMs: a split's combine costs more than a wave
-SPLIT_ROWS = 256
+SPLIT_ROWS = SPLIT_BLOCKS // 2  # the most rows that split (in two, at least)
 _SPLIT_PARTIAL_BYTES = SPLIT_ROWS * MAX_SPLITS * (max(HEAD_DIMS) + 2) * 4  # acc, max, sum
 _SPLIT_COUNTER_BYTES = SPLIT_ROWS * 4
 
@@ -88,12 +86,15 @@ class AttentionFunction:
 
     def kernel(self, dtype: str, head_dim: int) -> str:
         """The name of its kernel for ``dtype`` and ``head_dim``."""
-        kind = "decode_attention" if self.decode else "attention"
+        kind = DECODE_LIBRARY if self.decode else LIBRARY
         return f"grape_{kind}_{self.dtypes[dtype]}_d{head_dim}"
 
 
 ATTENTION_FUNCTIONS = {f.name: f for f in (AttentionFunction(b, c, d) for b in (False, True)
                                            for c in (False, True) for d in (False, True))}
+_FIRST_KERNEL = {  # the kernel loading a source looks up, a check that it is the right one
+    SOURCE: AttentionFunction(False, False).kernel("float16", HEAD_DIMS[0]),
+    DECODE_SOURCE: AttentionFunction(False, False, decode=True).kernel("float32", HEAD_DIMS[0])}
 
 
 @dataclass(frozen=True)
@@ -202,6 +203,8 @@ class FusedAttention:
 
     def __init__(self, store: CubinStore, sources: Sequence[Path] = (), *,
                  split_after: int = SPLIT_AFTER, max_splits: int = MAX_SPLITS):
+        if not 1 <= max_splits <= MAX_SPLITS:  # the workspace holds MAX_SPLITS a row
+            raise ValueError(f"max_splits must be 1 to {MAX_SPLITS}, got {max_splits}")
         self._store = store
         self.split_after, self.max_splits = split_after, max_splits
         self._kernels: dict[Path, RuntimeKernel] = {}
@@ -229,6 +232,7 @@ class FusedAttention:
                           "cuMemAlloc(decode attention workspace)")
         check(driver.cuMemsetD8(int(workspace) + _SPLIT_PARTIAL_BYTES, 0, _SPLIT_COUNTER_BYTES),
               "cuMemsetD8")
+        check(driver.cuCtxSynchronize(), "cuCtxSynchronize")  # zeroed before any launch reads
         return int(workspace)
 
     def function(self, function: AttentionFunction, dtype: str, head_dim: int) -> tuple[Any, int]:
@@ -239,9 +243,13 @@ class FusedAttention:
             module = self._kernel(DECODE_SOURCE if function.decode else SOURCE).module
             handle = check(driver.cuModuleGetFunction(module, name.encode()),
                            f"cuModuleGetFunction({name})")
+            # The kernels' __launch_bounds__ are their blocks (kWarps * 32, kDecodeWarps * 32):
+            # the most threads the driver allows a block is the block they need.
             threads = check(driver.cuFuncGetAttribute(
                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, handle),
                 "cuFuncGetAttribute")
+            if threads % 32:
+                raise ValueError(f"{name}: a block of {threads} threads is not whole warps")
             self._functions[name] = (handle, threads)
         return self._functions[name]
 

@@ -325,6 +325,38 @@ def test_no_fusion_reads_an_earlier_blocks_dataflow_variables():
     assert _fused(_qkv_function(body, pure=False)) == []  # and well formed
 
 
+def test_no_fusion_reads_an_earlier_blocks_mask():
+    """A where mask computed in a dataflow block, the attention's output transposed after it
+    in a plain block (an impure call first): the bias made there would read the dataflow
+    block's mask, which is gone (a review found the call fused, the IR ill-formed)."""
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+    q, k, v = (relax.Var(n, relax.TensorType((b, 12, s, 64), "float16")) for n in "qkv")
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [q, k, v], pure=False):
+        with bb.dataflow():
+            keys = op.permute_dims(op.sum(k, axis=[1, 3], keepdims=True), [0, 1, 3, 2])
+            keep = bb.emit(op.greater(keys, relax.const(0.0, "float16")))  # (b, 1, 1, s)
+            scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(k, [0, 1, 3, 2])),
+                                         relax.const(0.125, "float16")))
+            scores = bb.emit(op.where(keep, scores, relax.const(-np.inf, "float16")))
+            out = bb.emit_output(op.matmul(bb.emit(op.nn.softmax(scores, axis=-1)), v))
+        bb.emit(op.print(q, format="q"))
+        bb.emit_func_output(bb.emit(op.permute_dims(out, [0, 2, 1, 3])))
+    assert _fused(bb.get()) == []  # and well formed
+
+
+def test_a_mask_shared_by_layers_is_made_once():
+    """``decoder_step``'s layers mask their scores with one ``where``: one bias for all."""
+    from models import DECODER_SMALL, decoder_step  # pylint: disable=import-outside-toplevel
+
+    out = FuseAttention()(relax.transform.ConvertToDataflow()(decoder_step(**DECODER_SMALL)))
+    text = out["main"].script()
+    assert text.count("grape.decode_attention.fused_bias") == DECODER_SMALL["layers"]
+    biases = [line for line in text.splitlines() if "mask_bias" in line and "= R.where" in line]
+    assert len(biases) == 1, biases
+
+
 @pytest.mark.parametrize("scaled", [
     pytest.param(lambda s: relax.op.multiply(relax.const(0.125, "float16"), s), id="constant_first"),
     pytest.param(lambda s: relax.op.divide(s, relax.const(8.0, "float16")), id="divided"),

@@ -15,9 +15,9 @@
 
 // Layouts as runtime/kernels/attention.cu: q, k, v and out are strided views (elements): row
 // r of head h of batch b starts at base + b * batch_stride + h * head_stride + r * row_stride;
-// a row's D elements are contiguous. The caller guarantees k's and v's bases and strides are
-// multiples of 16 bytes. bias (optional, same dtype) is read at b * bias_batch +
-// h * bias_head + r * bias_row + key: a stride of 0 broadcasts.
+// a row's D elements are contiguous. The caller guarantees q's, k's and v's bases and strides
+// are multiples of 16 bytes (each is read 16 bytes at a time). bias (optional, same dtype) is
+// read at b * bias_batch + h * bias_head + r * bias_row + key: a stride of 0 broadcasts.
 //
 // tests/test_decode_attention_on_cpu.py compiles this file for the CPU (tests/cuda_on_cpu.h).
 

@@ -287,8 +287,9 @@ class _Fuser(relax.PyExprMutator):
             bias_layout = self._bias_layout(shape, [batch, heads, rows, keys])
             if bias_layout is None:
                 return None
-        operands = [view.tensor for view in views] + \
-            [mask.keep if mask is not None else bias] * (bias is not None and not causal)
+        operands = [view.tensor for view in views]
+        if bias is not None and not causal:  # the bias read, or what it is made from
+            operands.append(mask.keep if mask is not None else bias)
         if not all(self._visible(x) for x in operands):
             return None
         if mask is not None:

@@ -30,7 +30,7 @@ from typing import Any, Sequence
 from .active import ThreadInstances, register_once
 from .cuda_compile import CubinStore, RuntimeKernel, kernel_params
 from .cuda_driver import check, driver
-from .signature import nbytes
+from .signature import nbytes, nbytes_of
 
 LIBRARY = "attention"  # its name in a plan's "libraries" (what the runtime must provide)
 DECODE_LIBRARY = "decode_attention"
@@ -46,7 +46,6 @@ DECODE_ROWS = ROWS_PER_BLOCK // 4
 HEAD_DIMS = (64, 128)  # the kernels compiled (GRAPE_ATTENTION, GRAPE_DECODE_ATTENTION instances)
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 DECODE_DTYPES = {"float32": "f32", **DTYPES}
-ELEMENT_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2}
 ALIGN_ELEMENTS = 8  # every stride and offset: the kernels load 16 bytes at a time
 # The decode kernel splits a row of more than SPLIT_AFTER keys a thread over up to
 # MAX_SPLITS blocks, a key a thread each, where its grid would fill few SMs (at most
@@ -267,7 +266,7 @@ class FusedAttention:
             check(driver.cuMemsetD8Async(out.data_ptr(), 0, nbytes(out), stream),
                   "cuMemsetD8Async")
             return
-        size = ELEMENT_BYTES[dtype]
+        size = nbytes_of((), dtype)  # an element's
         q_at, k_at, v_at = (t.data_ptr() + getattr(layout, n).offset * size
                             for t, n in ((q, "q"), (k, "k"), (v, "v")))
         if (q_at | k_at | v_at) % 16:

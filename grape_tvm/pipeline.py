@@ -12,7 +12,7 @@ from grape_tvm.artifact import MATMUL_IMPLEMENTATIONS
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CopyPassThroughBranches,
                               DescribeCallProgram, DescribeConditionals, FoldShapeTensors,
-                              FuseAttention,
+                              FuseAttention, FuseIntoConcatenations,
                               FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
                               IfToSelect,
@@ -149,8 +149,11 @@ class GrapePipeline:
                 # symbolic dims spend their instructions on 64-bit indices otherwise.
                 passes.append(NarrowIndices())
             else:
-                passes += [relax.transform.LegalizeOps(numerics) if p.info.name == "LegalizeOps"
-                           else p for p in lowering.legalize_passes(target)]
+                for p in lowering.legalize_passes(target):
+                    passes.append(relax.transform.LegalizeOps(numerics)
+                                  if p.info.name == "LegalizeOps" else p)
+                    if p.info.name == "AnnotateTIROpPattern":  # as gpu_legalize_passes
+                        passes.append(FuseIntoConcatenations())
                 # An empty reduction's output gets its identity (passes/reduction_init.py;
                 # dlight schedules GPU reductions itself).
                 passes.append(HoistReductionInit())

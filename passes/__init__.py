@@ -23,7 +23,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   norm: a warp per row), ``RowsOfStaticWidth`` and ``RowsOfSymbolicWidth`` for element-wise
   kernels over a symbolic number of rows (no per-element division by a symbolic extent);
   before fusion, ``FuseIntoRowReductions`` lets a softmax or layer norm take its
-  element-wise producers (attention's scale and mask).
+  element-wise producers (attention's scale and mask), ``FuseIntoConcatenations`` a
+  concatenation its injective ones (a decode step's new key and value rows).
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
   ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).
@@ -61,6 +62,7 @@ from .branch_copy import CopyPassThroughBranches
 from .branch_fusion import InlineBranches, OutlineBranches
 from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .branch_storage import HoistBranchStorage, after_memory_planning
+from .concat_fusion import FuseIntoConcatenations
 from .conv_matmul import Conv1dAsMatmul
 from .conv_slice import SliceIntoConvPadding
 from .fused_scalars import FusedScalarsAsDims
@@ -98,6 +100,7 @@ __all__ = [
     "DescribeConditionals",
     "FoldShapeTensors",
     "FullReduction",
+    "FuseIntoConcatenations",
     "FuseIntoRowReductions",
     "FuseWeightTranspose",
     "LocalParams",

@@ -11,6 +11,7 @@ from tvm.s_tir.schedule.schedule import ScheduleError
 from .injective_schedule import RowsOfStaticWidth
 from .reduction_schedules import FullReduction
 from .row_reduction import RowReductionPerWarp
+from .concat_fusion import FuseIntoConcatenations
 from .row_reduction_fusion import FuseIntoRowReductions
 from .symbolic_width_schedule import RowsOfSymbolicWidth
 
@@ -99,7 +100,8 @@ def gpu_legalize_passes(legalize_map: dict | None = None,
     t = relax.transform
     # A reshape that only names a derived dim (NameDerivedDims) stays a view.
     legalize = {**(legalize_map or {}), "relax.reshape": keep_renaming_reshape}
-    # A softmax or layer norm takes its element-wise producers (attention's scale and mask).
+    # A softmax or layer norm takes its element-wise producers (attention's scale and mask),
+    # a concatenation its injective ones (a decode step's new key and value rows).
     return [t.LegalizeOps(legalize), t.AnnotateTIROpPattern(), FuseIntoRowReductions(),
-            t.FoldConstant(), t.FuseOps(),
+            FuseIntoConcatenations(), t.FoldConstant(), t.FuseOps(),
             t.FuseTIR(), dl.ApplyDefaultSchedule(*default_gpu_rules(decode_gemv))]

@@ -251,7 +251,8 @@ def test_region_kernels_are_device_kernels_only():
         func = lowered[name]
         assert isinstance(func, tvm.tirx.PrimFunc)
         assert not (func.attrs is not None and func.attrs.get("tirx.is_host_func", False)), name
-    assert plan.regions[0].kernels == ["concatenate", "relu"]
+    # The concatenation takes its consumer (FuseIntoConcatenations: injective, not opaque).
+    assert plan.regions[0].kernels == ["fused_concatenate_relu"]
 
 
 # -- the lifted module computes what TVM's own build computes -----------------------------

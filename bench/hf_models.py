@@ -127,8 +127,17 @@ class VM:
         signature = Signature.from_json(manifest["signature"])
         self.inputs = [t.name for t in signature.inputs]
         self.outputs = [t.name for t in signature.outputs]
-        self.template = [weights.get(n) for n in self.inputs]
+        # weights the build reads transposed (as grape's executor binds them)
+        transposed = set(manifest["plan"].get("transposed_inputs", ()))
+        self.template = [self._transposed(weights.get(n)) if n in transposed else weights.get(n)
+                         for n in self.inputs]
         self.position = {n: i for i, n in enumerate(self.inputs)}
+
+    def _transposed(self, weight):
+        import tvm  # pylint: disable=import-outside-toplevel
+
+        host = weight.numpy() if hasattr(weight, "numpy") else np.asarray(weight)
+        return tvm.runtime.tensor(np.ascontiguousarray(host.T), self.dev)
 
     def __call__(self, feeds: dict) -> dict:
         args = list(self.template)

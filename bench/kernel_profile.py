@@ -144,12 +144,17 @@ def main() -> None:
             continue
         shape = tuple(d if isinstance(d, int) else dims[d] for d in spec.shape)
         inputs.append(tvm.runtime.tensor(np.zeros(shape, spec.dtype), dev))
+    # Weights the build reads transposed (plan["transposed_inputs"]): bound by the executor,
+    # which transposes them; the VM takes them as the build does.
+    transposed = set(manifest["plan"].get("transposed_inputs", ()))
     if args.executor_steps:
         if args.log_memsets:
             _log_memsets()
-        _executor_steps(args.artifact, signature, inputs, args.executor_steps, set(weights),
-                        args.graph_mode)
+        _executor_steps(args.artifact, signature, inputs, args.executor_steps,
+                        set(weights) | transposed, args.graph_mode)
         return
+    inputs = [tvm.runtime.tensor(np.ascontiguousarray(t.numpy().T), dev)
+              if spec.name in transposed else t for spec, t in zip(signature.inputs, inputs)]
     # grape's library functions (cuBLASLt, attention) for TVM's VM: a grape backend
     # registers them when it starts, and none runs here.
     from grape_tvm.runtime import attention, cublaslt  # pylint: disable=import-outside-toplevel

@@ -527,6 +527,17 @@ def gemv_test_relax(dtype: str = "float32", layout: str = "kn", dim: str = "m"):
     return bb.get()
 
 
+def gemv_test_constants(dtype: str = "float32", seed: int = 7):
+    """``gemv_test_relax`` ("kn") with its weights and biases bound as constants (an ONNX
+    model's initializers), x its one input; those weights (``gemv_test_inputs`` at
+    ``seed``) for the reference."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    weights = {k: v for k, v in gemv_test_inputs(1, dtype, "kn", seed).items() if k != "x"}
+    bound = relax.transform.BindParams("main", weights)(gemv_test_relax(dtype, "kn"))
+    return bound, weights
+
+
 def reductions_numpy(x: np.ndarray, threshold: float) -> dict[str, np.ndarray]:
     """``reductions_model`` in numpy (float64 sums); over n = 0 the identities grape gives:
     0 for the sums and the mean, -inf for the max, +inf for the min."""

@@ -154,6 +154,7 @@ _MANIFEST = {
         "libraries?": [frozenset(LIBRARY_PREFIXES)],
         "matmul?": frozenset(MATMUL_IMPLEMENTATIONS),
         "gemv_rows?": _Each([int]),  # a library function -> its GEMV kernels' row buckets
+        "transposed_inputs?": [str],  # inputs the executor transposes as it binds them
         "call_program?": dict,  # runtime.call_program's format (checked where it is read)
         "tensor_parallel?": {"world_size": int, "shard_plan": _Each(int),
                              "output_shard_plan": _Each(int)},

@@ -55,8 +55,10 @@ def cmd_compile(args: argparse.Namespace) -> int:
     dims = _parse_dims(args.dim)
     start = time.perf_counter()
     print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
+    weights = [name.strip() for item in args.weights for name in item.split(",") if name.strip()]
     module = compile_onnx(args.model, dims, args.target, select_ops=args.select_ops,
-                          max_memory=int(args.max_memory * 2**30), matmul=args.matmul)
+                          max_memory=int(args.max_memory * 2**30), matmul=args.matmul,
+                          weights=weights)
     path = module.export(args.output)
     regions = module.plan["regions"]
     conditionals = len(module.plan.get("conditionals", []))
@@ -106,7 +108,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return _run_onnx_loop(args, inputs)
     executor = load(args.model, device=args.device)
     try:
-        outputs = executor.run(inputs)
+        # weights the build reads transposed are bound (transposed once), not passed
+        executor.bind_inputs({k: v for k, v in inputs.items() if k in executor.transposed_inputs})
+        outputs = executor.run({k: v for k, v in inputs.items()
+                                if k not in executor.transposed_inputs})
     finally:
         executor.close()
     _write_outputs(args.outputs, outputs)
@@ -134,6 +139,8 @@ def describe(manifest: dict) -> dict:
         "outputs": sig["outputs"],
         "regions": plan["regions"],
         "matmul": _matmul_description(plan),
+        # bound inputs (weights) the build reads [N, K]: bind_inputs transposes them once
+        "transposed_inputs": plan.get("transposed_inputs", []),
         "conditionals": _conditional_description(manifest),
         "host_steps": plan["host_steps"],
         "host_bookkeeping": plan.get("host_bookkeeping", 0),
@@ -214,6 +221,9 @@ def _print_description(d: dict) -> None:
         for spec in d[key]:
             print(f"  {spec['name']}: {spec['dtype']}{_shape(spec)}")
     print(f"matmuls: {d['matmul']}")
+    if d["transposed_inputs"]:
+        print(f"weights read transposed: {', '.join(d['transposed_inputs'])} (bind them once "
+              "with bind_inputs, which transposes them; run refuses them)")
     print(f"regions (run as graphs): {len(d['regions'])}")
     for r in d["regions"]:
         print(f"  {r['name']}: {len(r['kernels'])} kernel(s), keyed by "
@@ -269,6 +279,9 @@ def _record(args: argparse.Namespace) -> dict:
     """Record every shape of the declared ranges on a device: what the graphs then hold."""
     executor = load(args.model, device=args.device)
     try:
+        # weights the build reads transposed must be bound: zeros stand for them here
+        executor.bind_inputs({t.name: np.zeros(t.shape, t.dtype) for t in executor.signature.inputs
+                              if t.name in executor.transposed_inputs})
         seconds = executor.record_all(progress=not args.json)
         return {**executor.backend.describe(), "record_seconds": seconds}
     finally:
@@ -314,6 +327,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "above), cublaslt (cuBLASLt at every row count), grape (grape's GEMV "
                         "kernels for few rows, TVM's schedules above; cuda) or tvm (TVM's "
                         "schedules; the default on llvm)")
+    p.add_argument("--weights", action="append", default=[], metavar="NAME[,NAME...]",
+                   help="inputs that are weights, bound once at run time (bind_inputs): the "
+                        "build may read them in its own layout (a [K, N] matmul weight as "
+                        "[N, K]), made once as they are bound; repeat or separate by commas")
     p.add_argument("--max-memory", type=float, default=64, metavar="GIB",
                    help="refuse ranges whose memory, planned at their upper bounds and allocated "
                         "by every call, exceeds this many GiB (default 64)")

@@ -100,9 +100,9 @@ def _cuda_sources(executable) -> list[str]:
 
 
 def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16, matmul: str | None = None,
-           device_branches: bool = True) -> tvm.IRModule:
+           device_branches: bool = True, weights: Sequence[str] = ()) -> tvm.IRModule:
     try:
-        return grape_pipeline(tgt, ranges, select_ops, device_branches, matmul)(mod)
+        return grape_pipeline(tgt, ranges, select_ops, device_branches, matmul, weights)(mod)
     except Exception as err:  # pylint: disable=broad-except
         # A Python pass's exception crosses TVM's FFI as a plain error carrying the text:
         # give the kernel check its own type back, so callers can catch it.
@@ -137,7 +137,7 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
           prebuild_cubin: bool = True, select_ops: int = 16,
           device_branches: bool = True, max_memory: int = DEFAULT_MAX_MEMORY,
           dim_names: Mapping[str, str] | None = None, matmul: str | None = None,
-          tensor_parallel: int = 1) -> GrapeModule:
+          tensor_parallel: int = 1, weights: Sequence[str] = ()) -> GrapeModule:
     """Compile a Relax module whose ``main`` takes tensors with symbolic dimensions.
 
     ``dims`` maps each symbolic dimension to its declared range ``(lo, hi)``; memory is
@@ -167,19 +167,28 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     GELUs Relax ops again at the rank's shapes): a column-parallel product with its bias, a
     row-parallel one alone, its bias and residual added after the all-reduce; its other ops
     are TVM's legalization, scheduled by grape's rules (no fused attention in a sharded
-    build).
+    build). ``weights``: inputs the caller binds once with ``bind_inputs`` (a model's
+    weights); the build may take one in another layout, which the executor makes once as
+    it binds it (a [K, N] matmul weight is read [N, K]: ``StoreWeightsTransposed``;
+    ``plan["transposed_inputs"]`` names them), and such an input must then be bound, not
+    passed to ``run``.
     """
     tgt = parse_target(target)
     parallel = output_axes = None
     if tensor_parallel != 1:
+        if weights:
+            raise ValueError("weights= and tensor_parallel > 1 do not combine: a rank's "
+                             "weights are its part of the whole ones (the shard plan)")
         mod, parallel, output_axes = _per_rank_program(mod, tensor_parallel)
     ranges = {k: ShapeRange.of(v, k) for k, v in (dims or {}).items()}
     signature = signature or _relax_signature(mod["main"], ranges, output_names)
+    _check_weight_names(weights, signature)
     dim_names = dim_names or {}
     matmul = matmul_implementation(tgt, matmul)
     executable, plan = _compile_with_fallbacks(
         mod, tgt, ranges, select_ops, device_branches, matmul,
-        lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names))
+        lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names),
+        tuple(weights))
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
     if parallel is not None:
@@ -188,6 +197,16 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
             if axis is not None}
         plan[TENSOR_PARALLEL_KEY] = parallel
     return package(executable, signature, tgt, plan, prebuild_cubin=prebuild_cubin)
+
+
+def _check_weight_names(weights: Sequence[str], signature: Signature) -> None:
+    if isinstance(weights, str):
+        raise TypeError(f"weights must be a list of input names, got the string {weights!r}")
+    names = {t.name for t in signature.inputs}
+    unknown = sorted(set(weights) - names)
+    if unknown:
+        raise ValueError(f"weights names {unknown}, which the model does not take: its inputs "
+                         f"are {sorted(names)}")
 
 
 def _per_rank_program(mod: tvm.IRModule,
@@ -275,7 +294,8 @@ def _mode_name(select_ops: int, device_branches: bool) -> str:
 
 
 def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
-                            device_branches: bool, matmul: str, check_lowered):
+                            device_branches: bool, matmul: str, check_lowered,
+                            weights: Sequence[str] = ()):
     """Lower and compile ``mod``: TVM's executable and grape's plan. A failure of a module
     with an ``if`` may be one of grape's rewrites of it (a select, a conditional region)
     that lowering or codegen cannot take: the build then tries again without them, warns,
@@ -287,7 +307,7 @@ def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
     notes, first = [], None
     for i, (ops, on_device) in enumerate(modes):
         try:
-            lowered = _lower(mod, tgt, ranges, ops, matmul, on_device)
+            lowered = _lower(mod, tgt, ranges, ops, matmul, on_device, weights)
             check_lowered(lowered)
             plan = graph_plan(lowered).to_json()
             plan["notes"] += notes

@@ -120,6 +120,7 @@ def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
         backend = CudaGraphBackend(dev, graph_mode, max_graphs, manifest["target"].get("arch"),
                                    cubins, max_shapes, manifest["plan"].get("libraries", ()))
     executor = GraphExecutor(library, dev, signature, backend, program=program,
-                             branches=manifest["plan"].get("branches"), max_shapes=max_shapes)
+                             branches=manifest["plan"].get("branches"), max_shapes=max_shapes,
+                             transposed_inputs=manifest["plan"].get("transposed_inputs", ()))
     executor.manifest = manifest
     return executor

@@ -27,7 +27,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   concatenation its injective ones (a decode step's new key and value rows).
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
-  ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU).
+  ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU);
+  ``StoreWeightsTransposed``: a constant weight stored [K, N] is stored [N, K] (GPU).
 - ``LowerTensorParallel``: a model annotated with sharding placements to the program each
   rank runs (TVM's ``relax.distributed``; ``build(tensor_parallel=N)``), its matmuls, adds
   and GELUs made Relax ops again (``RaiseLegalizedOps``); ``LocalParams``: each
@@ -71,7 +72,7 @@ from .gemv_schedule import DecodeGemv
 from .tensor_parallel import LocalParams, LowerTensorParallel
 from .fused_attention import FuseAttention
 from .narrow_indices import NarrowIndices
-from .weight_transpose import FuseWeightTranspose
+from .weight_transpose import FuseWeightTranspose, StoreWeightsTransposed
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
 from .name_derived_dims import NameDerivedDims
@@ -103,6 +104,7 @@ __all__ = [
     "FuseIntoConcatenations",
     "FuseIntoRowReductions",
     "FuseWeightTranspose",
+    "StoreWeightsTransposed",
     "LocalParams",
     "LowerTensorParallel",
     "FuseAttention",

@@ -15,6 +15,7 @@ from grape_tvm.runtime.call_program import (BRANCHES_ATTR, CONDITIONAL_ATTR, PRO
 from grape_tvm.runtime.libraries import library_of
 
 from .few_rows_gemv import GEMV_ROWS_ATTR, LIBRARY_FUNCTION_ATTR
+from .weight_transpose import TRANSPOSED_INPUTS_ATTR
 from .if_to_select import NOTES_ATTR as IF_NOTES_ATTR
 
 # Bindings that do no device work and read no tensor contents: while a region is open they
@@ -84,6 +85,9 @@ class GraphPlan:
     # Library matmuls that run on grape's GEMV kernels for few rows (GemvForFewRows): the
     # library function -> the row buckets of its GEMV kernels.
     gemv_rows: dict = field(default_factory=dict)
+    # Inputs the entry takes transposed (StoreWeightsTransposed): the executor transposes
+    # each once, as it is bound.
+    transposed_inputs: list = field(default_factory=list)
 
     @property
     def libraries(self) -> list[str]:
@@ -103,6 +107,7 @@ class GraphPlan:
             "libraries": self.libraries,
             "call_program": self.call_program,
             "gemv_rows": self.gemv_rows,
+            "transposed_inputs": self.transposed_inputs,
         }
 
 
@@ -366,6 +371,8 @@ def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
     unselected = dict(func.attrs.get(IF_NOTES_ATTR, {})) if func.attrs is not None else {}
     plan.notes = [f"{entry}.{var}: an if kept, not a select: {why}"
                   for var, why in unselected.items()]
+    if func.attrs is not None and TRANSPOSED_INPUTS_ATTR in func.attrs:
+        plan.transposed_inputs = [str(n) for n in func.attrs[TRANSPOSED_INPUTS_ATTR]]
     if func.attrs is not None and PROGRAM_ATTR in func.attrs:
         plan.call_program = json.loads(str(func.attrs[PROGRAM_ATTR]))
     plan.gemv_rows = {str(f.attrs[LIBRARY_FUNCTION_ATTR]): [int(b) for b in f.attrs[GEMV_ROWS_ATTR]]

@@ -1,9 +1,13 @@
-"""A matmul by a transposed 2-D weight reads the weight where it lies: no transpose kernel."""
+"""Weights in the layout grape's matmul kernels read: a transposed 2-D weight read where it
+lies (no transpose kernel), and a weight stored [K, N] stored [N, K]."""
 
 from __future__ import annotations
 
-from tvm import IRModule, relax, te
-from tvm.ir import Op
+from collections.abc import Sequence
+
+import numpy as np
+from tvm import IRModule, relax, te, tirx
+from tvm.ir import GenericConst, Op
 from tvm.ir.transform import PassContext, module_pass
 
 _MATMUL = Op.get("relax.matmul")
@@ -75,3 +79,132 @@ class FuseWeightTranspose:
                 new = fuse.visit_expr(func)
                 fuse.builder_.update_func(gvar, relax.analysis.remove_all_unused(new))
         return fuse.builder_.get() if fuse.fused else mod
+
+
+# On ``main``: the inputs ``StoreWeightsTransposed`` took transposed ([N, K] for a weight the
+# model declares [K, N]); ``graph_plan`` puts them in the plan, the executor transposes each
+# once when it is bound.
+TRANSPOSED_INPUTS_ATTR = "grape.transposed_inputs"
+
+
+def _float_matrix(ty) -> bool:
+    return isinstance(ty, relax.TensorType) and ty.ndim == 2 and ty.shape is not None and \
+        all(isinstance(d, tirx.IntImm) for d in ty.shape.values) and \
+        str(ty.dtype).startswith(("float", "bfloat"))
+
+
+@relax.expr_functor.visitor
+class _WeightReads(relax.PyExprVisitor):
+    """How often each constant and each parameter of a function is read, and how often as
+    a matmul's weight (its B)."""
+
+    def __init__(self):
+        super().__init__()
+        self.reads: dict = {}
+        self.as_weight: dict = {}
+
+    def visit_generic_const_(self, const: GenericConst) -> None:  # pylint: disable=arguments-renamed
+        self.reads[const] = self.reads.get(const, 0) + 1
+
+    def visit_var_(self, var: relax.Var) -> None:  # pylint: disable=arguments-renamed
+        self.reads[var] = self.reads.get(var, 0) + 1
+
+    def visit_call_(self, call: relax.Call) -> None:  # pylint: disable=arguments-renamed
+        if call.op == _MATMUL and _float_matrix(call.args[1].ty):
+            w = call.args[1]
+            self.as_weight[w] = self.as_weight.get(w, 0) + 1
+        super().visit_call_(call)
+
+    def weights_alone(self) -> set:
+        """The constants and variables read as matmul weights and nothing else."""
+        return {w for w, n in self.as_weight.items() if self.reads.get(w) == n}
+
+
+@relax.expr_functor.mutator
+class _StoreTransposed(relax.PyExprMutator):
+    def __init__(self, mod: IRModule, stored: dict):
+        super().__init__(mod)
+        # a weight (constant or parameter) -> what holds it [N, K]: a constant, made once,
+        # or the parameter that replaces it
+        self.stored = stored
+
+    def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
+        if call.op != _MATMUL or call.args[1] not in self.stored:
+            return super().visit_call_(call)
+        x = self.visit_expr(call.args[0])
+        wt = self.builder_.emit(relax.op.permute_dims(self.stored[call.args[1]]))
+        return relax.op.matmul(x, wt, out_dtype=call.attrs.out_dtype)
+
+
+def _transposed_param(param: relax.Var) -> relax.Var:
+    rows, cols = param.ty.shape.values
+    return relax.Var(param.name, relax.TensorType((cols, rows), param.ty.dtype))
+
+
+@module_pass(opt_level=0, name="StoreWeightsTransposed")
+class StoreWeightsTransposed:
+    """A 2-D weight of ``matmul(x, w)`` stored [K, N] (HF GPT-2's Conv1D, ONNX ``MatMul`` by
+    an initializer) is stored transposed, [N, K], and read through ``permute_dims``: the
+    layout of ``nn.Linear``, whose rows are the output's columns. ``OffloadMatmul`` then
+    calls the library's ``_nt`` function and ``GemvForFewRows`` gives it grape's "nk" GEMV
+    kernels up to 8 rows, where the [K, N] layout has one. On the H200
+    (bench/results/matmul.json, GPT-2's five weight shapes, the default matmul in grape's
+    graphs) a weight stored [N, K] takes 0.74x to 0.90x the time of one stored [K, N] at
+    M = 1 in fp32 and 0.69x to 0.85x in fp16; at M = 8, 0.42x to 0.58x in fp32 and 0.44x to
+    1.19x in fp16.
+
+    Which weights: every constant (copied once, here), and the parameters of ``main`` named
+    in ``inputs``, weights the caller binds once (``GraphExecutor.bind_inputs``
+    transposes each as it binds it; ``main``'s ``grape.transposed_inputs`` names them). A
+    weight read by anything but matmuls keeps its layout: no second copy of it.
+
+    Before::
+
+        def main(x: R.Tensor((m, 768)), w: R.Tensor((768, 3072))):   # inputs=["w"]
+            y = R.matmul(x, w)
+            z = R.matmul(x, metadata["relax.expr.Constant"][0])      # (768, 3072)
+
+    After::
+
+        def main(x: R.Tensor((m, 768)), w: R.Tensor((3072, 768))):   # grape.transposed_inputs
+            wt = R.permute_dims(w)
+            y = R.matmul(x, wt)
+            ct = R.permute_dims(metadata["relax.expr.Constant"][1])  # (3072, 768) in memory
+            z = R.matmul(x, ct)
+    """
+
+    def __init__(self, inputs: Sequence[str] = ()):
+        self.inputs = frozenset(inputs)
+
+    def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
+        functions = [(g, f) for g, f in mod.functions_items() if isinstance(f, relax.Function)]
+        constants = _WeightReads()
+        for _, func in functions:
+            constants.visit_expr(func)
+        stored = {w: relax.const(np.ascontiguousarray(w.value.numpy().T))
+                  for w in constants.weights_alone() if isinstance(w, GenericConst)}
+        params = self._transposed_params(mod)
+        if not stored and not params:
+            return mod
+        store = _StoreTransposed(mod, {**stored, **params})
+        for gvar, func in functions:
+            new = store.visit_expr(func)
+            if gvar.name_hint == "main" and params:
+                new = relax.Function([params.get(p, p) for p in func.params], new.body,
+                                     new.ret_ty, new.is_pure, new.attrs, new.span)
+                new = new.with_attr(TRANSPOSED_INPUTS_ATTR,
+                                    [p.name for p in func.params if p in params])
+            store.builder_.update_func(gvar, new)
+        return store.builder_.get()
+
+    def _transposed_params(self, mod: IRModule) -> dict:
+        """``main``'s parameters named in ``inputs`` that only matmuls read as their weight,
+        each with the [N, K] parameter that replaces it."""
+        if not self.inputs or "main" not in [g.name_hint for g in mod.get_global_vars()]:
+            return {}
+        main = mod["main"]
+        reads = _WeightReads()
+        reads.visit_expr(main)
+        alone = reads.weights_alone()
+        return {p: _transposed_param(p) for p in main.params
+                if p.name in self.inputs and p in alone}

@@ -8,7 +8,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,7 +202,7 @@ class GraphExecutor:
                  signature: Signature | None = None, backend: RegionBackend | None = None,
                  entry: str = "main", program: CallProgram | None = None,
                  branches: Mapping[str, dict] | None = None,
-                 max_shapes: int = DEFAULT_MAX_SHAPES):
+                 max_shapes: int = DEFAULT_MAX_SHAPES, transposed_inputs: Collection[str] = ()):
         if max_shapes < 1:
             raise ValueError(f"max_shapes must be at least 1, got {max_shapes}")
         self.device = device
@@ -233,6 +233,9 @@ class GraphExecutor:
         self._pool = BufferPool(device)
         self._bound: dict[str, tvm.runtime.Tensor] = {}
         self._bound_dims: dict[str, int] = {}
+        # 2-D inputs the entry takes transposed (the plan's ``transposed_inputs``): made so
+        # once, by ``bind_inputs``; ``run`` refuses them.
+        self.transposed_inputs = frozenset(transposed_inputs)
         self.bound_version = 0  # bumped by bind_inputs: graphs holding bound addresses are stale
         inputs = signature.inputs if signature is not None else ()
         self._position = {t.name: i for i, t in enumerate(inputs)}
@@ -274,6 +277,8 @@ class GraphExecutor:
             dims = self.signature.bind({k: tuple(t.shape) for k, t in tensors.items()},
                                        {k: str(t.dtype) for k, t in tensors.items()},
                                        partial=True)
+            for name in self.transposed_inputs.intersection(tensors):
+                tensors[name] = self._transposed(tensors[name])
             self._bound.update(tensors)
             self._bound_dims.update(dims)
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
@@ -662,8 +667,19 @@ class GraphExecutor:
             for first in [first for first, p in remembered.items() if key in p.checked]:
                 del remembered[first]
 
+    def _transposed(self, tensor: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
+        """A bound 2-D input as the entry takes it, [N, K]: a copy made once, through the
+        host (a bind is not a call; no kernel of the artifact transposes)."""
+        host = np.ascontiguousarray(tensor.numpy().T)
+        self.stats.add("h2d_bytes", host.nbytes)
+        return tvm.runtime.tensor(host, self.device)
+
     def _checked_input(self, name: str, value: Any) -> TensorFacts:
         """The facts of an input not seen before, checked (``_as_tensor``)."""
+        if name in self.transposed_inputs:
+            raise InputError(f"input {name!r} is a weight this build reads transposed: bind it "
+                             "once with bind_inputs (which transposes it), do not pass it to "
+                             "run()")
         tensor = self._as_tensor(name, value)
         shape, dtype = tuple(tensor.shape), str(tensor.dtype)
         return TensorFacts(tensor, shape, dtype,

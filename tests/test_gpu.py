@@ -1015,6 +1015,46 @@ def test_gemv_kernels_equal_numpy_on_both_sides_of_every_bucket(layout, dtype):
           + ", ".join(f"{m}: {e:.1e}" for m, e in worst.items()))
 
 
+@pytest.mark.parametrize("held", ["constants", "weights"])
+def test_weights_stored_transposed_equal_numpy(held):
+    """``gemv_test_relax`` ("kn") with its [K, N] weights bound as constants, or as inputs
+    named ``weights`` and bound with ``bind_inputs``, built with the default matmul: the
+    compiler stores them [N, K] (``StoreWeightsTransposed``; the executor transposes bound
+    ones as it binds them), so m <= 8 runs the "nk" GEMV kernels and m above cuBLASLt's
+    ``_nt`` functions. Equal to numpy (float64, the same weights) on both sides of every
+    bucket, fp32 and fp16; a weight passed to ``run`` is refused."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.artifact import Artifact  # pylint: disable=import-outside-toplevel
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.signature import InputError  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import gemv_test_inputs, gemv_test_numpy  # pylint: disable=import-outside-toplevel
+
+    for dtype, rtol in (("float32", 1e-4), ("float16", 1e-2)):
+        weights = {k: v for k, v in gemv_test_inputs(1, dtype, "kn", seed=7).items() if k != "x"}
+        path = _artifact(f"gemv_{held}_{dtype}.cuda.grape")
+        plan = Artifact.load(path).manifest["plan"]
+        assert plan["gemv_rows"] == {"grape.cublaslt.matmul_bias_nt": [1, 2, 4, 8]}
+        executor = load(path, "cuda")
+        try:
+            if held == "weights":
+                assert plan["transposed_inputs"] == ["w1", "w2"]
+                with pytest.raises(InputError, match="bind it once"):
+                    executor.run({"x": gemv_test_inputs(2, dtype, "kn")["x"], **weights})
+                executor.bind_inputs(weights)
+            for m in GEMV_ROWS:
+                x = gemv_test_inputs(m, dtype, "kn", seed=m)["x"]
+                got = executor.run({"x": x})
+                for name, want in zip(("y", "z"), gemv_test_numpy({"x": x, **weights}, "kn")):
+                    np.testing.assert_allclose(got[name].astype(np.float64), want, rtol=rtol,
+                                               atol=rtol * np.abs(want).max(),
+                                               err_msg=f"{held} {dtype} {name} at m={m}")
+        finally:
+            executor.close()
+
+
 def test_gemv_buckets_are_the_topologies():
     """One launch configuration per bucket: m = 1 | 2 | 3 | 7, 8 | 9..1024 (dlight's Matmul)
     fall in five topology groups, one graph each, whatever m within a group."""

@@ -80,6 +80,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     conv_stack,
     decoder_state_names,
     decoder_step,
+    gemv_test_constants,
     gemv_test_relax,
     gpt2_decode_step,
     gpt2_output_names,
@@ -166,8 +167,11 @@ def build_loop(out: Path, configs=(("decoder", DECODER_BENCH), ("decoder_small",
     for name, config in configs:
         step = decoder_step(**config)
         carried = decoder_state_names(config["layers"])
+        # the loop invariants are bound once: the build may take them in its own layout
+        invariants = [p.name for p in step["main"].params if p.name not in carried]
         loop = _timed(f"{name}.loop", lambda: grape_tvm.compile_loop(
-            step, carried, max_steps=config["max_len"] - 1, dims={"batch": (1, 8)}, target=CUDA))
+            step, carried, max_steps=config["max_len"] - 1, dims={"batch": (1, 8)}, target=CUDA,
+            weights=invariants))
         loop.export(out / f"{name}.loop.cuda.grape")
         bounded = _upper_bounded(step, {"batch": 8})
         vm = _timed(f"{name}.tvm_vm", lambda: tvm.compile(bounded, target=CUDA))
@@ -254,6 +258,11 @@ def _tvm_pipeline_grape_schedules(repair_branch_storage: bool = False):
     return _pipeline
 
 
+def _weight_inputs(weight_map: Path) -> list[str]:
+    """The inputs a ``NAME.weights.json`` of ``bench/export_hf.py`` names: bound once."""
+    return sorted(json.loads(weight_map.read_text())["inputs"])
+
+
 def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_decode"),
                     baselines: bool = True, dtype: str = "float32") -> None:
     """Hugging Face GPT-2 (124M, ``dtype``: NAME_fp16 for float16), weights as inputs:
@@ -271,7 +280,6 @@ def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_
     except ImportError:
         print("build_hf_models: torch/transformers not installed, skipped", flush=True)
         return
-    import json  # pylint: disable=import-outside-toplevel
 
     from export_hf import export_all  # pylint: disable=import-outside-toplevel
 
@@ -284,7 +292,8 @@ def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_
     for base in models:
         name = base + suffix
         module = _timed(f"{name}.cuda.grape", lambda n=name, b=base: grape_tvm.compile_onnx(
-            onnx_dir / f"{n}.onnx", dims=HF_DIMS[b], target=CUDA))
+            onnx_dir / f"{n}.onnx", dims=HF_DIMS[b], target=CUDA,
+            weights=_weight_inputs(onnx_dir / f"{n}.weights.json")))
         module.export(out / f"{name}.cuda.grape")
         (out / f"{name}.weights.json").write_bytes((onnx_dir / f"{name}.weights.json").read_bytes())
         if baselines:
@@ -310,7 +319,8 @@ def build_wav2vec2(out: Path) -> None:
     onnx_dir = out / "hf_onnx"
     export_all(onnx_dir, tiny=False, embed_weights=False, models=("wav2vec2",))
     module = _timed("wav2vec2.cuda.grape", lambda: grape_tvm.compile_onnx(
-        onnx_dir / "wav2vec2.onnx", dims=HF_DIMS["wav2vec2"], target=CUDA))
+        onnx_dir / "wav2vec2.onnx", dims=HF_DIMS["wav2vec2"], target=CUDA,
+        weights=_weight_inputs(onnx_dir / "wav2vec2.weights.json")))
     path = module.export(out / "wav2vec2.cuda.grape")
     (out / "wav2vec2.weights.json").write_bytes((onnx_dir / "wav2vec2.weights.json").read_bytes())
     plan = module.plan
@@ -359,13 +369,25 @@ MATMUL_DIMS = {"m": (1, 1024)}
 
 
 def build_gemv_tests(out: Path) -> None:
-    """Matmuls on grape's GEMV kernels, both weight layouts, fp32 and fp16 (tests)."""
+    """Matmuls on grape's GEMV kernels, both weight layouts and constant weights, fp32 and
+    fp16 (tests)."""
     for dtype in ("float32", "float16"):
         for layout in ("kn", "nk"):
             name = f"gemv_{layout}_{dtype}"
             module = _timed(name, lambda d=dtype, l=layout: grape_tvm.build(
                 gemv_test_relax(d, l), MATMUL_DIMS, CUDA, output_names=["y", "z"], matmul="grape"))
             module.export(out / f"{name}.cuda.grape")
+        # weights as constants, and as inputs bound once: stored [N, K], on the "nk" kernels
+        # and cuBLASLt's _nt functions (the default matmul)
+        name = f"gemv_constants_{dtype}"
+        module = _timed(name, lambda d=dtype: grape_tvm.build(
+            gemv_test_constants(d)[0], MATMUL_DIMS, CUDA, output_names=["y", "z"]))
+        module.export(out / f"{name}.cuda.grape")
+        name = f"gemv_weights_{dtype}"
+        module = _timed(name, lambda d=dtype: grape_tvm.build(
+            gemv_test_relax(d, "kn"), MATMUL_DIMS, CUDA, output_names=["y", "z"],
+            weights=["w1", "b1", "w2", "b2"]))
+        module.export(out / f"{name}.cuda.grape")
 
 
 # bench/matmul.py's systems: what build(matmul=...) each is built with.

@@ -100,7 +100,7 @@ def _cuda_sources(executable) -> list[str]:
 
 
 def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16, matmul: str | None = None,
-           device_branches: bool = True, weights: Sequence[str] = ()) -> tvm.IRModule:
+           device_branches: bool = True, weights: Sequence[int] = ()) -> tvm.IRModule:
     try:
         return grape_pipeline(tgt, ranges, select_ops, device_branches, matmul, weights)(mod)
     except Exception as err:  # pylint: disable=broad-except
@@ -185,10 +185,13 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     _check_weight_names(weights, signature)
     dim_names = dim_names or {}
     matmul = matmul_implementation(tgt, matmul)
+    # By position: main's parameter names may differ from the signature's (the ONNX
+    # importer makes identifiers of them, "h.0.weight" -> "h_0_weight").
     executable, plan = _compile_with_fallbacks(
         mod, tgt, ranges, select_ops, device_branches, matmul,
         lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names),
-        tuple(weights))
+        tuple(i for i, spec in enumerate(signature.inputs) if spec.name in set(weights)))
+    plan["transposed_inputs"] = [signature.inputs[i].name for i in plan["transposed_inputs"]]
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
     if parallel is not None:
@@ -295,7 +298,7 @@ def _mode_name(select_ops: int, device_branches: bool) -> str:
 
 def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
                             device_branches: bool, matmul: str, check_lowered,
-                            weights: Sequence[str] = ()):
+                            weights: Sequence[int] = ()):
     """Lower and compile ``mod``: TVM's executable and grape's plan. A failure of a module
     with an ``if`` may be one of grape's rewrites of it (a select, a conditional region)
     that lowering or codegen cannot take: the build then tries again without them, warns,
@@ -382,6 +385,10 @@ def compile_loop(step: tvm.IRModule, carried: Sequence[str], *, max_steps: int,
     if int(max_steps) < 1:
         raise ValueError(f"max_steps must be at least 1, got {max_steps}")
     _check_step(step["main"], carried, stop)
+    state_as_weights = sorted(set(kwargs.get("weights", ())) & set(carried))
+    if state_as_weights:
+        raise ValueError(f"weights {state_as_weights} are loop state, which changes every step: "
+                         "weights are the invariants, bound once")
     module = build(step, dims, target, output_names=[*carried, stop], **kwargs)
     module.loop = LoopSpec(tuple(carried), stop, int(max_steps)).to_json()
     return module

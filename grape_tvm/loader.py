@@ -98,6 +98,18 @@ def _open(path: str | Path, device: Any):
     return _library(artifact), manifest, dev, store
 
 
+def _transposed_inputs(path, manifest: dict, signature: Signature) -> list[str]:
+    """The plan's ``transposed_inputs``, each a matrix of static shape the model takes."""
+    names = manifest["plan"].get("transposed_inputs", [])
+    shapes = {t.name: t.shape for t in signature.inputs}
+    wrong = [n for n in names if n not in shapes or len(shapes[n]) != 2 or
+             not all(isinstance(d, int) for d in shapes[n])]
+    if wrong:
+        raise ArtifactError(f"{path}: plan.transposed_inputs names {wrong}, which are not "
+                            "inputs of static 2-D shape")
+    return names
+
+
 def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
          max_graphs: int = 4096, max_shapes: int = DEFAULT_MAX_SHAPES) -> GraphExecutor:
     """Load an artifact and return an executor on ``device`` (``"cpu"`` or ``"cuda"``).
@@ -121,6 +133,6 @@ def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
                                    cubins, max_shapes, manifest["plan"].get("libraries", ()))
     executor = GraphExecutor(library, dev, signature, backend, program=program,
                              branches=manifest["plan"].get("branches"), max_shapes=max_shapes,
-                             transposed_inputs=manifest["plan"].get("transposed_inputs", ()))
+                             transposed_inputs=_transposed_inputs(path, manifest, signature))
     executor.manifest = manifest
     return executor

@@ -309,6 +309,9 @@ def compile_onnx_loop(model: Any, dims: Mapping[str, Any] | None = None, target:
                       *, max_steps: int = DEFAULT_MAX_STEPS, **kwargs) -> GrapeModule:
     """Compile an ONNX graph whose computing node is a ``Loop`` into a ``compile_loop``
     module; ``max_steps`` is the step limit when the Loop has no trip count ``M``."""
+    if kwargs.get("weights"):
+        # its invariants are the step's inputs under names of grape's, bound by OnnxLoop
+        raise ValueError("weights= is not supported for a model whose computing node is a Loop")
     proto = normalize_constants(load_onnx(model))
     signature = onnx_signature(proto, dims or {})
     proto, ranges, dim_names = with_identifier_dims(proto, signature.dims)

@@ -88,7 +88,7 @@ class GrapePipeline:
     def __init__(self, target: tvm.target.Target | None = None,
                  dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
                  select_ops: int = 16, device_branches: bool = True,
-                 matmul: str | None = None, weights: Sequence[str] = ()):
+                 matmul: str | None = None, weights: Sequence[int] = ()):
         self.target = target
         self.dims = dict(dims or {})
         self.select_ops = select_ops
@@ -128,11 +128,11 @@ class GrapePipeline:
             # A split read part by part: a slice per part, fused with its readers.
             passes.append(SplitAsSlices())
             # Weights stored [N, K], the GEMV kernels' faster layout: constants copied once
-            # here, bound inputs transposed once as they are bound. On the CPU only for
-            # bound inputs (``weights``), read in place there too.
-            transposed_weights = is_gpu(target) and matmul != "tvm"
-            if transposed_weights or self.weights:
-                passes.append(StoreWeightsTransposed(self.weights))
+            # here (GPU), inputs bound once (``weights``) transposed as they are bound (on
+            # every target: read in place on the CPU too).
+            transposed_constants = is_gpu(target) and matmul != "tvm"
+            if transposed_constants or self.weights:
+                passes.append(StoreWeightsTransposed(self.weights, transposed_constants))
             if target.kind.name == "cuda" and matmul != "tvm":
                 # Attention as one kernel of grape's runtime, 16-bit or a decode step's
                 # (before OffloadMatmul takes its two products).
@@ -141,7 +141,7 @@ class GrapePipeline:
                 passes.append(OffloadMatmul())
             passes += lowering.library_dispatch_passes(target)
             decode_gemv = matmul != "tvm"  # the matmuls left to schedules: grape's rules first
-            if (is_gpu(target) and decode_gemv) or (self.weights and not transposed_weights):
+            if (is_gpu(target) and decode_gemv) or (self.weights and not transposed_constants):
                 # An nn.Linear weight's transpose read in place by the matmul kernel (GEMV "nk").
                 passes.append(FuseWeightTranspose())
             # NaN and empty reductions as onnxruntime has them (passes/numerics.py).
@@ -191,7 +191,7 @@ def matmul_implementation(target: tvm.target.Target, asked: str | None) -> str:
 def grape_pipeline(target: tvm.target.Target | None = None,
                    dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
                    select_ops: int = 16, device_branches: bool = True,
-                   matmul: str | None = None, weights: Sequence[str] = ()) -> tvm.transform.Pass:
+                   matmul: str | None = None, weights: Sequence[int] = ()) -> tvm.transform.Pass:
     """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes.
 
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
@@ -203,9 +203,9 @@ def grape_pipeline(target: tvm.target.Target | None = None,
     rules alone, a transpose kernel; the default elsewhere). Under "auto" and "cublaslt" the
     matmuls the library does not take get grape's rules.
     ``device_branches``: the ``if``s left become conditional regions (no host read of the
-    condition); False leaves them to the VM, which reads it. ``weights``: inputs the caller
-    binds once (``bind_inputs``); a [K, N] matmul weight among them is taken [N, K]
-    (``StoreWeightsTransposed``) and transposed as it is bound.
+    condition); False leaves them to the VM, which reads it. ``weights``: positions of
+    ``main``'s parameters the caller binds once (``bind_inputs``); a [K, N] matmul weight
+    among them is taken [N, K] (``StoreWeightsTransposed``) and transposed as it is bound.
     """
     return GrapePipeline(target, dims, select_ops, device_branches, matmul, weights)
 

@@ -85,8 +85,8 @@ class GraphPlan:
     # Library matmuls that run on grape's GEMV kernels for few rows (GemvForFewRows): the
     # library function -> the row buckets of its GEMV kernels.
     gemv_rows: dict = field(default_factory=dict)
-    # Inputs the entry takes transposed (StoreWeightsTransposed): the executor transposes
-    # each once, as it is bound.
+    # Positions of the inputs the entry takes transposed (StoreWeightsTransposed): the
+    # executor transposes each once, as it is bound (``build`` names them in the plan).
     transposed_inputs: list = field(default_factory=list)
 
     @property
@@ -372,7 +372,7 @@ def graph_plan(mod: IRModule, entry: str = "main") -> GraphPlan:
     plan.notes = [f"{entry}.{var}: an if kept, not a select: {why}"
                   for var, why in unselected.items()]
     if func.attrs is not None and TRANSPOSED_INPUTS_ATTR in func.attrs:
-        plan.transposed_inputs = [str(n) for n in func.attrs[TRANSPOSED_INPUTS_ATTR]]
+        plan.transposed_inputs = [int(i) for i in func.attrs[TRANSPOSED_INPUTS_ATTR]]
     if func.attrs is not None and PROGRAM_ATTR in func.attrs:
         plan.call_program = json.loads(str(func.attrs[PROGRAM_ATTR]))
     plan.gemv_rows = {str(f.attrs[LIBRARY_FUNCTION_ATTR]): [int(b) for b in f.attrs[GEMV_ROWS_ATTR]]

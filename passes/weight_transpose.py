@@ -81,9 +81,9 @@ class FuseWeightTranspose:
         return fuse.builder_.get() if fuse.fused else mod
 
 
-# On ``main``: the inputs ``StoreWeightsTransposed`` took transposed ([N, K] for a weight the
-# model declares [K, N]); ``graph_plan`` puts them in the plan, the executor transposes each
-# once when it is bound.
+# On ``main``: the positions of the parameters ``StoreWeightsTransposed`` took transposed
+# ([N, K] for a weight the model declares [K, N]); ``build`` names them in the plan, the
+# executor transposes each once when it is bound.
 TRANSPOSED_INPUTS_ATTR = "grape.transposed_inputs"
 
 
@@ -153,36 +153,34 @@ class StoreWeightsTransposed:
     M = 1 in fp32 and 0.69x to 0.85x in fp16; at M = 8, 0.42x to 0.58x in fp32 and 0.44x to
     1.19x in fp16.
 
-    Which weights: every constant (copied once, here), and the parameters of ``main`` named
-    in ``inputs``, weights the caller binds once (``GraphExecutor.bind_inputs``
-    transposes each as it binds it; ``main``'s ``grape.transposed_inputs`` names them). A
-    weight read by anything but matmuls keeps its layout: no second copy of it.
+    Which weights: every constant (copied once, here; ``constants=False`` leaves them), and
+    the parameters of ``main`` at the positions ``inputs``, weights the caller binds once
+    (``GraphExecutor.bind_inputs`` transposes each as it binds it; ``main``'s
+    ``grape.transposed_inputs`` lists their positions). A weight read by anything but
+    matmuls keeps its layout: no second copy of it.
 
     Before::
 
-        def main(x: R.Tensor((m, 768)), w: R.Tensor((768, 3072))):   # inputs=["w"]
+        def main(x: R.Tensor((m, 768)), w: R.Tensor((768, 3072))):   # inputs=[1]
             y = R.matmul(x, w)
             z = R.matmul(x, metadata["relax.expr.Constant"][0])      # (768, 3072)
 
     After::
 
-        def main(x: R.Tensor((m, 768)), w: R.Tensor((3072, 768))):   # grape.transposed_inputs
+        def main(x: R.Tensor((m, 768)), w: R.Tensor((3072, 768))):   # transposed_inputs [1]
             wt = R.permute_dims(w)
             y = R.matmul(x, wt)
             ct = R.permute_dims(metadata["relax.expr.Constant"][1])  # (3072, 768) in memory
             z = R.matmul(x, ct)
     """
 
-    def __init__(self, inputs: Sequence[str] = ()):
-        self.inputs = frozenset(inputs)
+    def __init__(self, inputs: Sequence[int] = (), constants: bool = True):
+        self.inputs = frozenset(inputs)  # positions of main's parameters
+        self.constants = constants
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
         functions = [(g, f) for g, f in mod.functions_items() if isinstance(f, relax.Function)]
-        constants = _WeightReads()
-        for _, func in functions:
-            constants.visit_expr(func)
-        stored = {w: relax.const(np.ascontiguousarray(w.value.numpy().T))
-                  for w in constants.weights_alone() if isinstance(w, GenericConst)}
+        stored = self._transposed_constants(functions) if self.constants else {}
         params = self._transposed_params(mod)
         if not stored and not params:
             return mod
@@ -193,18 +191,27 @@ class StoreWeightsTransposed:
                 new = relax.Function([params.get(p, p) for p in func.params], new.body,
                                      new.ret_ty, new.is_pure, new.attrs, new.span)
                 new = new.with_attr(TRANSPOSED_INPUTS_ATTR,
-                                    [p.name for p in func.params if p in params])
+                                    [i for i, p in enumerate(func.params) if p in params])
             store.builder_.update_func(gvar, new)
         return store.builder_.get()
 
+    @staticmethod
+    def _transposed_constants(functions) -> dict:
+        """Each constant that only matmuls read as their weight, with its [N, K] copy."""
+        reads = _WeightReads()
+        for _, func in functions:
+            reads.visit_expr(func)
+        return {w: relax.const(np.ascontiguousarray(w.value.numpy().T))
+                for w in reads.weights_alone() if isinstance(w, GenericConst)}
+
     def _transposed_params(self, mod: IRModule) -> dict:
-        """``main``'s parameters named in ``inputs`` that only matmuls read as their weight,
-        each with the [N, K] parameter that replaces it."""
+        """``main``'s parameters at the positions ``inputs`` that only matmuls read as their
+        weight, each with the [N, K] parameter that replaces it."""
         if not self.inputs or "main" not in [g.name_hint for g in mod.get_global_vars()]:
             return {}
         main = mod["main"]
         reads = _WeightReads()
         reads.visit_expr(main)
         alone = reads.weights_alone()
-        return {p: _transposed_param(p) for p in main.params
-                if p.name in self.inputs and p in alone}
+        return {p: _transposed_param(p) for i, p in enumerate(main.params)
+                if i in self.inputs and p in alone}

@@ -269,16 +269,20 @@ class GraphExecutor:
             raise ValueError("bind_inputs needs the model's signature (load it from an artifact)")
         with self._lock:
             self._check_open()
-            tensors = {name: self._as_tensor(name, value) for name, value in inputs.items()}
             specs = {t.name for t in self.signature.inputs}
-            unknown = sorted(set(tensors) - specs)
+            unknown = sorted(set(inputs) - specs)
             if unknown:
                 raise InputError(f"unknown input(s) {unknown}: the model takes {sorted(specs)}")
-            dims = self.signature.bind({k: tuple(t.shape) for k, t in tensors.items()},
-                                       {k: str(t.dtype) for k, t in tensors.items()},
+            # A weight the build reads transposed is checked as the model declares it.
+            given = {name: self._transposed_host(name, value)
+                     if name in self.transposed_inputs else self._as_tensor(name, value)
+                     for name, value in inputs.items()}
+            dims = self.signature.bind({k: tuple(t.shape) for k, t in given.items()},
+                                       {k: str(t.dtype) for k, t in given.items()},
                                        partial=True)
-            for name in self.transposed_inputs.intersection(tensors):
-                tensors[name] = self._transposed(tensors[name])
+            tensors = {k: self._as_tensor(k, np.ascontiguousarray(t.T))
+                       if isinstance(t, np.ndarray) and k in self.transposed_inputs else t
+                       for k, t in given.items()}
             self._bound.update(tensors)
             self._bound_dims.update(dims)
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
@@ -667,12 +671,15 @@ class GraphExecutor:
             for first in [first for first, p in remembered.items() if key in p.checked]:
                 del remembered[first]
 
-    def _transposed(self, tensor: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
-        """A bound 2-D input as the entry takes it, [N, K]: a copy made once, through the
-        host (a bind is not a call; no kernel of the artifact transposes)."""
-        host = np.ascontiguousarray(tensor.numpy().T)
-        self.stats.add("h2d_bytes", host.nbytes)
-        return tvm.runtime.tensor(host, self.device)
+    def _transposed_host(self, name: str, value: Any) -> np.ndarray:
+        """A weight the entry takes transposed, on the host as the model declares it: a
+        host array as it is, a device tensor read back (counted), to be transposed and
+        copied once (a bind is not a call; no kernel of the artifact transposes)."""
+        if isinstance(value, np.ndarray):
+            return value
+        host = self._as_tensor(name, value).numpy()
+        self.stats.add("d2h_bytes", host.nbytes)
+        return host
 
     def _checked_input(self, name: str, value: Any) -> TensorFacts:
         """The facts of an input not seen before, checked (``_as_tensor``)."""

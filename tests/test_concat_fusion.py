@@ -72,6 +72,9 @@ def test_only_concatenations_are_taken():
 def test_built_for_the_cpu_it_equals_numpy(tmp_path):
     module = grape_tvm.build(_cache_append(), {"b": (1, 2), "past": (1, 64)}, "llvm",
                              output_names=["present"])
+    # one kernel: the slice and transpose of the new rows fused into the concatenation
+    (kernel,) = [k for r in module.plan["regions"] for k in r["kernels"]]
+    assert "concatenate" in kernel and "strided_slice" in kernel, kernel
     executor = grape_tvm.load(module.export(tmp_path / "append.grape"))
     rng = np.random.default_rng(0)
     width = HEADS * HEAD_DIM

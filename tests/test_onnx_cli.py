@@ -303,14 +303,17 @@ def test_run_and_inspect_need_neither_onnx_nor_tvm_compiler(models, tmp_path):
 
 
 def _matmul_with_weight_input(tmp_path) -> Path:
-    """``y = x @ w + b`` (x: (n, 16), w: (16, 8)), w and b graph inputs (a weightless export)."""
+    """``y = x @ w + b`` (x: (n, 16), w: (16, 8)), w and b graph inputs (a weightless export),
+    w named as exporters name weights ("fc.weight": not an identifier, which the importer
+    renames)."""
     import onnx  # pylint: disable=import-outside-toplevel
     from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
 
     info = helper.make_tensor_value_info
-    model = _model([helper.make_node("MatMul", ["x", "w"], ["h"]),
+    model = _model([helper.make_node("MatMul", ["x", "fc.weight"], ["h"]),
                     helper.make_node("Add", ["h", "b"], ["y"])],
-                   [info("x", TensorProto.FLOAT, ["n", 16]), info("w", TensorProto.FLOAT, [16, 8]),
+                   [info("x", TensorProto.FLOAT, ["n", 16]),
+                    info("fc.weight", TensorProto.FLOAT, [16, 8]),
                     info("b", TensorProto.FLOAT, [8])],
                    [info("y", TensorProto.FLOAT, ["n", 8])])
     path = tmp_path / "linear.onnx"
@@ -322,20 +325,20 @@ def test_weights_from_the_command_line_are_transposed_as_bound(tmp_path, capsys)
     model = _matmul_with_weight_input(tmp_path)
     artifact = tmp_path / "linear.grape"
     assert main(["compile", str(model), "-o", str(artifact), "--dim", "n=1:32",
-                 "--weights", "w,b"]) == 0
-    assert _inspect_json(artifact)["transposed_inputs"] == ["w"]
+                 "--weights", "fc.weight,b"]) == 0
+    assert _inspect_json(artifact)["transposed_inputs"] == ["fc.weight"]
     rng = np.random.default_rng(3)
     for n in (1, 5, 32):
         inputs = {"x": rng.standard_normal((n, 16)).astype(np.float32),
-                  "w": rng.standard_normal((16, 8)).astype(np.float32),
+                  "fc.weight": rng.standard_normal((16, 8)).astype(np.float32),
                   "b": rng.standard_normal(8).astype(np.float32)}
-        got = _run(artifact, inputs, tmp_path)  # the npz holds w as the model declares it
+        got = _run(artifact, inputs, tmp_path)  # the npz holds the weight as the model has it
         np.testing.assert_allclose(got["y"], onnxruntime_outputs(model, inputs)[0],
                                    rtol=1e-5, atol=1e-5)
     capsys.readouterr()
-    assert main(["inspect", str(artifact), "--record", "--json"]) == 0  # zeros bound for w
+    assert main(["inspect", str(artifact), "--record", "--json"]) == 0  # zeros bound for it
     code = main(["compile", str(model), "-o", str(tmp_path / "x.grape"), "--dim", "n=1:32",
-                 "--weights", "w,v"])
+                 "--weights", "fc.weight,v"])
     assert code == 2
     assert "weights names ['v'], which the model does not take" in capsys.readouterr().err
     assert not (tmp_path / "x.grape").exists()

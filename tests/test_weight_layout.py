@@ -150,16 +150,18 @@ def _mlp_of_inputs(extra_read: bool = False) -> tvm.IRModule:
 
 
 def test_named_weight_inputs_are_taken_transposed():
-    after = StoreWeightsTransposed(["w1", "b", "w2"])(_mlp_of_inputs(extra_read=True))
+    after = StoreWeightsTransposed([1, 2, 3])(_mlp_of_inputs(extra_read=True))  # w1, b, w2
     main = after["main"]
     shapes = {p.name: [int(d) if isinstance(d, tirx.IntImm) else str(d)
                        for d in p.ty.shape.values] for p in main.params}
     # w1 only feeds a matmul: taken [N, K]; w2 is read by an add too, b is no matmul weight
     assert shapes == {"x": ["m", 64], "w1": [48, 64], "b": [48], "w2": [48, 32]}
-    assert [str(n) for n in main.attrs["grape.transposed_inputs"]] == ["w1"]
+    assert [int(i) for i in main.attrs["grape.transposed_inputs"]] == [1]
     # not named: as the model has it
     untouched = StoreWeightsTransposed()(_mlp_of_inputs())
     tvm.ir.assert_structural_equal(untouched, _mlp_of_inputs())
+    # constants=False (the CPU, matmul="tvm"): constants as they are
+    tvm.ir.assert_structural_equal(StoreWeightsTransposed(constants=False)(_mlp()), _mlp())
 
 
 def _bound_module(target: str = "llvm", weights=("w1", "w2")):
@@ -176,6 +178,8 @@ def test_bound_weights_are_transposed_once_and_give_the_same_results(tmp_path):
     assert [t.shape for t in module.signature.inputs if t.name == "w1"] == [(64, 48)]
     with load(module.export(tmp_path / "mlp.grape"), "cpu") as executor:
         executor.bind_inputs({"w1": W1, "b": BIAS, "w2": W2})  # as the model declares them
+        # each copied once, transposed on the host on its way
+        assert executor.stats.h2d_bytes == W1.nbytes + BIAS.nbytes + W2.nbytes
         for m in (1, 3, 8, 17, 64):
             x = RNG.standard_normal((m, 64)).astype("float32")
             _close(executor.run({"x": x})["y"], _reference(x))
@@ -200,3 +204,34 @@ def test_a_cuda_build_gives_bound_weights_the_nk_gemv_kernels():
     assert module.plan["transposed_inputs"] == ["w1", "w2"]
     assert module.plan["gemv_rows"] == {"grape.cublaslt.matmul_bias_nt": [1, 2, 4, 8],
                                         "grape.cublaslt.matmul_nt": [1, 2, 4, 8]}
+
+
+def test_loop_state_and_onnx_loops_take_no_weights():
+    import sys  # pylint: disable=import-outside-toplevel
+    from pathlib import Path  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from models import DECODER_TINY, decoder_state_names, decoder_step  # pylint: disable=import-outside-toplevel
+
+    carried = decoder_state_names(DECODER_TINY["layers"])
+    with pytest.raises(ValueError, match=r"weights \['k0'\] are loop state"):
+        grape_tvm.compile_loop(decoder_step(**DECODER_TINY), carried, max_steps=4,
+                               dims={"batch": (1, 2)}, weights=["k0", "w_qkv0"])
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_onnx_loop import DIMS, affine_loop  # pylint: disable=import-outside-toplevel
+
+    with pytest.raises(ValueError, match="not supported for a model whose computing node is a Loop"):
+        grape_tvm.compile_onnx(affine_loop(), dims=DIMS, weights=["w"])
+
+
+def test_an_artifact_naming_a_weight_it_does_not_take_is_refused(tmp_path):
+    from grape_tvm.artifact import Artifact, ArtifactError  # pylint: disable=import-outside-toplevel
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    path = _bound_module().export(tmp_path / "mlp.grape")
+    artifact = Artifact.load(path)
+    for wrong in (["w9"], ["x"]):  # not an input; an input of symbolic shape
+        artifact.manifest["plan"]["transposed_inputs"] = wrong
+        artifact.save(tmp_path / "edited.grape")
+        with pytest.raises(ArtifactError, match="not inputs of static 2-D shape"):
+            load(tmp_path / "edited.grape", "cpu")

@@ -420,7 +420,8 @@ class TopologyGraph(OwnedGraph):
         return kernel_node_params(self.patch.function, 1, threads, self.staged_bytes, storage)
 
     def _add_patch_node(self, graph):
-        return add_head_node(graph, self._patch_node_params(self._patch_params()), "patch")
+        storage = self._patch_params()  # the node's kernelParams point into it: keep it
+        return add_head_node(graph, self._patch_node_params(storage), "patch")
 
     def _encode_table(self) -> bool:
         """Write columns and rows, and reset what the patch kernel applied; True if a

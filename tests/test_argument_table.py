@@ -232,3 +232,34 @@ def test_a_memset_into_a_region_argument_is_not_kept():
     two_rows = MemsetNode(arg.data_ptr() - 256, 0, 1, 8, 2, 256)  # its second row: arg[0]
     with pytest.raises(UnkeptGraph):
         check_memsets([two_rows], [arg])
+
+
+def test_the_patch_nodes_parameters_live_until_the_node_is_added(monkeypatch):
+    """Regression (H200: ``cuGraphAddKernelNode(patch)`` failed with INVALID_VALUE while
+    recording the 256 shapes of the blocks model): the node's ``kernelParams`` points into
+    ctypes storage that was a temporary, freed before the driver read it. The driver copies
+    the parameters when the node is added; until then the storage must be alive."""
+    import weakref  # pylint: disable=import-outside-toplevel
+    from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.runtime import topology_graph
+    from grape_tvm.runtime.cuda_compile import kernel_params
+
+    made = []
+    real = topology_graph.kernel_node_params
+
+    def remembered(function, blocks, threads, shared_bytes, storage):
+        made.append(weakref.ref(storage[1]))  # the array kernelParams points to
+        return real(function, blocks, threads, shared_bytes, storage)
+
+    def add_head_node(graph, params, what):
+        assert made and made[-1]() is not None, f"the {what} node's parameters were freed"
+        return "node"
+
+    monkeypatch.setattr(topology_graph, "kernel_node_params", remembered)
+    monkeypatch.setattr(topology_graph, "add_head_node", add_head_node)
+    graph = SimpleNamespace(_patch_params=lambda: kernel_params([("u64", 1), ("u32", 2)]),
+                            dev_nodes=[None] * 40, staged_bytes=0,
+                            patch=SimpleNamespace(function=None))
+    graph._patch_node_params = topology_graph.TopologyGraph._patch_node_params.__get__(graph)
+    assert topology_graph.TopologyGraph._add_patch_node(graph, None) == "node"

@@ -19,7 +19,6 @@ Needs torch, cuda-python and grape-tvm's runtime on a GPU host.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P too
-from runtime_kernels import CubinFile, RuntimeTensor  # noqa: E402  pylint: disable=wrong-import-position
+from runtime_kernels import CubinFile, RuntimeTensor, write_results  # noqa: E402  pylint: disable=wrong-import-position
 from torch_graph_timing import graph_us  # noqa: E402  pylint: disable=wrong-import-position
 
 from grape_tvm.runtime.attention import (SOURCE, AttentionFunction,  # noqa: E402
@@ -154,16 +153,12 @@ def main() -> int:
               f"{err:8.1e} " + " ".join(f"{r[c]:13.1f}" for c in columns) + "".join(
                   f"  {n} {x['grape_causal_us']:.1f} ({x['max_abs_error_causal']:.0e})"
                   for n, x in r["variants"].items()), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "attention_kernel.json"
-    path.write_text(json.dumps({
-        "machine": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "what": "us per call: reps calls in one CUDA graph, 5 replays timed by CUDA events; "
-                "max_abs_error_* against PyTorch's fp32 softmax(q k^T * scale + bias) v, "
-                "bias causal (-65504 above the diagonal); grape_causal: the kernel's causal "
-                "mode (no bias read), grape_bias: the bias read",
-        "reps": args.reps, "cases": results}, indent=1))
-    print(f"wrote {path} in {time.time() - started:.0f} s")
+    write_results(args.out, "attention_kernel.json", started,
+                  what="us per call: reps calls in one CUDA graph, 5 replays timed by CUDA "
+                       "events; max_abs_error_* against PyTorch's fp32 softmax(q k^T * scale + "
+                       "bias) v, bias causal (-65504 above the diagonal); grape_causal: the "
+                       "kernel's causal mode (no bias read), grape_bias: the bias read",
+                  reps=args.reps, cases=results)
     return 0
 
 

@@ -20,7 +20,6 @@ and V's bytes at ``--copy-tbps`` (HBM). Prints a table, writes ``decode_attentio
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # run with -P too
-from runtime_kernels import CubinFile, RuntimeTensor  # noqa: E402  pylint: disable=wrong-import-position
+from runtime_kernels import CubinFile, RuntimeTensor, write_results  # noqa: E402  pylint: disable=wrong-import-position
 from torch_graph_timing import graph_us  # noqa: E402  pylint: disable=wrong-import-position
 
 from grape_tvm.runtime.attention import (DECODE_SOURCE, AttentionFunction,  # noqa: E402
@@ -152,21 +151,16 @@ def main() -> int:
               + " ".join(f"{r[c]:13.2f}" for c in COLUMNS) + "".join(
                   f"  {n} {x['grape_us']:.2f}/{x['splits']} ({x['max_abs_error']:.0e})"
                   for n, x in r["variants"].items()), flush=True)
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / "decode_attention.json"
-    path.write_text(json.dumps({
-        "machine": torch.cuda.get_device_name(), "torch": torch.__version__,
-        "command": " ".join(sys.argv),
-        "what": "us per call: reps calls in one CUDA graph, 5 replays timed by CUDA events "
-                "(K and V left in L2 between calls where they fit); max_abs_error against "
-                "PyTorch's fp32 softmax(q k^T * scale + mask) v; bound_us: K and V bytes at "
-                "copy_tbps; "
-                "torch_unfused: matmul, softmax, matmul; torch_sdpa: "
-                "F.scaled_dot_product_attention with the mask; variants: no_split (a block a "
-                "row), split_afterN (rows of more than N keys a thread split, a key a thread "
-                "a block), wN (builds of N warps a block)",
-        "reps": args.reps, "copy_tbps": args.copy_tbps, "cases": results}, indent=1))
-    print(f"wrote {path} in {time.time() - started:.0f} s")
+    write_results(args.out, "decode_attention.json", started,
+                  what="us per call: reps calls in one CUDA graph, 5 replays timed by CUDA "
+                       "events (K and V left in L2 between calls where they fit); "
+                       "max_abs_error against PyTorch's fp32 softmax(q k^T * scale + mask) v; "
+                       "bound_us: K and V bytes at copy_tbps; torch_unfused: matmul, softmax, "
+                       "matmul; torch_sdpa: F.scaled_dot_product_attention with the mask; "
+                       "variants: no_split (a block a row), split_afterN (rows of more than N "
+                       "keys a thread split, a key a thread a block), wN (builds of N warps a "
+                       "block)",
+                  reps=args.reps, copy_tbps=args.copy_tbps, cases=results)
     return 0
 
 

@@ -119,7 +119,7 @@ class VM:
     def __init__(self, env: Env, path: Path, weights: dict):
         from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
 
-        from grape_tvm.loader import load_library  # pylint: disable=import-outside-toplevel
+        from grape_tvm.loader import entry_argument, load_library  # pylint: disable=import-outside-toplevel
         from grape_tvm.runtime.signature import Signature  # pylint: disable=import-outside-toplevel
 
         library, manifest, self.dev = load_library(path, env.device)
@@ -127,17 +127,9 @@ class VM:
         signature = Signature.from_json(manifest["signature"])
         self.inputs = [t.name for t in signature.inputs]
         self.outputs = [t.name for t in signature.outputs]
-        # weights the build reads transposed (as grape's executor binds them)
-        transposed = set(manifest["plan"].get("transposed_inputs", ()))
-        self.template = [self._transposed(weights.get(n)) if n in transposed else weights.get(n)
+        self.template = [entry_argument(manifest, n, weights[n], self.dev) if n in weights else None
                          for n in self.inputs]
         self.position = {n: i for i, n in enumerate(self.inputs)}
-
-    def _transposed(self, weight):
-        import tvm  # pylint: disable=import-outside-toplevel
-
-        host = weight.numpy() if hasattr(weight, "numpy") else np.asarray(weight)
-        return tvm.runtime.tensor(np.ascontiguousarray(host.T), self.dev)
 
     def __call__(self, feeds: dict) -> dict:
         args = list(self.template)

@@ -126,7 +126,7 @@ def main() -> None:
     import tvm  # pylint: disable=import-outside-toplevel
     from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind  # pylint: disable=import-outside-toplevel
 
-    from grape_tvm.loader import load_library  # pylint: disable=import-outside-toplevel
+    from grape_tvm.loader import entry_argument, load_library  # pylint: disable=import-outside-toplevel
     from grape_tvm.runtime.signature import Signature  # pylint: disable=import-outside-toplevel
 
     library, manifest, dev = load_library(args.artifact, "cuda")
@@ -153,8 +153,8 @@ def main() -> None:
         _executor_steps(args.artifact, signature, inputs, args.executor_steps,
                         set(weights) | transposed, args.graph_mode)
         return
-    inputs = [tvm.runtime.tensor(np.ascontiguousarray(t.numpy().T), dev)
-              if spec.name in transposed else t for spec, t in zip(signature.inputs, inputs)]
+    inputs = [entry_argument(manifest, spec.name, t, dev)
+              for spec, t in zip(signature.inputs, inputs)]
     # grape's library functions (cuBLASLt, attention) for TVM's VM: a grape backend
     # registers them when it starts, and none runs here.
     from grape_tvm.runtime import attention, cublaslt  # pylint: disable=import-outside-toplevel

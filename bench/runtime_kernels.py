@@ -1,8 +1,11 @@
 """One of grape's runtime kernels, built to a cubin, launched by the runtime on torch tensors
-(``bench/attention_kernel.py``, ``bench/decode_attention.py``)."""
+(``bench/attention_kernel.py``, ``bench/decode_attention.py``), and their results file."""
 
 from __future__ import annotations
 
+import json
+import sys
+import time
 from pathlib import Path
 
 import torch
@@ -25,3 +28,13 @@ class RuntimeTensor:
     def __init__(self, tensor: torch.Tensor):
         self.data_ptr = tensor.data_ptr
         self.dtype = str(tensor.dtype).removeprefix("torch.")
+
+
+def write_results(out: Path, name: str, started: float, **fields) -> None:
+    """Write ``out/name``: the machine, torch, the command and ``fields``; print where, and
+    the seconds since ``started``."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / name
+    path.write_text(json.dumps({"machine": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                "command": " ".join(sys.argv), **fields}, indent=1))
+    print(f"wrote {path} in {time.time() - started:.0f} s")

@@ -20,7 +20,7 @@ from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.passes.planned_memory import planned_bytes
 from grape_tvm.pipeline import grape_pipeline, is_gpu, matmul_implementation
 from grape_tvm.runtime.call_program import CallProgram
-from grape_tvm.runtime.attention import SOURCE_OF as ATTENTION_SOURCE_OF
+from grape_tvm.runtime.attention import sources_of as attention_sources_of
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
 from grape_tvm.runtime.tensor_parallel import OUTPUTS_KEY as TENSOR_PARALLEL_OUTPUTS_KEY
 from grape_tvm.runtime.tensor_parallel import PLAN_KEY as TENSOR_PARALLEL_KEY
@@ -187,10 +187,11 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     matmul = matmul_implementation(tgt, matmul)
     # By position: main's parameter names may differ from the signature's (the ONNX
     # importer makes identifiers of them, "h.0.weight" -> "h_0_weight").
+    named = set(weights)
     executable, plan = _compile_with_fallbacks(
         mod, tgt, ranges, select_ops, device_branches, matmul,
         lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names),
-        tuple(i for i, spec in enumerate(signature.inputs) if spec.name in set(weights)))
+        tuple(i for i, spec in enumerate(signature.inputs) if spec.name in named))
     plan["transposed_inputs"] = [signature.inputs[i].name for i in plan["transposed_inputs"]]
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
@@ -344,9 +345,8 @@ def package(executable, signature: Signature, target: Any, plan: dict | None = N
         # The model's kernels and the runtime's own (patch, loop, attention's if called), for
         # the target's arch.
         sources = _cuda_sources(executable) + [PATCH_SOURCE.read_text(), LOOP_SOURCE.read_text()]
-        sources += [ATTENTION_SOURCE_OF[library].read_text()
-                    for library in (plan or {}).get("libraries", ())
-                    if library in ATTENTION_SOURCE_OF]
+        sources += [source.read_text()
+                    for source in attention_sources_of((plan or {}).get("libraries", ()))]
         cubins = {source_key(code): compile_cubin(code, info.get("arch", "sm_90"))
                   for code in sources}
     plan = plan if plan is not None else {"regions": [], "host_steps": [], "host_bookkeeping": 0}

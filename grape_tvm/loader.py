@@ -9,6 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import tvm
 
 from grape_tvm.artifact import Artifact, ArtifactError, write_atomically
@@ -73,6 +74,17 @@ def load_library(path: str | Path, device: Any = "cpu") -> tuple[Any, dict, tvm.
     """The artifact's TVM library, loadable by TVM's own VM, with its manifest and device."""
     library, manifest, dev, _ = _open(path, device)
     return library, manifest, dev
+
+
+def entry_argument(manifest: dict, name: str, value: Any, device: tvm.runtime.Device) -> Any:
+    """Input ``name`` as the entry function takes it, for a caller of TVM's VM on
+    ``load_library``'s library: a weight the build reads transposed
+    (``plan["transposed_inputs"]``, which ``GraphExecutor.bind_inputs`` transposes)
+    transposed onto ``device``; any other input as it is."""
+    if name not in manifest["plan"].get("transposed_inputs", ()):
+        return value
+    host = value.numpy() if hasattr(value, "numpy") else np.asarray(value)
+    return tvm.runtime.tensor(np.ascontiguousarray(host.T), device)
 
 
 def _open(path: str | Path, device: Any):

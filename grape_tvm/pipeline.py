@@ -141,8 +141,9 @@ class GrapePipeline:
                 passes.append(OffloadMatmul())
             passes += lowering.library_dispatch_passes(target)
             decode_gemv = matmul != "tvm"  # the matmuls left to schedules: grape's rules first
-            if (is_gpu(target) and decode_gemv) or (self.weights and not transposed_constants):
-                # An nn.Linear weight's transpose read in place by the matmul kernel (GEMV "nk").
+            if (is_gpu(target) and decode_gemv) or self.weights:
+                # An nn.Linear weight's transpose read in place by the matmul kernel (GEMV "nk"),
+                # and a bound weight taken transposed (on every target).
                 passes.append(FuseWeightTranspose())
             # NaN and empty reductions as onnxruntime has them (passes/numerics.py).
             numerics = numerics_legalize_map(gpu=is_gpu(target))

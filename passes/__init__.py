@@ -28,7 +28,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
   ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU);
-  ``StoreWeightsTransposed``: a constant weight stored [K, N] is stored [N, K] (GPU).
+  ``StoreWeightsTransposed``: a matmul weight stored [K, N] is stored [N, K]: a constant
+  (GPU), an input bound once (``build(weights=...)``; transposed as it is bound).
 - ``LowerTensorParallel``: a model annotated with sharding placements to the program each
   rank runs (TVM's ``relax.distributed``; ``build(tensor_parallel=N)``), its matmuls, adds
   and GELUs made Relax ops again (``RaiseLegalizedOps``); ``LocalParams``: each

@@ -93,31 +93,23 @@ def _float_matrix(ty) -> bool:
         str(ty.dtype).startswith(("float", "bfloat"))
 
 
-@relax.expr_functor.visitor
-class _WeightReads(relax.PyExprVisitor):
-    """How often each constant and each parameter of a function is read, and how often as
-    a matmul's weight (its B)."""
+def _read_by_matmuls_alone(functions) -> set:
+    """The constants and variables of ``functions`` that matmuls read as their weight (B)
+    and nothing else reads (as ``var_reads.read_counts`` counts reads: a parameter's
+    definition is not one)."""
+    reads: dict = {}
+    as_weight: dict = {}
 
-    def __init__(self):
-        super().__init__()
-        self.reads: dict = {}
-        self.as_weight: dict = {}
+    def visit(node):
+        if isinstance(node, (relax.Var, GenericConst)):
+            reads[node] = reads.get(node, 0) + 1
+        elif isinstance(node, relax.Call) and node.op == _MATMUL and \
+                _float_matrix(node.args[1].ty):
+            as_weight[node.args[1]] = as_weight.get(node.args[1], 0) + 1
 
-    def visit_generic_const_(self, const: GenericConst) -> None:  # pylint: disable=arguments-renamed
-        self.reads[const] = self.reads.get(const, 0) + 1
-
-    def visit_var_(self, var: relax.Var) -> None:  # pylint: disable=arguments-renamed
-        self.reads[var] = self.reads.get(var, 0) + 1
-
-    def visit_call_(self, call: relax.Call) -> None:  # pylint: disable=arguments-renamed
-        if call.op == _MATMUL and _float_matrix(call.args[1].ty):
-            w = call.args[1]
-            self.as_weight[w] = self.as_weight.get(w, 0) + 1
-        super().visit_call_(call)
-
-    def weights_alone(self) -> set:
-        """The constants and variables read as matmul weights and nothing else."""
-        return {w for w, n in self.as_weight.items() if self.reads.get(w) == n}
+    for func in functions:
+        relax.analysis.post_order_visit(func, visit)
+    return {w for w, n in as_weight.items() if reads.get(w) == n}
 
 
 @relax.expr_functor.mutator
@@ -180,38 +172,21 @@ class StoreWeightsTransposed:
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
         functions = [(g, f) for g, f in mod.functions_items() if isinstance(f, relax.Function)]
-        stored = self._transposed_constants(functions) if self.constants else {}
-        params = self._transposed_params(mod)
+        alone = _read_by_matmuls_alone(f for _, f in functions)
+        stored = {w: relax.const(np.ascontiguousarray(w.value.numpy().T))
+                  for w in alone if isinstance(w, GenericConst)} if self.constants else {}
+        main = next((f for g, f in functions if g.name_hint == "main"), None)
+        params = {p: _transposed_param(p) for i, p in enumerate(main.params)
+                  if i in self.inputs and p in alone} if main is not None else {}
         if not stored and not params:
             return mod
         store = _StoreTransposed(mod, {**stored, **params})
         for gvar, func in functions:
             new = store.visit_expr(func)
-            if gvar.name_hint == "main" and params:
+            if func is main and params:
                 new = relax.Function([params.get(p, p) for p in func.params], new.body,
                                      new.ret_ty, new.is_pure, new.attrs, new.span)
                 new = new.with_attr(TRANSPOSED_INPUTS_ATTR,
                                     [i for i, p in enumerate(func.params) if p in params])
             store.builder_.update_func(gvar, new)
         return store.builder_.get()
-
-    @staticmethod
-    def _transposed_constants(functions) -> dict:
-        """Each constant that only matmuls read as their weight, with its [N, K] copy."""
-        reads = _WeightReads()
-        for _, func in functions:
-            reads.visit_expr(func)
-        return {w: relax.const(np.ascontiguousarray(w.value.numpy().T))
-                for w in reads.weights_alone() if isinstance(w, GenericConst)}
-
-    def _transposed_params(self, mod: IRModule) -> dict:
-        """``main``'s parameters at the positions ``inputs`` that only matmuls read as their
-        weight, each with the [N, K] parameter that replaces it."""
-        if not self.inputs or "main" not in [g.name_hint for g in mod.get_global_vars()]:
-            return {}
-        main = mod["main"]
-        reads = _WeightReads()
-        reads.visit_expr(main)
-        alone = reads.weights_alone()
-        return {p: _transposed_param(p) for i, p in enumerate(main.params)
-                if i in self.inputs and p in alone}

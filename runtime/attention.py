@@ -39,6 +39,12 @@ DECODE_FUNCTION_PREFIX = f"grape.{DECODE_LIBRARY}."
 SOURCE = Path(__file__).with_name("kernels") / "attention.cu"
 DECODE_SOURCE = Path(__file__).with_name("kernels") / "decode_attention.cu"
 SOURCE_OF = {LIBRARY: SOURCE, DECODE_LIBRARY: DECODE_SOURCE}  # each library's kernels
+
+
+def sources_of(libraries) -> list[Path]:
+    """The kernel sources of the attention libraries among a plan's ``libraries``."""
+    return [SOURCE_OF[library] for library in libraries if library in SOURCE_OF]
+
 ROWS_PER_BLOCK = 64  # kRows of attention.cu
 # Queries of fewer rows run the decode kernel: attention.cu's blocks of 64 rows would be
 # mostly idle, and its tensor-core tiles need 16-bit operands.

@@ -114,8 +114,7 @@ class CudaGraphBackend:
             # The library's handle and workspace are this backend's: its captures use them.
             register_functions()
             self.cublaslt = CublasLt(device.index)
-        attention_sources = [attention.SOURCE_OF[library] for library in libraries
-                             if library in attention.SOURCE_OF]
+        attention_sources = attention.sources_of(libraries)
         if attention_sources:  # loaded now: a capture cannot load a module
             attention.register_functions()
             self.attention = attention.FusedAttention(self.cubins, attention_sources)

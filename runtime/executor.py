@@ -281,8 +281,7 @@ class GraphExecutor:
                                        {k: str(t.dtype) for k, t in given.items()},
                                        partial=True)
             tensors = {k: self._as_tensor(k, np.ascontiguousarray(t.T))
-                       if isinstance(t, np.ndarray) and k in self.transposed_inputs else t
-                       for k, t in given.items()}
+                       if k in self.transposed_inputs else t for k, t in given.items()}
             self._bound.update(tensors)
             self._bound_dims.update(dims)
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]

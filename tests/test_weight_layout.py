@@ -11,7 +11,10 @@ from tvm import relax, tirx
 from tvm.ir import GenericConst
 
 import grape_tvm
+from grape_tvm.artifact import Artifact, ArtifactError
+from grape_tvm.loader import entry_argument, load, load_library
 from grape_tvm.passes import StoreWeightsTransposed
+from grape_tvm.runtime.signature import InputError
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 RNG = np.random.default_rng(0)
@@ -20,7 +23,7 @@ W2 = RNG.standard_normal((48, 32)).astype("float32")
 BIAS = RNG.standard_normal(48).astype("float32")
 
 
-def _mlp(shared_elsewhere: bool = False, w2=W2) -> tvm.IRModule:
+def _mlp(shared_elsewhere: bool = False) -> tvm.IRModule:
     """``(x @ W1 + b) @ W2`` with constant weights (``x``: (m, 64)); ``shared_elsewhere``
     also adds W1 to an output (a read that is not a matmul's)."""
     m = tirx.Var("m", "int64")
@@ -31,7 +34,7 @@ def _mlp(shared_elsewhere: bool = False, w2=W2) -> tvm.IRModule:
     with bb.function("main", [x]):
         with bb.dataflow():
             h = bb.emit(op.add(op.matmul(x, w1), relax.const(BIAS)))
-            outs = [bb.emit(op.matmul(h, relax.const(w2)))]
+            outs = [bb.emit(op.matmul(h, relax.const(W2)))]
             if shared_elsewhere:
                 outs.append(bb.emit(op.add(w1, w1)))
             out = bb.emit_output(relax.Tuple(outs) if shared_elsewhere else outs[0])
@@ -122,9 +125,6 @@ def test_a_cuda_build_gives_constant_weights_the_nk_gemv_kernels():
                              prebuild_cubin=False)
     assert module.plan["gemv_rows"] == {"grape.cublaslt.matmul_bias_nt": [1, 2, 4, 8],
                                         "grape.cublaslt.matmul_nt": [1, 2, 4, 8]}
-    kept = grape_tvm.build(_mlp(), {"m": (1, 64)}, CUDA, output_names=["y"],
-                           prebuild_cubin=False, matmul="tvm")
-    assert kept.plan["gemv_rows"] == {}
 
 
 # -- weights that are inputs, bound once ---------------------------------------------------
@@ -170,9 +170,6 @@ def _bound_module(target: str = "llvm", weights=("w1", "w2")):
 
 
 def test_bound_weights_are_transposed_once_and_give_the_same_results(tmp_path):
-    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
-    from grape_tvm.runtime.signature import InputError  # pylint: disable=import-outside-toplevel
-
     module = _bound_module()
     assert module.plan["transposed_inputs"] == ["w1", "w2"]
     assert [t.shape for t in module.signature.inputs if t.name == "w1"] == [(64, 48)]
@@ -225,9 +222,6 @@ def test_loop_state_and_onnx_loops_take_no_weights():
 
 
 def test_an_artifact_naming_a_weight_it_does_not_take_is_refused(tmp_path):
-    from grape_tvm.artifact import Artifact, ArtifactError  # pylint: disable=import-outside-toplevel
-    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
-
     path = _bound_module().export(tmp_path / "mlp.grape")
     artifact = Artifact.load(path)
     for wrong in (["w9"], ["x"]):  # not an input; an input of symbolic shape
@@ -235,3 +229,17 @@ def test_an_artifact_naming_a_weight_it_does_not_take_is_refused(tmp_path):
         artifact.save(tmp_path / "edited.grape")
         with pytest.raises(ArtifactError, match="not inputs of static 2-D shape"):
             load(tmp_path / "edited.grape", "cpu")
+
+
+def test_the_raw_vm_takes_transposed_weights_from_entry_argument(tmp_path):
+    """A caller of TVM's VM on the artifact's library (the benchmarks' baselines) passes
+    each weight through ``entry_argument``: transposed where the plan says, as it is else."""
+    library, manifest, dev = load_library(_bound_module().export(tmp_path / "mlp.grape"), "cpu")
+    vm = relax.VirtualMachine(library, dev)
+    x = RNG.standard_normal((6, 64)).astype("float32")
+    named = {"x": x, "w1": W1, "b": BIAS, "w2": W2}
+    args = [entry_argument(manifest, name, value, dev) for name, value in named.items()]
+    assert args[0] is x and args[2] is BIAS  # not weights the build transposed
+    got = vm["main"](*[a if isinstance(a, tvm.runtime.Tensor) else tvm.runtime.tensor(a, dev)
+                       for a in args])
+    _close(got.numpy(), _reference(x))

@@ -6,6 +6,8 @@ the GPU side creates them from a seed (``block_weights``) for TVM and PyTorch al
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 
@@ -846,3 +848,237 @@ def dense_attention(dtype: str = "float16", heads: int = ATTENTION_HEADS,
         bb.emit_func_output(y)
     return bb.get()
 
+
+
+# -- a Llama-architecture decode step: tensor parallelism's GPU benchmark (issue 16) --------
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """A Llama decoder's sizes (Hugging Face's ``LlamaConfig`` names, shortened)."""
+
+    hidden: int
+    heads: int
+    kv_heads: int
+    layers: int
+    intermediate: int
+    vocab: int
+    rms_eps: float = 1e-5
+    rope_theta: float = 10000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+LLAMA_7B = LlamaConfig(hidden=4096, heads=32, kv_heads=32, layers=32, intermediate=11008,
+                       vocab=32000)
+LLAMA_TINY = LlamaConfig(hidden=64, heads=4, kv_heads=4, layers=2, intermediate=96, vocab=50)
+LLAMA_LAYER = ("attn_norm", "wq", "wk", "wv", "wo", "mlp_norm", "w_gate", "w_up", "w_down")
+
+
+def llama_shapes(config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    """Names and shapes of ``llama_decode_step``'s weights, in parameter order; products
+    are (in, out): ``x @ w``."""
+    h, inter = config.hidden, config.intermediate
+    per_layer = {"attn_norm": (h,), "wq": (h, h), "wk": (h, h), "wv": (h, h), "wo": (h, h),
+                 "mlp_norm": (h,), "w_gate": (h, inter), "w_up": (h, inter),
+                 "w_down": (inter, h)}
+    shapes = {f"{kind}{i}": per_layer[kind] for i in range(config.layers) for kind in LLAMA_LAYER}
+    return {**shapes, "final_norm": (h,), "lm_head": (h, config.vocab)}
+
+
+def llama_weight_init(name: str) -> tuple[float, float]:
+    """(mean, standard deviation) of weight ``name``'s random values: norms near 1, the
+    products at Llama's init scale (0.02). ``llama_weights`` and the GPU benchmark's
+    generator draw from the same distributions."""
+    return (1.0, 0.1) if name.rstrip("0123456789").endswith("norm") else (0.0, 0.02)
+
+
+def llama_weights(config: LlamaConfig, seed: int = 0, dtype: str = "float32"
+                  ) -> dict[str, np.ndarray]:
+    """``llama_decode_step``'s weights from a seed (numpy: the CPU tests' sizes)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, shape in llama_shapes(config).items():
+        mean, std = llama_weight_init(name)
+        out[name] = (mean + std * rng.standard_normal(shape)).astype(dtype)
+    return out
+
+
+def llama_rotary(config: LlamaConfig, positions, dtype: str = "float32"
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin, (batch, head_dim), of the new token at ``positions`` (one a sequence):
+    Hugging Face's convention, each frequency twice (``cat(freqs, freqs)``), computed in
+    float64 and rounded to ``dtype``."""
+    d = config.head_dim
+    inv_freq = 1.0 / config.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d)
+    freqs = np.asarray(positions, np.float64)[:, None] * inv_freq[None, :]
+    angles = np.concatenate([freqs, freqs], axis=-1)
+    return np.cos(angles).astype(dtype), np.sin(angles).astype(dtype)
+
+
+def llama_cache_names(layers: int) -> list[str]:
+    return [f"past_{kv}{i}" for i in range(layers) for kv in ("k", "v")]
+
+
+def llama_output_names(layers: int) -> list[str]:
+    return ["logits"] + [f"present_{kv}{i}" for i in range(layers) for kv in ("k", "v")]
+
+
+def llama_decode_step(config: LlamaConfig, tensor_parallel: int = 1, dtype: str = "float16",
+                      batch: str = "batch", past: str = "past"):
+    """One Llama decode step: a batch of sequences, one new token each, with an explicit
+    KV cache per layer.
+
+    Inputs: ``x`` (batch, hidden), the new token's embedding (the caller gathers it: the
+    embedding table stays out of the model); ``cos``/``sin`` (batch, head_dim), the rotary
+    tables of its position (``llama_rotary``: inputs, since a tensor constant does not
+    survive a sharded build); ``past_k{i}``/``past_v{i}`` (batch, heads, past, head_dim);
+    the weights (``llama_shapes``). Outputs: ``logits`` (batch, vocab) and
+    ``present_k{i}``/``present_v{i}`` (batch, heads, past + 1, head_dim).
+
+    A layer: RMSNorm, q/k/v products (no bias), rotary embedding on q and k (``rotate_half``),
+    attention over the cache and the new token, the output product, a residual; RMSNorm,
+    SwiGLU (``silu(x @ gate) * (x @ up) @ down``), a residual. Then RMSNorm and the LM head.
+    In float16 the norms and the softmax run in float32 (as Hugging Face's Llama does), the
+    products accumulate in float32 where they run (cuBLASLt), the rest is float16.
+
+    ``tensor_parallel`` > 1: annotated for that many devices, Megatron's way: q, k, v
+    column-parallel (each rank its heads; the caches split on the head axis), ``wo``
+    row-parallel (an all-reduce), gate and up column-parallel, down row-parallel (an
+    all-reduce); the norms, the LM head and the logits replicated.
+    """
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.passes.tensor_parallel import shard, with_mesh  # pylint: disable=import-outside-toplevel
+
+    if config.kv_heads != config.heads:
+        raise ValueError(f"{config.kv_heads} kv heads for {config.heads} heads: grouped-query "
+                         "attention is not modelled here")
+    if config.heads % tensor_parallel or config.intermediate % tensor_parallel:
+        raise ValueError(f"{config.heads} heads and an MLP of {config.intermediate} columns "
+                         f"do not split over {tensor_parallel} devices")
+    op = relax.op
+    heads, d, hidden = config.heads, config.head_dim, config.hidden
+    b, length = tirx.Var(batch, "int64"), tirx.Var(past, "int64")
+    x = relax.Var("x", relax.TensorType((b, hidden), dtype))
+    cos, sin = (relax.Var(n, relax.TensorType((b, d), dtype)) for n in ("cos", "sin"))
+    caches = [relax.Var(n, relax.TensorType((b, heads, length, d), dtype))
+              for n in llama_cache_names(config.layers)]
+    weights = {k: relax.Var(k, relax.TensorType(s, dtype))
+               for k, s in llama_shapes(config).items()}
+    bb = relax.BlockBuilder()
+
+    def placed(value, placement):  # emitted, annotated with its placement on the devices
+        value = bb.emit(value)
+        return value if tensor_parallel == 1 else shard(bb, value, placement, tensor_parallel)
+
+    def rms_norm(v, weight):  # in float32: the mean of squares of 4096 values
+        normed = op.nn.rms_norm(op.astype(v, "float32"), op.astype(weight, "float32"),
+                                axes=[-1], epsilon=config.rms_eps)
+        return bb.emit(op.astype(normed, dtype))
+
+    def rotated(v, cos4, sin4):  # v * cos + rotate_half(v) * sin; rotate_half: (-v2, v1)
+        v1 = op.strided_slice(v, axes=[3], begin=[0], end=[d // 2])
+        v2 = op.strided_slice(v, axes=[3], begin=[d // 2], end=[d])
+        half = op.concat([op.negative(v2), v1], axis=3)
+        return op.add(op.multiply(v, cos4), op.multiply(half, sin4))
+
+    def by_heads(product):  # (b, hidden) -> (b, heads, 1, d), each rank its heads
+        return placed(op.reshape(product, (b, heads, 1, d)), "S[1]")
+
+    with bb.function("main", [x, cos, sin, *caches, *weights.values()]):
+        with bb.dataflow():
+            cos4 = bb.emit(op.reshape(cos, (b, 1, 1, d)))  # broadcast over heads
+            sin4 = bb.emit(op.reshape(sin, (b, 1, 1, d)))
+            h, presents = x, []
+            for i in range(config.layers):
+                w = {kind: weights[f"{kind}{i}"] for kind in LLAMA_LAYER}
+                normed = rms_norm(h, w["attn_norm"])
+                q, k, v = (by_heads(placed(op.matmul(normed, w[name]), "S[1]"))
+                           for name in ("wq", "wk", "wv"))
+                q = placed(rotated(q, cos4, sin4), "S[1]")
+                k = placed(rotated(k, cos4, sin4), "S[1]")
+                past_k, past_v = (placed(c, "S[1]") for c in caches[2 * i:2 * i + 2])
+                pk = placed(op.concat([past_k, k], axis=2), "S[1]")  # (b, heads, past + 1, d)
+                pv = placed(op.concat([past_v, v], axis=2), "S[1]")
+                presents += [pk, pv]
+                scores = bb.emit(op.multiply(
+                    op.astype(op.matmul(q, op.permute_dims(pk, [0, 1, 3, 2])), "float32"),
+                    relax.const(d ** -0.5, "float32")))  # (b, heads, 1, past + 1)
+                probs = bb.emit(op.astype(op.nn.softmax(scores, axis=-1), dtype))
+                attn = bb.emit(op.matmul(probs, pv))  # (b, heads, 1, d)
+                merged = bb.emit(op.reshape(attn, (b, hidden)))
+                h = bb.emit(op.add(h, placed(op.matmul(merged, w["wo"]), "R")))
+                normed = rms_norm(h, w["mlp_norm"])
+                gate = placed(op.nn.silu(op.matmul(normed, w["w_gate"])), "S[1]")
+                up = placed(op.matmul(normed, w["w_up"]), "S[1]")
+                swiglu = placed(op.multiply(gate, up), "S[1]")
+                h = bb.emit(op.add(h, placed(op.matmul(swiglu, w["w_down"]), "R")))
+            normed = rms_norm(h, weights["final_norm"])
+            logits = bb.emit(op.matmul(normed, weights["lm_head"]))
+            out = bb.emit_output(relax.Tuple([logits, *presents]))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    return with_mesh(mod, tensor_parallel) if tensor_parallel > 1 else mod
+
+
+def llama_numpy(x, cos, sin, caches, weights, config: LlamaConfig):
+    """``llama_decode_step`` in numpy, float64 math: (logits, presents), float64."""
+
+    def rms(v, g):
+        return v / np.sqrt((v * v).mean(-1, keepdims=True) + config.rms_eps) * g
+
+    def rotate_half(v):
+        half = v.shape[-1] // 2
+        return np.concatenate([-v[..., half:], v[..., :half]], axis=-1)
+
+    w64 = {k: np.asarray(v, np.float64) for k, v in weights.items()}
+    h = np.asarray(x, np.float64)
+    batch, heads, d = h.shape[0], config.heads, config.head_dim
+    cos4, sin4 = (np.asarray(t, np.float64).reshape(batch, 1, 1, d) for t in (cos, sin))
+    presents = []
+    for i in range(config.layers):
+        w = {kind: w64[f"{kind}{i}"] for kind in LLAMA_LAYER}
+        normed = rms(h, w["attn_norm"])
+        q, k, v = ((normed @ w[name]).reshape(batch, heads, 1, d) for name in ("wq", "wk", "wv"))
+        q, k = (t * cos4 + rotate_half(t) * sin4 for t in (q, k))
+        pk = np.concatenate([np.asarray(caches[2 * i], np.float64), k], axis=2)
+        pv = np.concatenate([np.asarray(caches[2 * i + 1], np.float64), v], axis=2)
+        presents += [pk, pv]
+        s = q @ pk.transpose(0, 1, 3, 2) / np.sqrt(d)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        h = h + (p @ pv).reshape(batch, heads * d) @ w["wo"]
+        normed = rms(h, w["mlp_norm"])
+        gate = normed @ w["w_gate"]
+        h = h + (gate / (1 + np.exp(-gate)) * (normed @ w["w_up"])) @ w["w_down"]
+    return rms(h, w64["final_norm"]) @ w64["lm_head"], presents
+
+
+# The models of tensor parallelism's GPU benchmark (``bench/tensor_parallel.py``), each built
+# for one device and for two by ``bench/gpu/build_artifacts.py``: the dims each is built for,
+# its dtype. The Llama step at Llama-2-7B's sizes, and GPT-2's sizes at batch 1, where the
+# all-reduces weigh more than the split saves.
+TENSOR_PARALLEL_PAST_MAX = 1024
+TENSOR_PARALLEL_MODELS = {
+    "llama_7b": {"dims": {"batch": (1, 8), "past": (1, TENSOR_PARALLEL_PAST_MAX)},
+                 "dtype": "float16"},
+    "gpt2": {"dims": {"past": (1, TENSOR_PARALLEL_PAST_MAX)}, "dtype": "float32"},
+}
+GPT2_BENCH = {"hidden": 768, "heads": 12, "layers": 12}
+
+
+def tensor_parallel_artifact(name: str, world: int) -> str:
+    """The file name of benchmark model ``name``'s build for ``world`` devices."""
+    return f"tp_{name}.{world}gpu.cuda.grape"
+
+
+def tensor_parallel_module(name: str, world: int, config: LlamaConfig = LLAMA_7B):
+    """Benchmark model ``name`` as a Relax module for ``world`` devices (annotated where
+    ``world`` > 1), and its output names. ``config``: the Llama model's sizes."""
+    if name == "gpt2":
+        return (gpt2_decode_step(**GPT2_BENCH, tensor_parallel=world),
+                gpt2_output_names(GPT2_BENCH["layers"]))
+    dtype = TENSOR_PARALLEL_MODELS[name]["dtype"]
+    return llama_decode_step(config, world, dtype), llama_output_names(config.layers)

@@ -6,7 +6,9 @@ Layout (little endian)::
     format version         u32
     manifest length        u64
     manifest               UTF-8 JSON: signature, target, graph plan, sections
-    sections               the compiled library (.so) and any cubins, back to back
+    sections               the compiled library (.so), any cubins and, in a tensor-parallel
+                           artifact compiled from ONNX, its whole weights (``weight/NAME``,
+                           .npy), back to back
     sha256                 32 bytes, over everything before it
 
 Reading checks the manifest's fields before anything uses them: an edited or foreign one
@@ -17,6 +19,7 @@ here imports the compiler.
 from __future__ import annotations
 
 import hashlib
+import io
 import json
 import secrets
 import struct
@@ -24,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
+
+import numpy as np
 
 from grape_tvm.runtime.libraries import LIBRARY_PREFIXES
 
@@ -117,6 +122,38 @@ class Artifact:
         return hashlib.sha256(self.to_bytes()).hexdigest()
 
 
+# -- weights carried in the artifact ------------------------------------------------------
+
+WEIGHT_PREFIX = "weight/"  # a section holding one input's whole value, as .npy
+
+
+def weight_sections(weights: dict) -> dict[str, bytes]:
+    """Sections holding ``weights`` (name to numpy array), each as .npy bytes."""
+    sections = {}
+    for name, value in weights.items():
+        buffer = io.BytesIO()
+        np.save(buffer, np.ascontiguousarray(value), allow_pickle=False)
+        sections[WEIGHT_PREFIX + name] = buffer.getvalue()
+    return sections
+
+
+def stored_weights(artifact: "Artifact", names) -> dict:
+    """The arrays of the weight sections ``names`` lists (``ArtifactError`` if one is
+    missing or not an array of numbers)."""
+    weights = {}
+    for name in names:
+        blob = artifact.sections.get(WEIGHT_PREFIX + name)
+        if blob is None:
+            raise ArtifactError(f"the manifest names weight {name!r}, and the artifact has no "
+                                f"section {WEIGHT_PREFIX + name!r}")
+        try:
+            weights[name] = np.load(io.BytesIO(blob), allow_pickle=False)
+        except ValueError as err:
+            raise ArtifactError(f"section {WEIGHT_PREFIX + name!r} is not an .npy array: "
+                                f"{err}") from None
+    return weights
+
+
 # -- the manifest's fields ---------------------------------------------------------------
 
 # What may run an artifact's matmuls (``build(matmul=...)``, recorded as ``plan["matmul"]``).
@@ -157,7 +194,11 @@ _MANIFEST = {
         "transposed_inputs?": [str],  # inputs the executor transposes as it binds them
         "call_program?": dict,  # runtime.call_program's format (checked where it is read)
         "tensor_parallel?": {"world_size": int, "shard_plan": _Each(int),
-                             "output_shard_plan": _Each(int)},
+                             "output_shard_plan": _Each(int),
+                             # inputs whose whole values the artifact holds (weight_sections)
+                             "weights?": [str],
+                             # of those, each reordered by columns_by_ranks: its parts
+                             "columns_by_ranks?": _Each(int)},
     },
     "loop?": {"carried": [str], "stop": str, "max_steps": int, "onnx?": _ONNX_LOOP},
     "sections": [{"name": str, "offset": int, "size": int, "sha256": str}],

@@ -1,7 +1,7 @@
 """``grape-tvm``: compile, run and inspect models from the command line.
 
     grape-tvm compile MODEL.onnx -o MODEL.grape [--target llvm|cuda|JSON] [--dim NAME=LO:HI ...]
-                      [--max-memory GIB]
+                      [--max-memory GIB] [--tensor-parallel N]
     grape-tvm run MODEL.grape --inputs IN.npz --outputs OUT.npz [--device cpu|cuda]
     grape-tvm inspect MODEL.grape [--json]
 """
@@ -23,6 +23,7 @@ from grape_tvm.loop import load_onnx_loop
 from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX
 from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
 from grape_tvm.runtime.onnx_loop import is_onnx_loop
+from grape_tvm.runtime.tensor_parallel import PLAN_KEY as TENSOR_PARALLEL_KEY
 
 
 def _parse_dims(items: list[str]) -> dict[str, str]:
@@ -52,13 +53,16 @@ def cmd_compile(args: argparse.Namespace) -> int:
     from grape_tvm.onnx_compiler import compile_onnx  # pylint: disable=import-outside-toplevel
 
     _check_output(args.output, "-o")
+    if args.tensor_parallel < 1:
+        raise ValueError(f"--tensor-parallel takes a number of devices, 1 or more, got "
+                         f"{args.tensor_parallel}")
     dims = _parse_dims(args.dim)
     start = time.perf_counter()
     print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
     weights = [name.strip() for item in args.weights for name in item.split(",") if name.strip()]
     module = compile_onnx(args.model, dims, args.target, select_ops=args.select_ops,
                           max_memory=int(args.max_memory * 2**30), matmul=args.matmul,
-                          weights=weights)
+                          weights=weights, tensor_parallel=args.tensor_parallel)
     path = module.export(args.output)
     regions = module.plan["regions"]
     conditionals = len(module.plan.get("conditionals", []))
@@ -106,6 +110,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     inputs = _read_inputs(args.inputs)
     if _is_onnx_loop(args.model):
         return _run_onnx_loop(args, inputs)
+    if TENSOR_PARALLEL_KEY in Artifact.load(args.model).manifest["plan"]:
+        return _run_tensor_parallel(args, inputs)
     executor = load(args.model, device=args.device)
     try:
         # weights the build reads transposed are bound (transposed once), not passed
@@ -115,6 +121,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     finally:
         executor.close()
     _write_outputs(args.outputs, outputs)
+    return 0
+
+
+def _run_tensor_parallel(args: argparse.Namespace, inputs: dict) -> int:
+    """A tensor-parallel artifact on its ranks: on CUDA a process per GPU (0..N-1) and NCCL;
+    on the CPU threads, with whatever collectives disco has (this TVM wheel has none)."""
+    from grape_tvm.tensor_parallel_session import load_tensor_parallel  # pylint: disable=import-outside-toplevel
+
+    on_gpu = args.device.startswith("cuda")
+    with load_tensor_parallel(args.model, threaded=not on_gpu,
+                              ccl="nccl" if on_gpu else None) as ranks:
+        outputs = ranks.run(inputs)
+        note = f" on {ranks.world_size} ranks"
+    _write_outputs(args.outputs, outputs, note)
     return 0
 
 
@@ -151,6 +171,7 @@ def describe(manifest: dict) -> dict:
                      if manifest["target"]["kind"] == "cuda"
                      else "CPU replay of each region's recorded kernel calls, per shape"),
         "loop": _loop_description(manifest),
+        "tensor_parallel": plan.get(TENSOR_PARALLEL_KEY),
         "cubins_prebuilt": len(manifest.get("cubins", [])),
         "versions": {"grape_tvm": manifest.get("grape_tvm_version"),
                      "tvm": manifest.get("tvm_version")},
@@ -246,11 +267,23 @@ def _print_description(d: dict) -> None:
         print(f"  {h['function']}.{h['var']} = {h['op']}: {h['reason']}")
     for note in d["notes"]:
         print(f"note: {note}")
+    parallel = d.get("tensor_parallel")
+    if parallel:
+        print(f"tensor parallel: {parallel['world_size']} devices; inputs split (axis): "
+              f"{_axes(parallel['shard_plan'])}; outputs split: "
+              f"{_axes(parallel['output_shard_plan'])}")
+        if parallel.get("weights"):
+            print(f"  carries {len(parallel['weights'])} whole weight(s), bound as it loads; "
+                  f"columns in rank order: {', '.join(parallel.get('columns_by_ranks', {}))}")
     loop = d.get("loop")
     if loop:
         print(f"loop: state {loop['carried']}, stops on {loop['stop']!r} or after "
               f"{loop['max_steps']} steps{' (an ONNX Loop)' if loop['from_onnx_loop'] else ''}")
         print(f"  runs as {loop['runs_as']}")
+
+
+def _axes(plan: dict) -> str:
+    return ", ".join(f"{name} ({axis})" for name, axis in plan.items()) or "none"
 
 
 def _program_description(plan: dict) -> dict:
@@ -334,6 +367,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-memory", type=float, default=64, metavar="GIB",
                    help="refuse ranges whose memory, planned at their upper bounds and allocated "
                         "by every call, exceeds this many GiB (default 64)")
+    p.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                   help="shard a decoder over N devices Megatron's way (attention by heads, "
+                        "the MLP by its inner dim; the weights carried in the artifact); run "
+                        "it with grape_tvm.load_tensor_parallel (default 1: one device)")
     p.set_defaults(func=cmd_compile)
 
     p = sub.add_parser("run", help="run an artifact on inputs from an .npz file")

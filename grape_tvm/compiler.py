@@ -24,6 +24,7 @@ from grape_tvm.runtime.attention import sources_of as attention_sources_of
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
 from grape_tvm.runtime.tensor_parallel import OUTPUTS_KEY as TENSOR_PARALLEL_OUTPUTS_KEY
 from grape_tvm.runtime.tensor_parallel import PLAN_KEY as TENSOR_PARALLEL_KEY
+from grape_tvm.runtime.tensor_parallel import placement_text
 from grape_tvm.runtime.device_loop import LOOP_SOURCE, STOP_DTYPES, LoopSpec
 from grape_tvm.runtime.topology_graph import PATCH_SOURCE
 from grape_tvm.runtime.signature import ShapeRange, Signature, TensorSpec
@@ -67,12 +68,16 @@ class GrapeModule:
 
     def export(self, path: str | Path) -> Path:
         """Write the one-file artifact that ``grape_tvm.load`` reads."""
+        return Artifact(self.manifest(), self.sections()).save(path)
+
+    def sections(self) -> dict[str, bytes]:
+        """The artifact's sections: the compiled library, then the cubins."""
         with tempfile.TemporaryDirectory(prefix="grape-export-") as tmp:
             lib = Path(tmp, "model.so")
             self.executable.export_library(str(lib))
             sections = {"library": lib.read_bytes()}
         sections.update({f"cubin/{k}": v for k, v in self.cubins.items()})
-        return Artifact(self.manifest(), sections).save(path)
+        return sections
 
 
 def _relax_signature(func: relax.Function, dims: Mapping[str, ShapeRange],
@@ -381,7 +386,9 @@ def compile_loop(step: tvm.IRModule, carried: Sequence[str], *, max_steps: int,
     """Compile a step function for ``load_loop`` (``grape_tvm.loop``): a ``GrapeModule``
     whose manifest says which inputs are the loop state (``carried``, in the order of the
     step's outputs), the name of the stop output (the step's last output) and the default
-    step limit. ``kwargs`` go to ``build``."""
+    step limit. ``kwargs`` go to ``build``; ``tensor_parallel=N`` compiles a step annotated
+    for N devices into the loop every rank runs (``TensorParallelSession.run_loop``), its
+    state split as the plan says (``_check_rank_loop``)."""
     if int(max_steps) < 1:
         raise ValueError(f"max_steps must be at least 1, got {max_steps}")
     _check_step(step["main"], carried, stop)
@@ -390,5 +397,29 @@ def compile_loop(step: tvm.IRModule, carried: Sequence[str], *, max_steps: int,
         raise ValueError(f"weights {state_as_weights} are loop state, which changes every step: "
                          "weights are the invariants, bound once")
     module = build(step, dims, target, output_names=[*carried, stop], **kwargs)
+    if TENSOR_PARALLEL_KEY in module.plan:
+        _check_rank_loop(module.plan[TENSOR_PARALLEL_KEY], carried, stop)
     module.loop = LoopSpec(tuple(carried), stop, int(max_steps)).to_json()
     return module
+
+
+def _check_rank_loop(parallel: Mapping[str, Any], carried: Sequence[str], stop: str) -> None:
+    """Refuse a tensor-parallel step whose loop the ranks could not each run: every rank
+    reads its own ``stop`` after each step and ends its loop there, so ``stop`` must be
+    held whole on every rank, which makes it replicated (TVM's placements are replicated or
+    split): computed by the same kernels from replicated values, the same flag on every
+    rank. A split one could stop the ranks at different steps, the others then waiting in
+    a collective for ever. And each carried value must come out of a rank as the part that
+    rank takes in (split along the same axis, or whole on both sides)."""
+    inputs, outputs = parallel["shard_plan"], parallel[TENSOR_PARALLEL_OUTPUTS_KEY]
+    if stop in outputs:
+        raise ValueError(f"stop {stop!r} is split across the ranks (axis {outputs[stop]}): "
+                         "every rank must read the same stop flag, so compute it from "
+                         "replicated values (after an all-reduce)")
+    for name in carried:
+        taken, given = inputs.get(name), outputs.get(name)
+        if taken != given:
+            raise ValueError(f"carried {name!r} is taken {placement_text(taken)} and its next "
+                             f"value comes out {placement_text(given)} on a rank: a rank's loop "
+                             "state must stay its own part (annotate both alike)")
+

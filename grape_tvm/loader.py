@@ -16,6 +16,9 @@ from grape_tvm.artifact import Artifact, ArtifactError, write_atomically
 from grape_tvm.runtime.call_program import CallProgram, ProgramError
 from grape_tvm.runtime.cuda_compile import CubinStore, cache_dir
 from grape_tvm.runtime.executor import DEFAULT_MAX_SHAPES, GraphExecutor
+from grape_tvm.runtime.nccl import LIBRARY as NCCL
+from grape_tvm.runtime.nccl import CollectiveGroup
+from grape_tvm.runtime.nccl import register_functions as register_nccl_functions
 from grape_tvm.runtime.signature import Signature
 
 
@@ -123,13 +126,17 @@ def _transposed_inputs(path, manifest: dict, signature: Signature) -> list[str]:
 
 
 def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
-         max_graphs: int = 4096, max_shapes: int = DEFAULT_MAX_SHAPES) -> GraphExecutor:
+         max_graphs: int = 4096, max_shapes: int = DEFAULT_MAX_SHAPES,
+         collectives: CollectiveGroup | None = None) -> GraphExecutor:
     """Load an artifact and return an executor on ``device`` (``"cpu"`` or ``"cuda"``).
 
     On CUDA, ``graph_mode="topology"`` keeps one graph per topology with per-shape argument
     tables applied on the device; ``"per-shape"`` keeps one graph per shape, at most
     ``max_graphs`` (least recently used evicted). Plans and recordings are kept for at most
     ``max_shapes`` dims (per region), least recently used given up first.
+    ``collectives``: a tensor-parallel rank's place in its group, for the NCCL communicator
+    its CUDA graphs' collectives run on (``TensorParallelSession`` gives it; on the CPU
+    they are the disco session's).
     """
     library, manifest, dev, cubins = _open(path, device)
     signature = Signature.from_json(manifest["signature"])
@@ -138,11 +145,14 @@ def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
     except ProgramError as err:
         raise ArtifactError(f"{path}: {err}") from None
     backend = None
+    libraries = manifest["plan"].get("libraries", ())
     if manifest["target"]["kind"] == "cuda":
         from grape_tvm.runtime.cuda_backend import CudaGraphBackend  # pylint: disable=import-outside-toplevel
 
         backend = CudaGraphBackend(dev, graph_mode, max_graphs, manifest["target"].get("arch"),
-                                   cubins, max_shapes, manifest["plan"].get("libraries", ()))
+                                   cubins, max_shapes, libraries, collectives)
+    elif NCCL in libraries:
+        register_nccl_functions()  # disco's collectives, through grape's functions
     executor = GraphExecutor(library, dev, signature, backend, program=program,
                              branches=manifest["plan"].get("branches"), max_shapes=max_shapes,
                              transposed_inputs=_transposed_inputs(path, manifest, signature))

@@ -67,25 +67,36 @@ def load_loop(path: str | Path, device: Any = "cpu", *, mode: str = "auto",
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     executor = load(path, device, **kwargs)
+    try:
+        return GrapeLoop(executor, loop_runner(executor, path, mode))
+    except BaseException:
+        executor.close()
+        raise
+
+
+def loop_runner(executor, path: str | Path, mode: str = "auto") -> HostLoop | DeviceLoop:
+    """The runner of the loop ``executor`` (loaded from ``path``) runs, by ``mode`` (see
+    ``load_loop``): also what each rank of a tensor-parallel loop runs, around the executor
+    its worker loaded. The caller keeps owning ``executor``; a ``DeviceLoop`` is the
+    caller's to close."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     spec_json = executor.manifest.get("loop")
     if spec_json is None:
-        executor.close()
         raise ValueError(f"{path} was not compiled by compile_loop: it has no loop")
     spec = LoopSpec.from_json(spec_json)
     branched = bool(executor.manifest["plan"].get("conditionals"))
     if branched and mode == "device":
-        executor.close()
         raise ValueError(f"{path}: the step has data-dependent branches (conditional regions), "
                          "which a device loop cannot capture yet; use mode='host' (each step "
                          "one call, its branches guarded on the device)")
     on_gpu = getattr(executor.backend, "name", "") == "cuda-graph"
     if mode == "device" and not on_gpu:
-        executor.close()
         raise ValueError("mode='device' needs a CUDA artifact loaded on a GPU")
     if on_gpu and mode != "host" and not branched:
-        library, _, _ = load_library(path, device)
-        return GrapeLoop(executor, DeviceLoop(executor, spec, library))
-    return GrapeLoop(executor, HostLoop(executor, spec))
+        library, _, _ = load_library(path, executor.device)
+        return DeviceLoop(executor, spec, library)
+    return HostLoop(executor, spec)
 
 
 def load_onnx_loop(path: str | Path, device: Any = "cpu", *, max_steps: int | None = None,

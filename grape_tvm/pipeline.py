@@ -10,7 +10,8 @@ from tvm.ir.transform import PassContext, module_pass
 
 from grape_tvm.artifact import MATMUL_IMPLEMENTATIONS
 from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
-                              CheckDeviceKernels, CopyPassThroughBranches,
+                              CheckDeviceKernels, CollectivesAsLibraryCalls,
+                              CopyPassThroughBranches,
                               DescribeCallProgram, DescribeConditionals, FoldShapeTensors,
                               FuseAttention, FuseIntoConcatenations,
                               FuseWeightTranspose, HoistBranchStorage,
@@ -104,6 +105,8 @@ class GrapePipeline:
             passes = [FoldShapeTensors()]
             if self.dims:
                 passes.append(BoundShapeRanges(self.dims))
+            # A rank's all-reduces inside its graphs (NCCL's), not host steps between them.
+            passes.append(CollectivesAsLibraryCalls())
             # A conv trimmed by a slice ("same" padding, even kernel): less padding instead,
             # else the fused kernel's GPU schedule needs a symbolic-size shared buffer.
             passes.append(SliceIntoConvPadding())

@@ -33,7 +33,13 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``LowerTensorParallel``: a model annotated with sharding placements to the program each
   rank runs (TVM's ``relax.distributed``; ``build(tensor_parallel=N)``), its matmuls, adds
   and GELUs made Relax ops again (``RaiseLegalizedOps``); ``LocalParams``: each
-  rank's part of a weight as its parameter, not scattered on every call.
+  rank's part of a weight as its parameter, not scattered on every call;
+  ``CollectivesAsLibraryCalls``: its all-reduces calls of grape's NCCL library, kernels of
+  its graph regions.
+- ``ShardMegatron``: an imported decoder's ``main`` annotated for N devices Megatron's way,
+  found from its dataflow (attention by heads, the MLP by its inner dim; a fused qkv split
+  by ranks); ``InputForVarlessCalls``: its position computations made kernels the
+  sharding propagation can place (``compile_onnx(tensor_parallel=N)``).
 - ``NarrowIndices``: 32-bit indices in GPU kernels whose buffers stay below 2^31 elements.
 - ``FuseAttention``: 16-bit ``softmax(q k^T * scale + bias) v`` as one call of grape's fused
   attention kernel (q, k, v read in place from a qkv product, a causal mask as its causal
@@ -70,7 +76,8 @@ from .conv_slice import SliceIntoConvPadding
 from .fused_scalars import FusedScalarsAsDims
 from .check_kernels import CheckDeviceKernels, HostFallbackError, unbound_kernels
 from .gemv_schedule import DecodeGemv
-from .tensor_parallel import LocalParams, LowerTensorParallel
+from .tensor_parallel import CollectivesAsLibraryCalls, LocalParams, LowerTensorParallel
+from .megatron import InputForVarlessCalls, MegatronError, ShardMegatron
 from .fused_attention import FuseAttention
 from .narrow_indices import NarrowIndices
 from .weight_transpose import FuseWeightTranspose, StoreWeightsTransposed
@@ -108,6 +115,10 @@ __all__ = [
     "StoreWeightsTransposed",
     "LocalParams",
     "LowerTensorParallel",
+    "CollectivesAsLibraryCalls",
+    "InputForVarlessCalls",
+    "MegatronError",
+    "ShardMegatron",
     "FuseAttention",
     "NarrowIndices",
     "FusedScalarsAsDims",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import tvm
 from tvm import IRModule, relax
 from tvm.ir.transform import PassContext, module_pass
@@ -9,6 +11,7 @@ from tvm.relax.distributed import Placement, device_mesh
 from tvm.relax.distributed import transform as distributed
 from tvm_ffi.structural import structural_equal
 
+from grape_tvm.runtime.nccl import CollectiveFunction
 from grape_tvm.runtime.tensor_parallel import rank_inputs
 
 from .var_reads import read_counts
@@ -88,25 +91,44 @@ class LowerTensorParallel:
 
 
 # Ops whose call is rebuilt from a legalized function's call: their Relax arguments are the
-# call_tir's (tensors only) and their attributes hold no shape, so the op at a rank's shapes
-# is the same op on the rank's tensors. What OffloadMatmul fuses into a library call.
+# call_tir's (tensors only) and scalar constants, which the legalization folds into the
+# function (kept in its attributes, put back in place), and their attributes hold no shape,
+# so the op at a rank's shapes is the same op on the rank's tensors. What OffloadMatmul
+# fuses into a library call, and attention's scale and softmax, which FuseAttention takes
+# with its two products into one kernel.
 RAISED_OPS = ("relax.matmul", "relax.permute_dims", "relax.add", "relax.nn.gelu",
-              "relax.nn.gelu_tanh")
+              "relax.nn.gelu_tanh", "relax.multiply", "relax.divide", "relax.nn.softmax")
 LEGALIZED_OP_ATTR = "grape.legalized_op"  # on a PrimFunc: the op it was legalized from
 LEGALIZED_ATTRS_ATTR = "grape.legalized_attrs"  # and that op's attributes
+LEGALIZED_SCALARS_ATTR = "grape.legalized_scalars"  # and its scalar constants, by position
+
+
+def _scalar_constants(call: relax.Call) -> dict | None:
+    """The call's constant arguments by position, or None where one is not a scalar: a
+    larger constant would be the whole of what a rank holds a part of."""
+    constants = {i: a for i, a in enumerate(call.args) if isinstance(a, tvm.ir.GenericConst)}
+    if any(math.prod(c.value.shape) != 1 for c in constants.values()):
+        return None
+    return constants
 
 
 def _legalize_tagged(op_name: str):
-    """TVM's legalization of ``op_name``, its function tagged with the op and attributes."""
+    """TVM's legalization of ``op_name``, its function tagged with the op, its attributes
+    and its scalar constants (a call with a larger constant keeps TVM's legalization)."""
     legalize = tvm.ir.Op.get(op_name).get_attr("FLegalize")
 
     def tagged(bb: relax.BlockBuilder, call: relax.Call) -> relax.Expr:
         legalized = legalize(bb, call)
-        if isinstance(legalized, relax.Call) and legalized.op == _CALL_TIR:
+        constants = _scalar_constants(call)
+        if isinstance(legalized, relax.Call) and legalized.op == _CALL_TIR and \
+                constants is not None:
             gvar = legalized.args[0]
             func = bb.get()[gvar].with_attr(LEGALIZED_OP_ATTR, op_name)
             if call.attrs is not None:
                 func = func.with_attr(LEGALIZED_ATTRS_ATTR, call.attrs)
+            if constants:
+                func = func.with_attr(LEGALIZED_SCALARS_ATTR,
+                                      {str(i): c for i, c in constants.items()})
             bb.update_func(gvar, func)
         return legalized
 
@@ -161,13 +183,23 @@ class _Raise(relax.PyExprMutator):
         # (a PrimValue): the op takes the tensors alone.
         op = tvm.ir.Op.get(str(op_name))
         tensors = [a for a in call.args[1].fields if isinstance(a.ty, relax.TensorType)]
-        if len(tensors) != int(op.num_inputs):
+        args = _with_scalars(tensors, func.attrs.get(LEGALIZED_SCALARS_ATTR) or {})
+        if len(args) != int(op.num_inputs):
             return call
-        raised = self.builder_.normalize(relax.Call(op, tensors,
+        raised = self.builder_.normalize(relax.Call(op, args,
                                                     func.attrs.get(LEGALIZED_ATTRS_ATTR)))
         if not structural_equal(raised.ty, call.ty):
             return call
         return raised
+
+
+def _with_scalars(tensors: list, scalars) -> list:
+    """The op's arguments: the call's tensors, the scalar constants back at their
+    positions."""
+    args = list(tensors)
+    for position in sorted(int(i) for i in scalars):
+        args.insert(position, scalars[str(position)])
+    return args
 
 
 SHARD_PLAN_ATTR = "grape.shard_plan"  # on main: {parameter name: the axis it is split on}
@@ -257,3 +289,47 @@ def shard_inputs(mod: IRModule, inputs: dict, rank: int) -> dict:
 def shard_plan(mod: IRModule) -> dict[str, int]:
     """``main``'s ``grape.shard_plan``: an input split across the ranks -> its axis."""
     return {str(k): int(v) for k, v in (mod["main"].attrs.get(SHARD_PLAN_ATTR) or {}).items()}
+
+
+_ALLREDUCE = tvm.ir.Op.get("relax.ccl.allreduce")
+_ALLGATHER = tvm.ir.Op.get("relax.ccl.allgather")
+
+
+@relax.expr_functor.mutator
+class _CollectivesAsLibraryCalls(relax.PyExprMutator):
+    """``CollectivesAsLibraryCalls``'s rewrite of one function's collectives."""
+
+    def visit_call_(self, call):  # pylint: disable=arguments-renamed
+        call = super().visit_call_(call)
+        if call.op not in (_ALLREDUCE, _ALLGATHER):
+            return call
+        # in_group or not: grape's sessions have one group, all the ranks
+        function = CollectiveFunction("allreduce", str(call.attrs.op_type)) \
+            if call.op == _ALLREDUCE else CollectiveFunction("allgather")
+        return relax.call_dps_packed(function.name, [call.args[0]], out_ty=call.ty)
+
+
+@module_pass(opt_level=0, name="CollectivesAsLibraryCalls")
+class CollectivesAsLibraryCalls:
+    """Make each all-reduce and all-gather across the ranks a call of grape's NCCL library
+    (``runtime/nccl.py``), a kernel of the graph region it is in. TVM legalizes them into
+    calls of disco's builtins, which the regions cannot hold: each would split a rank's step
+    into two graphs and run between them on the host. On the CPU grape's function calls
+    disco's builtin itself.
+
+    Before (a rank's program, after ``LowerTensorParallel``)::
+
+        lv37 = R.ccl.allreduce(lv_1, op_type="sum", in_group=False)
+
+    After::
+
+        lv37 = R.call_dps_packed("grape.nccl.allreduce_sum", (lv_1,),
+                                 out_ty=R.Tensor((1, 64), dtype="float32"))
+    """
+
+    def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
+        rewrite = _CollectivesAsLibraryCalls(mod)
+        for gvar, func in mod.functions.items():
+            if isinstance(func, relax.Function):
+                rewrite.builder_.update_func(gvar, rewrite.visit_expr(func))
+        return rewrite.builder_.get()

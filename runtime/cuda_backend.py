@@ -31,7 +31,7 @@ from typing import Any, Sequence
 import tvm
 
 from .argument_table import TopologyGroups
-from . import attention
+from . import attention, nccl
 from .cublaslt import LIBRARY as CUBLASLT
 from .cublaslt import CublasLt, register_functions
 from .cuda_compile import CubinStore
@@ -68,7 +68,8 @@ class CudaGraphBackend:
     def __init__(self, device: tvm.runtime.Device, mode: str = "topology",
                  max_graphs: int = 4096, arch: str | None = None,
                  cubins: CubinStore | None = None, max_shapes: int | None = None,
-                 libraries: Sequence[str] = ()):
+                 libraries: Sequence[str] = (),
+                 collectives: nccl.CollectiveGroup | None = None):
         import tvm_ffi  # pylint: disable=import-outside-toplevel
 
         if mode not in MODES:
@@ -84,6 +85,7 @@ class CudaGraphBackend:
         self._context = self.stream = self.capture_stream = None
         self.cublaslt: CublasLt | None = None
         self.attention: attention.FusedAttention | None = None
+        self.nccl: nccl.NcclCommunicator | None = None
         self._patch: PatchKernel | None = None
         self._regions: dict[str, _RegionGraphs] = {}
         self._per_shape: OrderedDict[tuple, CapturedGraph] = OrderedDict()
@@ -118,6 +120,9 @@ class CudaGraphBackend:
         if attention_sources:  # loaded now: a capture cannot load a module
             attention.register_functions()
             self.attention = attention.FusedAttention(self.cubins, attention_sources)
+        self._needs_nccl = nccl.LIBRARY in libraries  # its regions call grape.nccl.*
+        if collectives is not None:
+            self.join_collectives(collectives)
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # CUfunction -> parameter layout
         self.graphs_captured = 0
         self.graphs_instantiated = 0
@@ -135,6 +140,16 @@ class CudaGraphBackend:
         # after each instantiation, table write and release (nothing else allocates there).
         self.graph_device_bytes = 0
 
+    def join_collectives(self, group: nccl.CollectiveGroup) -> None:
+        """Make this rank's NCCL communicator, with the group's other ranks (all at once):
+        the graphs' collectives (``grape.nccl.*``) and a session's transfers run on it. An
+        artifact whose regions call them cannot run until it is made."""
+        if self.nccl is not None:
+            raise nccl.NcclError("this backend already has its NCCL communicator")
+        nccl.register_functions()
+        check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")  # NCCL's device
+        self.nccl = nccl.NcclCommunicator(group, self.device.index)
+
     # -- the executor's interface --------------------------------------------------------
     def stream_context(self):
         """TVM launches everything of a call on the backend's stream."""
@@ -146,6 +161,11 @@ class CudaGraphBackend:
 
     @contextlib.contextmanager
     def _on_stream(self, stream):
+        if self._needs_nccl and self.nccl is None:
+            raise nccl.NcclError("this artifact's regions call NCCL's collectives: each rank "
+                                 "joins its group first (load(..., collectives="
+                                 "CollectiveGroup(...)); grape_tvm.load_tensor_parallel does "
+                                 "this)")
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._use_stream(self.device, int(stream)))
             # Library calls the VM makes meanwhile run with this backend's state.
@@ -155,7 +175,7 @@ class CudaGraphBackend:
 
     def _libraries(self) -> list:
         """The runtime libraries this backend holds (``runtime/libraries.py``'s)."""
-        return [lib for lib in (self.cublaslt, self.attention) if lib is not None]
+        return [lib for lib in (self.cublaslt, self.attention, self.nccl) if lib is not None]
 
     @property
     def context(self):
@@ -381,7 +401,7 @@ class CudaGraphBackend:
             self._patch = None
         for library in self._libraries():
             library.close()
-        self.cublaslt = self.attention = None
+        self.cublaslt = self.attention = self.nccl = None
         for stream in (self.stream, self.capture_stream):
             if stream is not None:
                 driver.cuStreamDestroy(stream)

@@ -10,9 +10,11 @@ from .attention import FUNCTION_PREFIX as ATTENTION_PREFIX
 from .attention import LIBRARY as ATTENTION
 from .cublaslt import FUNCTION_PREFIX as CUBLASLT_PREFIX
 from .cublaslt import LIBRARY as CUBLASLT
+from .nccl import FUNCTION_PREFIX as NCCL_PREFIX
+from .nccl import LIBRARY as NCCL
 
 LIBRARY_PREFIXES = {CUBLASLT: CUBLASLT_PREFIX, ATTENTION: ATTENTION_PREFIX,
-                    DECODE_ATTENTION: DECODE_ATTENTION_PREFIX}
+                    DECODE_ATTENTION: DECODE_ATTENTION_PREFIX, NCCL: NCCL_PREFIX}
 
 
 def library_of(function: str) -> str | None:

@@ -45,3 +45,8 @@ def joined(parts: Any, axis: int) -> Any:
     numpy array ``(world_size, *slice)``, as disco's ``gather_to_worker0`` leaves them),
     joined along ``axis``."""
     return np.concatenate(list(parts), axis=axis)
+
+
+def placement_text(axis: int | None) -> str:
+    """How a rank holds a value the plans split on ``axis`` (None: not split), in words."""
+    return "whole" if axis is None else f"split along axis {axis}"

@@ -1102,3 +1102,84 @@ def test_cublaslt_topologies_over_the_whole_range(dtype, matmul):
         assert counts and max(counts.values()) <= 16
     finally:
         executor.close()
+
+
+@pytest.mark.parametrize("graph_mode", ["topology", "per-shape"])
+def test_collectives_run_on_nccl_inside_the_graphs(graph_mode):
+    """A model's all-reduce and all-gather (``bench/gpu/build_artifacts.py:
+    collectives_model``) are calls of grape's NCCL library inside its one graph region, run
+    on a communicator of one rank (``CollectiveGroup``, NCCL's own unique id): equal to
+    numpy at every n, with n changing on every call. Loaded without a group, it refuses to
+    run.
+
+    One rank's NCCL copies instead of launching a kernel (a memcpy node, seen on the H200):
+    per-shape graphs keep it; a topology graph cannot (grape patches kernel and memset nodes
+    only), so that region's captures run once and are dropped, and the results still hold.
+    """
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.nccl import CollectiveGroup, NcclError, unique_id  # pylint: disable=import-outside-toplevel
+
+    path = _artifact("collectives.cuda.grape")
+    with load(path, "cuda") as alone, pytest.raises(NcclError, match="CollectiveGroup"):
+        alone.run({"x": np.ones((1, 64), "float32"), "w": np.ones((64, 64), "float32")})
+    executor = load(path, "cuda", graph_mode=graph_mode,
+                    collectives=CollectiveGroup(0, 1, unique_id()))
+    try:
+        (region,) = executor.manifest["plan"]["regions"]
+        assert {"grape.nccl.allreduce_sum", "grape.nccl.allgather"} <= set(region["kernels"])
+        assert not executor.manifest["plan"]["host_steps"]
+        rng = np.random.default_rng(0)
+        w = rng.standard_normal((64, 64)).astype("float32")
+        executor.bind_inputs({"w": tvm.runtime.tensor(w, executor.device)})
+        for n in (1, 7, 64, 3, 256, 1, 100):
+            x = rng.standard_normal((n, 64)).astype("float32")
+            got = executor.run({"x": x})
+            want = x.astype(np.float64) @ w + x
+            for name in ("y", "g"):
+                np.testing.assert_allclose(got[name], want, rtol=1e-4, atol=1e-4,
+                                           err_msg=f"{name} at n={n}")
+        backend = executor.backend.describe()
+        print(f"collectives, {graph_mode}: {backend['graphs_captured']} captured, "
+              f"{backend['graphs_instantiated']} instantiated, not kept: "
+              f"{backend['not_kept_reason']}")
+        if graph_mode == "per-shape":
+            assert backend["per_shape_graphs"] == 6  # n = 1 came twice
+        else:  # as seen on the H200: NCCL 2.x at one rank copies
+            assert backend["graphs_instantiated"] == 0, backend
+            assert "MEMCPY" in backend["not_kept_reason"], backend
+    finally:
+        executor.close()
+
+
+def test_copy_part_takes_a_ranks_slice_on_the_device():
+    """``cuda_driver.copy_part`` (a tensor-parallel rank's part of a whole input, taken on
+    the device by one strided copy) equals numpy's slice, for every axis and part, fp32 and
+    fp16, on shapes whose leading and trailing extents are 1 or more."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.runtime.cuda_driver import check, copy_part, driver  # pylint: disable=import-outside-toplevel
+
+    device = tvm.cuda(0)
+    stream = check(driver.cuStreamCreate(0), "cuStreamCreate")
+    try:
+        rng = np.random.default_rng(0)
+        for shape in ((8,), (4, 6), (3, 4, 10), (2, 8, 5, 3)):
+            for dtype in ("float32", "float16"):
+                whole = rng.standard_normal(shape).astype(dtype)
+                on_device = tvm.runtime.tensor(whole, device)
+                for axis, extent in enumerate(shape):
+                    for parts in (p for p in (2, 4) if extent % p == 0):
+                        for index in range(parts):
+                            part_shape = list(shape)
+                            part_shape[axis] //= parts
+                            out = tvm.runtime.empty(tuple(part_shape), dtype, device)
+                            copy_part(on_device, out, axis, index, parts, stream)
+                            check(driver.cuStreamSynchronize(stream), "cuStreamSynchronize")
+                            want = np.split(whole, parts, axis=axis)[index]
+                            np.testing.assert_array_equal(out.numpy(), want,
+                                                          err_msg=f"{shape} {dtype} axis {axis} "
+                                                                  f"part {index}/{parts}")
+    finally:
+        driver.cuStreamDestroy(stream)

@@ -25,72 +25,6 @@ from models import (gpt2_decode_step, gpt2_numpy, gpt2_qkv_by_ranks,  # noqa: E4
                     gpt2_shapes)
 
 HIDDEN, HEADS, LAYERS = 64, 4, 2
-COLLECTIVES = ("allreduce", "broadcast_from_worker0", "scatter_from_worker0", "gather_to_worker0",
-               "worker_id")
-
-
-class _Collectives:
-    """disco's collectives for ranks that are threads of this process: each call trades its
-    tensor with the other ranks' at a barrier (the rank is thread-local)."""
-
-    def __init__(self, world: int):
-        self.world = world
-        self.local = threading.local()
-        self.barrier = threading.Barrier(world, timeout=60)
-        self.slots: list = [None] * world
-
-    def _everyone(self, value: np.ndarray) -> list[np.ndarray]:
-        self.slots[self.local.rank] = value
-        self.barrier.wait()
-        got = list(self.slots)
-        self.barrier.wait()  # all have read before anyone writes the next
-        return got
-
-    def allreduce(self, x, _op, _in_group, out):
-        parts = self._everyone(x.numpy())
-        out.copyfrom(np.sum(parts, axis=0).astype(parts[0].dtype))
-
-    def broadcast_from_worker0(self, x, _in_group, out):
-        out.copyfrom(self._everyone(x.numpy())[0])
-
-    def scatter_from_worker0(self, x, _in_group, out):
-        # disco's layout: rank r's part is the r-th of ``world`` contiguous chunks
-        chunks = self._everyone(x.numpy())[0].reshape(self.world, -1)
-        out.copyfrom(chunks[self.local.rank].reshape(tuple(out.shape)))
-
-    def gather_to_worker0(self, x, _in_group, out):
-        parts = self._everyone(x.numpy())
-        if self.local.rank == 0:  # only worker 0 holds ``out``
-            out.copyfrom(np.stack(parts))
-
-    def worker_id(self):
-        return tvm.runtime.ShapeTuple([self.local.rank])
-
-
-def _installing(make, names):
-    """A fixture's body: ``install(world)`` registers ``make(world)``'s ``names`` as
-    ``runtime.disco.*``; the functions before come back after."""
-    before = {name: tvm.get_global_func(f"runtime.disco.{name}", allow_missing=True)
-              for name in names}
-
-    def install(world: int):
-        standin = make(world)
-        for name in names:
-            tvm.register_global_func(f"runtime.disco.{name}", getattr(standin, name), override=True)
-        return standin
-
-    yield install
-    for name, func in before.items():
-        if func is not None:
-            tvm.register_global_func(f"runtime.disco.{name}", func, override=True)
-
-
-@pytest.fixture
-def collectives():
-    """``_Collectives`` as disco's collectives and ``worker_id``."""
-    yield from _installing(_Collectives, COLLECTIVES)
-
-
 def _per_rank(world: int, local: bool = False) -> tvm.IRModule:
     mod = LowerTensorParallel()(gpt2_decode_step(HIDDEN, HEADS, LAYERS, tensor_parallel=world))
     return LocalParams()(mod) if local else mod
@@ -157,9 +91,10 @@ def test_local_params_keep_the_collectives_of_values_read_whole_or_computed():
     assert sorted(_ccl_calls(mod)) == ["relax.ccl.scatter_from_worker0"] * 2
 
 
-def _on_ranks(standin: "_Collectives", step) -> list:
-    """``step(rank)`` on every rank, a thread each (its rank set for the collectives): the
-    results in rank order; the first error fails the test (the others' barrier aborted)."""
+def _on_ranks(standin, step) -> list:
+    """``step(rank)`` on every rank (``standin``: conftest's ``_Collectives``), a thread
+    each (its rank set for the collectives): the results in rank order; the first error
+    fails the test (the others' barrier aborted)."""
     results: list = [None] * standin.world
     errors: list = []
 
@@ -217,9 +152,48 @@ def test_ranks_together_equal_one_device(world, local, collectives):
         _equal_one_device(_on_ranks(standin, step), x, caches, weights)
 
 
+@pytest.mark.parametrize("reduction", ["sum", "max", "min", "avg"])
+def test_grapes_collectives_reduce_and_gather_as_the_model_says(reduction, collectives,
+                                                                 tmp_path):
+    """A model's ``R.ccl.allreduce`` (each reduction) and ``allgather``, built by grape
+    (``CollectivesAsLibraryCalls``: calls of ``grape.nccl.*`` inside the graph region; on
+    the CPU they call disco's collectives, here conftest's stand-ins), run on two ranks
+    (threads) with different inputs: every rank gets numpy's reduction and the ranks'
+    inputs stacked, at several n."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+
+    n = tvm.tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, 4), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            reduced = bb.emit(relax.op.ccl.allreduce(x, reduction, in_group=False))
+            gathered = bb.emit(relax.op.ccl.allgather(x, num_workers=2, in_group=False))
+            out = bb.emit_output(relax.Tuple([reduced, gathered]))
+        bb.emit_func_output(out)
+    module = grape_tvm.build(bb.get(), {"n": (1, 8)}, "llvm", output_names=["r", "g"])
+    (region,) = module.plan["regions"]
+    assert region["kernels"] == [f"grape.nccl.allreduce_{reduction}", "grape.nccl.allgather"]
+    path = module.export(tmp_path / "collectives.grape")
+    standin = collectives(2)
+    numpy_reduction = {"sum": np.sum, "max": np.max, "min": np.min, "avg": np.mean}[reduction]
+    for size in (1, 3, 8):
+        xs = [np.random.default_rng([size, r]).standard_normal((size, 4)).astype("float32")
+              for r in range(2)]
+
+        def step(rank: int, xs=xs) -> dict:
+            with grape_tvm.load(path) as executor:
+                return executor.run({"x": xs[rank]})
+
+        for got in _on_ranks(standin, step):
+            np.testing.assert_allclose(got["r"], numpy_reduction(xs, axis=0), rtol=1e-6)
+            np.testing.assert_array_equal(got["g"], np.concatenate(xs))
+
+
 def test_build_holds_each_ranks_program_and_its_shard_plan(collectives, tmp_path):
     """``grape_tvm.build(..., tensor_parallel=2)``: one artifact, the program every rank runs
-    (grape's pipeline, its all-reduces host steps between graph regions) and the shard plan;
+    (grape's pipeline, its all-reduces calls of grape's NCCL library inside its graph regions,
+    which on the CPU call disco's collectives) and the shard plan;
     two executors loaded from it, each bound its rank's part of the weights and caches
     (``runtime.tensor_parallel.rank_inputs``), run as two threads with the stand-in
     collectives: together they equal the one-device numpy reference."""
@@ -235,6 +209,7 @@ def test_build_holds_each_ranks_program_and_its_shard_plan(collectives, tmp_path
     assert parallel["world_size"] == world and parallel["shard_plan"]  # weights and caches
     outputs = [spec.name for spec in module.signature.outputs]  # y, then the caches
     assert parallel["output_shard_plan"] == {name: 0 for name in outputs[1:]}
+    _assert_all_reduces_in_regions(module.plan)
     names = [spec.name for spec in module.signature.inputs]
     rng = np.random.default_rng(7)
     weights = {k: (0.1 * rng.standard_normal(s)).astype("float32")
@@ -272,9 +247,11 @@ def test_each_ranks_matmuls_are_ops_again_at_its_shapes():
 
 
 def test_raise_legalized_ops_gives_back_the_ops_on_a_tiny_module():
-    """On one device: a matmul by a transposed weight plus a bias, legalized with the tags and
-    raised back, is the module legalized without touching ``RAISED_OPS``: those ops as they
-    were, the softmax (not one of them) TVM's legalization."""
+    """On one device: a matmul by a transposed weight plus a bias, scaled by a scalar
+    constant, under a softmax, legalized with the tags and raised back, is the module
+    legalized without touching ``RAISED_OPS``: those ops as they were (the scalar back in
+    place), the exp (not one of them) and the add of a non-scalar constant (which a rank
+    would hold a part of) TVM's legalization."""
     from grape_tvm.passes.tensor_parallel import (  # pylint: disable=import-outside-toplevel
         RAISED_OPS, RaiseLegalizedOps, _legalize_tagged)
 
@@ -285,12 +262,64 @@ def test_raise_legalized_ops_gives_back_the_ops_on_a_tiny_module():
     with bb.function("main", [x, w, b]):
         with bb.dataflow():
             y = bb.emit(relax.op.matmul(x, bb.emit(relax.op.permute_dims(w, [1, 0]))))
-            out = bb.emit_output(relax.op.nn.softmax(relax.op.add(y, b)))
+            scaled = bb.emit(relax.op.multiply(relax.op.add(y, b), relax.const(0.5, "float32")))
+            shifted = bb.emit(relax.op.add(scaled, relax.const(np.arange(6, dtype="float32"))))
+            out = bb.emit_output(relax.op.exp(relax.op.nn.softmax(shifted)))
         bb.emit_func_output(out)
     mod = bb.get()
     tagged = relax.transform.LegalizeOps({op: _legalize_tagged(op) for op in RAISED_OPS})(mod)
-    untouched = relax.transform.LegalizeOps({op: lambda _bb, call: call for op in RAISED_OPS})
-    tvm.ir.assert_structural_equal(RaiseLegalizedOps()(tagged), untouched(mod))
+    raised = RaiseLegalizedOps()(tagged)
+    ops = []
+    relax.analysis.post_order_visit(raised["main"], lambda e: isinstance(e, relax.Call) and ops.append(
+        e.op.name if isinstance(e.op, tvm.ir.Op) else "call"))
+    assert sorted(o for o in ops if o != "relax.call_tir") == sorted([
+        "relax.permute_dims", "relax.matmul", "relax.add", "relax.multiply", "relax.nn.softmax"]), ops
+    assert ops.count("relax.call_tir") == 2, ops  # the exp, and the add of the large constant
+    scaled = [c for c in _calls(raised["main"], "relax.multiply")]
+    assert float(scaled[0].args[1].value.numpy()) == 0.5  # the scalar back in place
+    rng = np.random.default_rng(0)
+    args = [tvm.runtime.tensor(rng.standard_normal(shape).astype("float32"))
+            for shape in ((3, 8), (6, 8), (6,))]
+    got, want = (relax.VirtualMachine(tvm.compile(m, target="llvm"), tvm.cpu())["main"](*args)
+                 for m in (raised, relax.transform.LegalizeOps()(mod)))
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-6)
+
+
+def _calls(func: relax.Function, op_name: str) -> list:
+    found = []
+    relax.analysis.post_order_visit(func, lambda e: isinstance(e, relax.Call) and isinstance(
+        e.op, tvm.ir.Op) and e.op.name == op_name and found.append(e))
+    return found
+
+
+def test_a_ranks_decode_attention_is_one_fused_kernel():
+    """A decode step's attention split by heads: each rank's scale and softmax are Relax ops
+    again (``RaiseLegalizedOps``), so FuseAttention makes the rank's attention one call of
+    grape's decode attention kernel, as on one device (not two cuBLASLt products around a
+    softmax kernel)."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+    from grape_tvm.passes.tensor_parallel import shard, with_mesh  # pylint: disable=import-outside-toplevel
+
+    heads, head_dim, world = 4, 64, 2
+    past = tvm.tirx.Var("past", "int64")
+    q = relax.Var("q", relax.TensorType((1, heads, 1, head_dim), "float32"))
+    k = relax.Var("k", relax.TensorType((1, heads, past, head_dim), "float32"))
+    v = relax.Var("v", relax.TensorType((1, heads, past, head_dim), "float32"))
+    bb = relax.BlockBuilder()
+    op = relax.op
+    with bb.function("main", [q, k, v]):
+        with bb.dataflow():
+            qs, ks, vs = (shard(bb, t, "S[1]", world) for t in (q, k, v))
+            scores = bb.emit(op.multiply(op.matmul(qs, op.permute_dims(ks, [0, 1, 3, 2])),
+                                         relax.const(head_dim ** -0.5, "float32")))
+            out = bb.emit(op.matmul(op.nn.softmax(scores, axis=-1), vs))
+            out = bb.emit_output(shard(bb, out, "S[1]", world))
+        bb.emit_func_output(out)
+    module = grape_tvm.build(with_mesh(bb.get(), world), {"past": (1, 64)},
+                             tvm.target.Target({"kind": "cuda", "arch": "sm_90"}),
+                             tensor_parallel=world, prebuild_cubin=False)
+    kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
+    assert kernels == ["grape.decode_attention.fused"], kernels
 
 
 def test_a_sharded_cuda_build_runs_its_matmuls_on_cublaslt():
@@ -309,8 +338,18 @@ def test_a_sharded_cuda_build_runs_its_matmuls_on_cublaslt():
     assert sum(k.startswith("grape.cublaslt.") for k in kernels) == 6 * LAYERS, kernels
     assert kernels.count("grape.cublaslt.matmul_bias") == 2 * LAYERS, kernels
     assert kernels.count("grape.cublaslt.matmul") == 2 * LAYERS, kernels
-    assert module.plan["libraries"] == ["cublaslt"]
+    assert module.plan["libraries"] == ["cublaslt", "nccl"]
     assert module.plan["tensor_parallel"]["world_size"] == 2
+    _assert_all_reduces_in_regions(module.plan)
+
+
+def _assert_all_reduces_in_regions(plan: dict) -> None:
+    """Two all-reduces a layer, each a kernel of a graph region; none a host step."""
+    kernels = [k for r in plan["regions"] for k in r["kernels"]]
+    assert kernels.count("grape.nccl.allreduce_sum") == 2 * LAYERS, kernels
+    host = [step["op"] for step in plan["host_steps"]]
+    assert not [op for op in host if "disco" in op or "nccl" in op], host
+    assert len(plan["regions"]) == 1, [r["kernels"] for r in plan["regions"]]
 
 
 def test_build_refuses_a_module_without_annotations():
@@ -334,32 +373,6 @@ def test_rank_inputs_split_what_the_plan_names_and_refuse_what_does_not_split():
         rank_inputs({"w": 1}, 2, {"w": w}, 2)
 
 
-class _DiscoCollectives(_Collectives):
-    """``_Collectives`` for the workers of a disco threaded session: the rank is disco's own
-    ``worker_id``; a worker that holds no source (not worker 0) gives None."""
-
-    def __init__(self, world: int):
-        super().__init__(world)
-        self._worker_id = tvm.get_global_func("runtime.disco.worker_id")
-
-    def _everyone(self, value):
-        self.local.rank = int(self._worker_id()[0])
-        return super()._everyone(value)
-
-    def broadcast_from_worker0(self, x, _in_group, out):
-        out.copyfrom(self._everyone(None if x is None else x.numpy())[0])
-
-    def scatter_from_worker0(self, x, _in_group, out):
-        chunks = self._everyone(None if x is None else x.numpy())[0].reshape(self.world, -1)
-        out.copyfrom(chunks[self.local.rank].reshape(tuple(out.shape)))
-
-
-@pytest.fixture
-def disco_collectives():
-    """``_DiscoCollectives`` as disco's collectives (its own ``worker_id`` kept)."""
-    yield from _installing(_DiscoCollectives, [n for n in COLLECTIVES if n != "worker_id"])
-
-
 @pytest.fixture(scope="module")
 def step_artifact(tmp_path_factory):
     import grape_tvm  # pylint: disable=import-outside-toplevel
@@ -374,7 +387,7 @@ def test_a_session_of_two_disco_workers_equals_one_device(step_artifact, disco_c
     numpy stand-ins: no CPU collectives here): the weights bound once, whole, each worker
     keeping its part; then calls at several cache lengths, inputs whole, each call's caches
     the outputs of the one before: y and the caches (gathered from both ranks, whole) equal
-    the one-device step's."""
+    the one-device step's; ``describe`` gives each rank's backend."""
     from grape_tvm.tensor_parallel_session import TensorParallelSession  # pylint: disable=import-outside-toplevel
 
     module, path = step_artifact
@@ -396,6 +409,9 @@ def test_a_session_of_two_disco_workers_equals_one_device(step_artifact, disco_c
             for got, present in zip(outputs[1:], presents):
                 np.testing.assert_allclose(got, present, rtol=1e-5, atol=1e-5)
             caches = outputs[1:]  # fed back whole, as one device's
+        described = ranks.describe()  # each rank's own backend, which recorded the calls
+        assert [d["backend"] for d in described] == ["cpu-replay"] * 2, described
+        assert all(d["topology_groups"] for d in described), described
 
 
 def test_a_session_refuses_a_one_device_artifact_and_a_wrong_device_count(step_artifact,
@@ -469,18 +485,26 @@ def test_bad_input_fails_before_the_ranks_and_the_session_goes_on(step_artifact,
         ranks.run(good)
 
 
-def test_a_worker_that_fails_raises_rank_error(tmp_path):
+def test_a_worker_that_fails_raises_rank_error(tmp_path, monkeypatch):
     """A worker's failure comes back as ``RankError`` naming its rank (disco would end the
-    process on a worker's exception): a CUDA artifact on a session of CPU workers."""
+    process on a worker's exception): a CUDA artifact on a session of CPU workers, given an
+    NCCL group id (this machine has no NCCL to make one), fails in every worker's load. A
+    CUDA artifact's ranks talk through NCCL: ``ccl=None`` is refused before any starts."""
     import grape_tvm  # pylint: disable=import-outside-toplevel
+    from grape_tvm import tensor_parallel_session  # pylint: disable=import-outside-toplevel
     from grape_tvm.tensor_parallel_session import RankError, TensorParallelSession  # pylint: disable=import-outside-toplevel
 
     module = grape_tvm.build(gpt2_decode_step(HIDDEN, HEADS, 1, tensor_parallel=2),
                              {"past": (1, 8)}, tvm.target.Target({"kind": "cuda",
                                                                    "arch": "sm_90"}),
                              tensor_parallel=2, prebuild_cubin=False, matmul="tvm")
+    path = module.export(tmp_path / "cuda.grape")
+    with pytest.raises(ValueError, match="talk through NCCL"):
+        TensorParallelSession(path, threaded=True, ccl=None)
+    monkeypatch.setenv("NCCL_NVLS_ENABLE", "0")
+    monkeypatch.setattr(tensor_parallel_session, "unique_id", lambda: bytes(128))
     with pytest.raises(RankError, match="rank 0: "):
-        TensorParallelSession(module.export(tmp_path / "cuda.grape"), threaded=True, ccl=None)
+        TensorParallelSession(path, threaded=True, ccl="nccl")
 
 
 def test_a_failure_on_one_rank_raises_rank_error_and_the_session_goes_on(step_artifact,

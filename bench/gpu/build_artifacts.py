@@ -47,6 +47,9 @@
   test_branches.py's nested branches (tests, ``bench/branches.py``).
 - ``reductions.cuda.grape``: ``models.reductions_model``, means, sums, a max and a min over
   n = 0..1024 rows (tests: grape's ``FullReduction`` and dlight's ``Reduction``, empty too).
+- ``tp_{llama_7b,gpt2}.{1,2}gpu.cuda.grape``: a Llama decode step at Llama-2-7B's sizes
+  (fp16) and GPT-2's decode step (fp32, batch 1), each for one GPU and for two (tensor
+  parallelism; weights are inputs, made on the GPUs from a seed) (``bench/tensor_parallel.py``).
 - ``conv_stack_{float32,float16}.cuda.grape``: ``models.conv_stack``, a Wav2Vec2-like front
   end (strided convs, a grouped "same" conv) over 400..16000 samples, batch 1..2, its convs
   as windows and cuBLASLt matmuls (``passes/conv_matmul.py``; tests).
@@ -73,6 +76,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     DECODER_SMALL,
     DECODER_TINY,
     REDUCTION_OUTPUTS,
+    TENSOR_PARALLEL_MODELS,
     GPT2_MATMULS,
     UNFUSED_HEAD_DIM,
     blocks_relax,
@@ -91,6 +95,8 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     wide_head,
     reductions_model,
     matmul_relax,
+    tensor_parallel_artifact,
+    tensor_parallel_module,
 )
 
 import grape_tvm  # noqa: E402  pylint: disable=wrong-import-position
@@ -480,6 +486,50 @@ def build_reductions(out: Path) -> None:
     module.export(out / "reductions.cuda.grape")
 
 
+COLLECTIVES_DIMS = {"n": (1, 256)}
+COLLECTIVES_WIDTH = 64
+
+
+def collectives_model() -> tvm.IRModule:
+    """``y = allreduce(x @ w) + x``, ``g = allgather(y)``: a rank's collectives (as a
+    tensor-parallel build's program has them) in a one-device model, for a group of one."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    n = tirx.Var("n", "int64")
+    x = relax.Var("x", relax.TensorType((n, COLLECTIVES_WIDTH), "float32"))
+    w = relax.Var("w", relax.TensorType((COLLECTIVES_WIDTH, COLLECTIVES_WIDTH), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            summed = bb.emit(relax.op.ccl.allreduce(relax.op.matmul(x, w), "sum", in_group=False))
+            y = bb.emit(relax.op.add(summed, x))
+            gathered = bb.emit(relax.op.ccl.allgather(y, num_workers=1, in_group=False))
+            out = bb.emit_output(relax.Tuple([y, gathered]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def build_collectives(out: Path) -> None:
+    """``collectives_model``: its collectives on grape's NCCL library in the graphs (tests)."""
+    module = _timed("collectives", lambda: grape_tvm.build(
+        collectives_model(), COLLECTIVES_DIMS, CUDA, output_names=["y", "g"]))
+    module.export(out / "collectives.cuda.grape")
+
+
+def build_tensor_parallel(out: Path, names=tuple(TENSOR_PARALLEL_MODELS)) -> None:
+    """``tp_{llama_7b,gpt2}.{1,2}gpu.cuda.grape``: tensor parallelism's benchmark models
+    (``models.TENSOR_PARALLEL_MODELS``) built for one device and, annotated Megatron's way,
+    for two (``bench/tensor_parallel.py``). Their weights are inputs, made on the GPUs."""
+    for name in names:
+        dims = TENSOR_PARALLEL_MODELS[name]["dims"]
+        for world in (1, 2):
+            label = tensor_parallel_artifact(name, world)
+            mod, outputs = tensor_parallel_module(name, world)
+            module = _timed(label, lambda m=mod, o=outputs, w=world: grape_tvm.build(
+                m, dims, CUDA, output_names=o, tensor_parallel=w))
+            module.export(out / label)
+
+
 def build_zoo(out: Path) -> None:
     """The zoo (``bench/zoo``) at its full size (``architectures.FULL``) for
     ``bench/zoo/gpu.py``: per model the weightless ONNX export (grape's input and
@@ -547,7 +597,7 @@ def build_decode_attention_cubins(out: Path) -> None:
 STEPS = {
     "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
               build_onnx_loop, build_branches, build_reductions, build_library,
-              build_gemv_tests, build_conv_stack),
+              build_gemv_tests, build_conv_stack, build_collectives),
     "demo": (build_example,),
     "inspect": (build_example,),
     "argument_tables": (build_bench,),
@@ -577,6 +627,7 @@ STEPS = {
     "loop_kernels": (build_loop,),
     "ncu_loop": (build_loop,),
     "zoo": (build_zoo,),
+    "tensor_parallel": (build_tensor_parallel,),
 }
 
 

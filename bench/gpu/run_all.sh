@@ -86,6 +86,7 @@ want matmul && { python3 -P bench/matmul.py --artifacts build/gpu --out "$out" $
 want memory && { python3 -P bench/memory.py --device cuda --artifact build/gpu/blocks_4096.cuda.grape --shapes 4096 --cycles 300 --out "$out" || status=1; }
 want split_k_choices && { python3 -P bench/split_k_choices.py --out "$out" || status=1; }
 want probe_cublaslt && { python3 -P bench/probe_cublaslt.py --out "$out" || status=1; }
+want tensor_parallel && { python3 -P bench/tensor_parallel.py --artifacts build/gpu --out "$out" ${GRAPE_TENSOR_PARALLEL_ARGS:-} || status=1; }
 want hf_models && { python3 -P bench/hf_models.py --artifacts build/gpu --out "$out" ${GRAPE_HF_MODELS_ARGS:-} || status=1; }
 want hf_models_fp16 && { python3 -P bench/hf_models.py --dtype float16 --artifacts build/gpu --out "$out" ${GRAPE_HF_MODELS_ARGS:-} || status=1; }
 exit $status

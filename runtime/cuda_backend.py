@@ -121,6 +121,8 @@ class CudaGraphBackend:
             attention.register_functions()
             self.attention = attention.FusedAttention(self.cubins, attention_sources)
         self._needs_nccl = nccl.LIBRARY in libraries  # its regions call grape.nccl.*
+        if self._needs_nccl:  # TVM's VM looks its functions up as it loads
+            nccl.register_functions()
         if collectives is not None:
             self.join_collectives(collectives)
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # CUfunction -> parameter layout

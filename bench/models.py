@@ -190,15 +190,12 @@ def gpt2_qkv_by_ranks(weights: dict[str, np.ndarray], heads: int, ranks: int) ->
     the order (rank; q, k, v; head of the rank; d) that ``gpt2_decode_step(...,
     tensor_parallel=ranks)`` takes: rank r's block holds q, k and v of heads r * heads /
     ranks onwards."""
+    from grape_tvm.passes.megatron import columns_by_ranks  # pylint: disable=import-outside-toplevel
+
     if heads % ranks:
         raise ValueError(f"{heads} heads do not split over {ranks} devices")
-    out = dict(weights)
-    for name, value in weights.items():
-        if name.startswith(("w_qkv", "b_qkv")):
-            hidden = value.shape[-1] // 3
-            grouped = value.reshape(*value.shape[:-1], 3, ranks, heads // ranks, hidden // heads)
-            out[name] = np.ascontiguousarray(np.moveaxis(grouped, -3, -4)).reshape(value.shape)
-    return out
+    return {name: columns_by_ranks(value, 3, ranks) if name.startswith(("w_qkv", "b_qkv"))
+            else value for name, value in weights.items()}
 
 
 def gpt2_numpy(x, caches, weights, heads: int, layers: int):

@@ -170,6 +170,11 @@ class Pair:
         got = self.two.run({**inputs, **(caches or {})}, feed_back=self.model.keep)
         return got[self.model.compared]
 
+    def reset(self) -> None:
+        """Drop the caches both sides keep between steps: the next step starts from its own."""
+        self.two.drop_kept()
+        self._one_caches = {}
+
     def rank_graph_memory(self) -> list[dict]:
         """What each rank's CUDA backend holds in graphs."""
         keys = ("mode", "graph_device_bytes", "graphs_captured", "graphs_instantiated",
@@ -204,7 +209,7 @@ def compare_decode(pair: Pair, steps: int) -> dict:
                 if top2[1] - top2[0] > TOLERANCE * scale:
                     decided += 1
                     agreeing += int(np.argmax(row_two) == np.argmax(row_one))
-    pair.two.drop_kept()
+    pair.reset()
     out = {"max_logit_diff": worst, "compared_output": model.compared, "steps": steps}
     if model.llama:
         out.update(tokens_identical_where_decided=decided == agreeing, steps_decided=decided,
@@ -231,8 +236,7 @@ def time_steps(pair: Pair, batch: int, past: int, reps: int) -> dict[str, float]
             if i >= 3:
                 times.append((time.perf_counter() - started) * 1e6)
         result[system] = statistics.median(times)
-    pair.two.drop_kept()
-    pair._one_caches = {}  # pylint: disable=protected-access
+    pair.reset()
     return result
 
 
@@ -247,8 +251,7 @@ def walk_range(pair: Pair, lengths: range) -> None:
         first = caches if i == 0 else None
         pair.step_one(inputs, first)
         pair.step_two(inputs, first)
-    pair.two.drop_kept()
-    pair._one_caches = {}  # pylint: disable=protected-access
+    pair.reset()
 
 
 def graph_memory(pair: Pair) -> dict:

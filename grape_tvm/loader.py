@@ -146,13 +146,13 @@ def load(path: str | Path, device: Any = "cpu", *, graph_mode: str = "topology",
         raise ArtifactError(f"{path}: {err}") from None
     backend = None
     libraries = manifest["plan"].get("libraries", ())
+    if NCCL in libraries:  # TVM's VM looks its functions up as it loads (CPU: disco's)
+        register_nccl_functions()
     if manifest["target"]["kind"] == "cuda":
         from grape_tvm.runtime.cuda_backend import CudaGraphBackend  # pylint: disable=import-outside-toplevel
 
         backend = CudaGraphBackend(dev, graph_mode, max_graphs, manifest["target"].get("arch"),
                                    cubins, max_shapes, libraries, collectives)
-    elif NCCL in libraries:
-        register_nccl_functions()  # disco's collectives, through grape's functions
     executor = GraphExecutor(library, dev, signature, backend, program=program,
                              branches=manifest["plan"].get("branches"), max_shapes=max_shapes,
                              transposed_inputs=_transposed_inputs(path, manifest, signature))

@@ -67,9 +67,8 @@ NVLS_ENV = "NCCL_NVLS_ENABLE"
 WORKER_ENTRYPOINT = "grape_tvm.rank_worker"  # a process session's workers: python -m this
 CCLS = ("nccl",)
 ERROR_PREFIX = "grape.rank error: "  # a worker function's result when it raised
-_FUNCTIONS = ("load", "run", "output", "output_shapes", "status", "load_loop", "run_loop",
-              "receive", "gather", "describe", "join",
-              "steps", "close_loop")
+_FUNCTIONS = ("load", "join", "run", "receive", "gather", "output", "output_shapes", "status",
+              "describe", "load_loop", "run_loop", "steps", "close_loop")
 
 
 class RankError(RuntimeError):
@@ -107,7 +106,6 @@ class KeptOutput:
     read in place by the next call (the executor writes that call's outputs beside its
     inputs: ``BufferPool``). Its session owns it: dropping ``parts`` frees the parts."""
 
-    output: str  # the output it was
     parts: Any  # a disco DRef: each worker's tensor
     part_shape: tuple[int, ...]  # on one rank
     dtype: str
@@ -127,6 +125,7 @@ class TensorParallelSession:
         self._transport: _DiscoTransport | _NcclTransport | None = None
         self._loop = None  # each worker's loop runner (an artifact of compile_loop)
         self._kept: dict[str, KeptOutput] = {}  # by the input each one is next
+        self._feed_back_checked: tuple | None = None  # the last (feed_back, gather) accepted
         self._threaded = threaded
         self._lock = threading.Lock()  # one call at a time: disco's commands must not interleave
         artifact = Artifact.load(path)
@@ -206,6 +205,7 @@ class TensorParallelSession:
             self._raise_failed(done)
             self._bound |= set(inputs)
             self._bound_dims.update(dims)
+            self._feed_back_checked = None  # a bound input cannot be fed back
 
     def run(self, inputs: Mapping[str, Any], *, feed_back: Mapping[str, str] | None = None,
             gather: Collection[str] = ()) -> dict[str, np.ndarray]:
@@ -290,7 +290,7 @@ class TensorParallelSession:
         shapes = self._part_shapes(outputs)
         # What was kept was this call's input, now used up (or replaced); the outputs kept
         # from this call were written beside it, never over it.
-        self._kept = {feed_back[out.name]: KeptOutput(out.name, self._call("output", outputs, i),
+        self._kept = {feed_back[out.name]: KeptOutput(self._call("output", outputs, i),
                                                       shapes[i], out.dtype)
                       for i, out in enumerate(self.signature.outputs) if out.name in feed_back}
         return self._gathered(outputs, shapes, [
@@ -335,9 +335,13 @@ class TensorParallelSession:
         """Refuse, before anything runs, a ``feed_back`` whose output could not be its
         input on a rank: names the model does not have, a bound input, an input named
         twice, another dtype or rank, a static size that differs, or a split that differs
-        (a rank's part must be the part that rank takes)."""
+        (a rank's part must be the part that rank takes). A decode loop passes the same one
+        on every call: checked once (again after ``bind_inputs``)."""
         if isinstance(gather, str):
             raise TypeError(f"gather must be a collection of output names, got {gather!r}")
+        key = (tuple(feed_back.items()), tuple(gather))
+        if key == self._feed_back_checked:
+            return
         outputs = {spec.name: spec for spec in self.signature.outputs}
         inputs = {spec.name: spec for spec in self.signature.inputs}
         unknown = sorted((set(feed_back) | set(gather)) - set(outputs))
@@ -364,6 +368,7 @@ class TensorParallelSession:
                 raise InputError(f"output {out!r} comes out of a rank {placement_text(split)} and "
                                  f"input {name!r} is taken {placement_text(part)}: a rank can "
                                  "only keep what it takes")
+        self._feed_back_checked = key
 
     def _whole_shape(self, name: str, part_shape: tuple[int, ...]) -> tuple[int, ...]:
         axis = self.shard_plan.get(name)
@@ -509,8 +514,9 @@ class _NcclTransport:
     def send(self, value: np.ndarray, axis: int | None):
         session = self.ranks.session
         staged = session.empty(value.shape, str(value.dtype), worker0_only=True)  # its host
-        # a copy: DLPack refuses a read-only array (np.broadcast_to, a memmap)
-        session.copy_to_worker_0(tvm.runtime.tensor(np.array(value)), staged)
+        # DLPack refuses a read-only array (np.broadcast_to, a memmap): a copy of that one
+        host = value if value.flags.writeable else value.copy()
+        session.copy_to_worker_0(tvm.runtime.tensor(host), staged)
         return self.ranks._call("receive", self.ranks._executor, staged,  # pylint: disable=protected-access
                                 tvm.runtime.ShapeTuple(value.shape), str(value.dtype),
                                 -1 if axis is None else axis)
@@ -535,7 +541,6 @@ def load_tensor_parallel(path: str | Path, devices: Sequence[int] | None = None,
     """A tensor-parallel artifact on ``devices`` (default ``0..N-1``): see
     ``TensorParallelSession``."""
     return TensorParallelSession(path, devices, **options)
-
 
 
 # -- what each worker runs -------------------------------------------------------------------
@@ -613,9 +618,9 @@ def _run(handle, action: str, names: str, *tensors):
                 executor.close()
             return ""
         executor = _EXECUTORS[handle]
-        failed = [t for t in tensors if isinstance(t, str)]
-        if failed:  # an input's transfer failed (``_receive``): its error
-            return failed[0]
+        failed = _failed_transfer(tensors)
+        if failed:
+            return failed
         named = dict(zip(names.split(","), tensors)) if names else {}
         if action == "bind":
             executor.bind_inputs(named)
@@ -623,6 +628,12 @@ def _run(handle, action: str, names: str, *tensors):
         return list(executor.run(named, return_numpy=False).values())
     except Exception as err:  # pylint: disable=broad-except
         return _error(err)
+
+
+def _failed_transfer(tensors) -> str | None:
+    """The error of an input whose transfer to this rank failed (``_receive`` returns it in
+    the tensor's place), or None."""
+    return next((t for t in tensors if isinstance(t, str)), None)
 
 
 @tvm.register_global_func("grape.rank.receive", override=True)
@@ -675,7 +686,6 @@ def _gather(handle, output):
         stacked = tvm.runtime.empty((backend.nccl.group.world_size, *output.shape),
                                     str(output.dtype), executor.device)
         backend.nccl.run(CollectiveFunction("allgather"), output, stacked, int(backend.stream))
-        backend.synchronize()
         return stacked
     except Exception as err:  # pylint: disable=broad-except
         return _error(err)
@@ -707,6 +717,9 @@ def _run_loop(handle, max_steps: int, names: str, *tensors):
         return handle
     try:
         runner = _LOOPS[handle]
+        failed = _failed_transfer(tensors)
+        if failed:
+            return failed
         result = runner.run(dict(zip(names.split(","), tensors)), max_steps)
         return [*(result.state[name] for name in runner.spec.carried), result.steps]
     except Exception as err:  # pylint: disable=broad-except

@@ -15,6 +15,7 @@ from tvm.relax.distributed import Placement
 from tvm_ffi.structural import structural_equal
 
 from .tensor_parallel import _mesh, with_mesh
+from .var_reads import read_counts
 
 COLUMNS_BY_RANKS_ATTR = "grape.columns_by_ranks"  # on main: {param: parts of its last axis}
 
@@ -144,9 +145,9 @@ class _Dataflow:
         for block in func.body.blocks:
             for binding in block.bindings:
                 self.values[binding.var] = binding.value
-                for read in _vars_read(binding.value):
+                for read in read_counts(binding.value):
                     self.readers.setdefault(read, []).append(binding.var)
-        self.outputs = set(_vars_read(func.body.body))
+        self.outputs = set(read_counts(func.body.body))
         self.weights = {p for p in func.params if _is_weight(p)}
 
     def op(self, var) -> str | None:
@@ -165,12 +166,6 @@ class _Dataflow:
         if isinstance(transposed, relax.Call) and transposed.op == _PERMUTE:
             rhs = transposed.args[0]
         return rhs if rhs in self.weights and value.args[0] not in self.weights else None
-
-
-def _vars_read(expr) -> list:
-    found = []
-    relax.analysis.post_order_visit(expr, lambda e: isinstance(e, relax.Var) and found.append(e))
-    return found
 
 
 def _is_weight(param: relax.Var) -> bool:
@@ -486,7 +481,7 @@ class _GiveInput(relax.PyExprMutator):
 
     def _reads_constants_only(self, call: relax.Call) -> bool:
         """Whether every tensor ``call`` reads is a constant (or a variable bound to one)."""
-        reads = [v for v in _vars_read(relax.Tuple(list(call.args))) if _holds_tensor(v.ty)]
+        reads = [v for v in read_counts(relax.Tuple(list(call.args))) if _holds_tensor(v.ty)]
         return all(isinstance(self.lookup_binding(v), GenericConst) for v in reads)
 
 

@@ -1,11 +1,35 @@
 """A runtime library's packed functions: registered once with TVM, and the instance of the
-library (handle, workspace, kernels) their calls on this thread use."""
+library (handle, workspace, kernels) their calls on this thread use; and the vendor library
+itself, found where the process, the system or a pip package has it."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import importlib.util
 import threading
-from typing import Any, Callable, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+
+def packaged_libraries(folders: Sequence[str], pattern: str) -> list[Path]:
+    """Files matching ``pattern`` in the ``nvidia`` pip packages' ``folders`` (e.g.
+    ``cu13/lib``), newest first: pip puts them where the loader does not look."""
+    spec = importlib.util.find_spec("nvidia")
+    roots = list(spec.submodule_search_locations or ()) if spec else []
+    return [path for root in roots for folder in folders
+            for path in sorted(Path(root, folder).glob(pattern), reverse=True)]
+
+
+def load_shared_library(sonames: Sequence[str], packaged: Sequence[Path]) -> ctypes.CDLL | None:
+    """The first of ``sonames`` (one the process or the system has) that loads, else the
+    first of the ``packaged`` files; None if none does."""
+    for name in [*sonames, *(str(path) for path in packaged)]:
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
 
 
 def register_once(functions: Mapping[str, Any], packed: Callable[[Any], Callable]) -> None:

@@ -51,14 +51,13 @@ serves), else the ``nvidia-cublas`` package's (extra ``cuda``).
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .active import ThreadInstances, register_once
+from .active import ThreadInstances, load_shared_library, packaged_libraries, register_once
 from .cuda_driver import check, driver
 from .signature import nbytes
 
@@ -143,24 +142,20 @@ class _Heuristic(ctypes.Structure):
 
 def _library() -> ctypes.CDLL:
     """libcublasLt: one the process or the system has (by soname), else the one of the
-    ``nvidia-cublas`` package, which pip puts where the loader does not look."""
-    for name in _LIBRARIES + tuple(str(path) for path in _packaged_libraries()):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise CublasLtError("this artifact's matmuls run on cuBLASLt, and no libcublasLt is found "
-                        f"here (tried {', '.join(_LIBRARIES)} and the nvidia-cublas package): "
-                        "pip install 'grape-tvm[cuda]', or compile with --matmul tvm")
+    ``nvidia-cublas`` package."""
+    library = load_shared_library(_LIBRARIES, _packaged_libraries())
+    if library is None:
+        raise CublasLtError("this artifact's matmuls run on cuBLASLt, and no libcublasLt is "
+                            f"found here (tried {', '.join(_LIBRARIES)} and the nvidia-cublas "
+                            "package): pip install 'grape-tvm[cuda]', or compile with "
+                            "--matmul tvm")
+    return library
 
 
 def _packaged_libraries() -> list[Path]:
     """libcublasLt files of the ``nvidia-cublas`` wheels (``nvidia/cu13/lib`` for CUDA 13,
     ``nvidia/cublas/lib`` for CUDA 12), newest first."""
-    spec = importlib.util.find_spec("nvidia")
-    folders = list(spec.submodule_search_locations or ()) if spec else []
-    return [path for folder in folders for sub in ("cu13/lib", "cublas/lib")
-            for path in sorted(Path(folder, sub).glob("libcublasLt.so.*"), reverse=True)]
+    return packaged_libraries(("cu13/lib", "cublas/lib"), "libcublasLt.so.*")
 
 
 def _ok(status: int, call: str) -> None:

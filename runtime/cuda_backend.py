@@ -121,8 +121,6 @@ class CudaGraphBackend:
             attention.register_functions()
             self.attention = attention.FusedAttention(self.cubins, attention_sources)
         self._needs_nccl = nccl.LIBRARY in libraries  # its regions call grape.nccl.*
-        if self._needs_nccl:  # TVM's VM looks its functions up as it loads
-            nccl.register_functions()
         if collectives is not None:
             self.join_collectives(collectives)
         self._layouts: dict[int, list[tuple[int, int]]] = {}  # CUfunction -> parameter layout
@@ -148,9 +146,8 @@ class CudaGraphBackend:
         artifact whose regions call them cannot run until it is made."""
         if self.nccl is not None:
             raise nccl.NcclError("this backend already has its NCCL communicator")
-        nccl.register_functions()
         check(driver.cuCtxSetCurrent(self._context), "cuCtxSetCurrent")  # NCCL's device
-        self.nccl = nccl.NcclCommunicator(group, self.device.index)
+        self.nccl = nccl.NcclCommunicator(group)
 
     # -- the executor's interface --------------------------------------------------------
     def stream_context(self):
@@ -163,11 +160,6 @@ class CudaGraphBackend:
 
     @contextlib.contextmanager
     def _on_stream(self, stream):
-        if self._needs_nccl and self.nccl is None:
-            raise nccl.NcclError("this artifact's regions call NCCL's collectives: each rank "
-                                 "joins its group first (load(..., collectives="
-                                 "CollectiveGroup(...)); grape_tvm.load_tensor_parallel does "
-                                 "this)")
         with contextlib.ExitStack() as stack:
             stack.enter_context(self._use_stream(self.device, int(stream)))
             # Library calls the VM makes meanwhile run with this backend's state.
@@ -245,6 +237,11 @@ class CudaGraphBackend:
         return True
 
     def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> Capture:
+        if self._needs_nccl and self.nccl is None:  # before a capture it would abandon
+            raise nccl.NcclError("this artifact's regions call NCCL's collectives: each rank "
+                                 "joins its group first (load(..., collectives="
+                                 "CollectiveGroup(...)); grape_tvm.load_tensor_parallel does "
+                                 "this)")
         ctx = self.capture_context()
         check(driver.cuStreamBeginCapture(
             self.capture_stream, driver.CUstreamCaptureMode.CU_STREAM_CAPTURE_MODE_RELAXED),

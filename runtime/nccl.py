@@ -21,13 +21,11 @@ Needs ``libnccl``: one the process or the system has, else the ``nvidia-nccl`` p
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import math
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from .active import ThreadInstances, register_once
+from .active import ThreadInstances, load_shared_library, packaged_libraries, register_once
 
 LIBRARY = "nccl"  # its name in a plan's "libraries" (what the runtime must provide)
 FUNCTION_PREFIX = f"grape.{LIBRARY}."
@@ -88,21 +86,13 @@ class _UniqueId(ctypes.Structure):
 
 def _library() -> ctypes.CDLL:
     """libnccl: one the process or the system has (by soname), else the ``nvidia-nccl``
-    package's, which pip puts where the loader does not look."""
-    for name in _LIBRARIES + tuple(str(path) for path in _packaged_libraries()):
-        try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    raise NcclError(f"this artifact's collectives run on NCCL, and no libnccl is found here "
-                    f"(tried {', '.join(_LIBRARIES)} and the nvidia-nccl package)")
-
-
-def _packaged_libraries() -> list[Path]:
-    spec = importlib.util.find_spec("nvidia")
-    folders = list(spec.submodule_search_locations or ()) if spec else []
-    return [path for folder in folders for sub in ("nccl/lib", "cu13/lib")
-            for path in sorted(Path(folder, sub).glob("libnccl.so*"), reverse=True)]
+    package's."""
+    library = load_shared_library(_LIBRARIES, packaged_libraries(("nccl/lib", "cu13/lib"),
+                                                                 "libnccl.so*"))
+    if library is None:
+        raise NcclError("this artifact's collectives run on NCCL, and no libnccl is found "
+                        f"here (tried {', '.join(_LIBRARIES)} and the nvidia-nccl package)")
+    return library
 
 
 def _ok(lib: ctypes.CDLL, status: int, call: str) -> None:
@@ -127,10 +117,9 @@ class NcclCommunicator:
     own). Every rank of the group must make its own at the same time (``ncclCommInitRank``
     waits for all of them). Owns it: ``close`` destroys it."""
 
-    def __init__(self, group: CollectiveGroup, device_index: int):
+    def __init__(self, group: CollectiveGroup):
         self.lib = _library()
         self.group = group
-        self.device_index = device_index
         self.comm = None  # what close() frees
         self.lib.ncclCommInitRank.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_int,
                                               _UniqueId, ctypes.c_int]

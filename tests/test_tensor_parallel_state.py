@@ -140,7 +140,8 @@ def test_outputs_held_whole_are_kept_too(decode_artifacts, decode_weights, disco
 def test_feed_back_refuses_what_cannot_be_its_input(decode_artifacts, decode_weights,
                                                     disco_collectives):
     """Names the model does not have, a bound input, an input named twice, another rank or
-    static size: refused before the call, which does not run."""
+    static size: refused before the call, which does not run. A ``feed_back`` accepted
+    once is refused after its input is bound (the check is not kept past ``bind_inputs``)."""
     disco_collectives(2)
     caches = dict(zip(CACHES, _random_caches(np.random.default_rng(0), 3)))
     inputs = {"x": np.zeros((1, HIDDEN), "float32"), **caches}
@@ -157,6 +158,12 @@ def test_feed_back_refuses_what_cannot_be_its_input(decode_artifacts, decode_wei
         with pytest.raises(InputError, match=r"output\(s\) \['nope'\] are not"):
             ranks.run(inputs, gather=["nope"])
         assert ranks.kept == {}
+        keep = {"present_k0": "past_k0"}
+        ranks.run(inputs, feed_back=keep)
+        ranks.drop_kept()
+        ranks.bind_inputs({"past_k0": caches["past_k0"]})
+        with pytest.raises(InputError, match="not bound"):
+            ranks.run({k: v for k, v in inputs.items() if k != "past_k0"}, feed_back=keep)
 
 
 def test_kept_inputs_are_checked_with_the_next_calls_inputs(decode_artifacts, decode_weights,

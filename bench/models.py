@@ -263,9 +263,10 @@ def _cache_write(heads: int, max_len: int, head_dim: int):
     def write_cache(var_cache: T.handle, var_new: T.handle, pos: T.Buffer((1,), "int32")):
         T.func_attr({"tirx.noalias": True})
         batch = T.int64()
-        cache = T.match_buffer(var_cache, (batch, heads, max_len, head_dim), "float32")
-        new = T.match_buffer(var_new, (batch, heads, head_dim), "float32")
-        for b, h, d in T.grid(batch, heads, head_dim):
+        cache = T.match_buffer(var_cache, (batch, T.int64(heads), T.int64(max_len),
+                                           T.int64(head_dim)), "float32")
+        new = T.match_buffer(var_new, (batch, T.int64(heads), T.int64(head_dim)), "float32")
+        for b, h, d in T.grid(batch, T.int64(heads), T.int64(head_dim)):
             with T.sblock("write"):
                 vb, vh, vd = T.axis.remap("SSS", [b, h, d])
                 cache[vb, vh, T.Cast("int64", pos[0]), vd] = new[vb, vh, vd]

@@ -13,7 +13,7 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CollectivesAsLibraryCalls,
                               CopyPassThroughBranches,
                               DescribeCallProgram, DescribeConditionals, FoldShapeTensors,
-                              FuseAttention, FuseIntoConcatenations,
+                              FuseAttention, FuseIntoConcatenations, FuseIntoInplaceWrites,
                               FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
                               IfToSelect,
@@ -165,7 +165,7 @@ class GrapePipeline:
                     passes.append(relax.transform.LegalizeOps(numerics)
                                   if p.info.name == "LegalizeOps" else p)
                     if p.info.name == "AnnotateTIROpPattern":  # as gpu_legalize_passes
-                        passes.append(FuseIntoConcatenations())
+                        passes += [FuseIntoConcatenations(), FuseIntoInplaceWrites()]
                 # An empty reduction's output gets its identity (passes/reduction_init.py;
                 # dlight schedules GPU reductions itself).
                 passes.append(HoistReductionInit())

@@ -24,7 +24,9 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   kernels over a symbolic number of rows (no per-element division by a symbolic extent);
   before fusion, ``FuseIntoRowReductions`` lets a softmax or layer norm take its
   element-wise producers (attention's scale and mask), ``FuseIntoConcatenations`` a
-  concatenation its injective ones (a decode step's new key and value rows).
+  concatenation its injective ones (a decode step's new key and value rows);
+  ``FuseIntoInplaceWrites`` an in-place write (``call_tir_inplace``) the slices and
+  reshapes it writes from (a static cache's new rows).
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
   their epilogue fused, by buckets of M, chosen on the host; dlight's Matmul above them.
   ``FuseWeightTranspose``: a matmul by a transposed 2-D weight reads it in place (GPU);
@@ -71,6 +73,7 @@ from .branch_fusion import InlineBranches, OutlineBranches
 from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .branch_storage import HoistBranchStorage, after_memory_planning
 from .concat_fusion import FuseIntoConcatenations
+from .inplace_fusion import FuseIntoInplaceWrites
 from .conv_matmul import Conv1dAsMatmul
 from .conv_slice import SliceIntoConvPadding
 from .fused_scalars import FusedScalarsAsDims
@@ -110,6 +113,7 @@ __all__ = [
     "FoldShapeTensors",
     "FullReduction",
     "FuseIntoConcatenations",
+    "FuseIntoInplaceWrites",
     "FuseIntoRowReductions",
     "FuseWeightTranspose",
     "StoreWeightsTransposed",

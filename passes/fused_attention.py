@@ -17,7 +17,7 @@ from grape_tvm.runtime.attention import (ALIGN_ELEMENTS, DECODE_DTYPES, DECODE_R
 from .var_reads import read_counts
 
 _OPS = {name: Op.get(f"relax.{name}") for name in (
-    "matmul", "nn.softmax", "add", "multiply", "divide", "permute_dims", "strided_slice",
+    "matmul", "nn.softmax", "add", "multiply", "divide", "permute_dims", "strided_slice", "reshape",
     "concat", "where", "less_equal", "expand_dims", "arange", "broadcast_to")}
 _HEADS_AND_ROWS = [0, 2, 1, 3]  # [b, h, r, d] <-> [b, r, h, d]
 _LAST_TWO = [0, 1, 3, 2]  # k -> k^T
@@ -107,7 +107,8 @@ class _Fuser(relax.PyExprMutator):
     def _view(self, expr: relax.Expr) -> _View:
         """``expr`` ([b, h, r, d]) as a strided view of a tensor it is a view of: a transpose
         of a [b, r, heads, d] tensor, maybe of a slice of its heads (GPT-2's q, k and v out
-        of its qkv product), else itself, dense."""
+        of its qkv product), reshapes of a slice of a [b, C] tensor's columns
+        (``_columns``), else itself, dense."""
         b, h, r, d = _dims(expr)
         single = self._call(expr, "concat")
         if single is not None and isinstance(single.args[0], relax.Tuple) and \
@@ -125,7 +126,35 @@ class _Fuser(relax.PyExprMutator):
                         for x, y in ((dims[0], b), (dims[1], r), (dims[3], d))):
                 row = dims[2] * d
                 return _View(source, ViewLayout(first * d, r * row, d, row))
+        columns = self._columns(expr, b, h * r * d)
+        if columns is not None:
+            source, first, width = columns
+            return _View(source, ViewLayout(first, width, r * d, d))
         return _View(expr, ViewLayout(0, h * r * d, r * d, d))
+
+    def _columns(self, expr: relax.Expr, batch, width) -> tuple | None:
+        """``expr`` as reshapes of a slice of ``width`` columns of a [batch, C] tensor (a
+        decoder's q out of its qkv product, reshaped to heads): the tensor, the first column
+        and C, else None. A reshape keeps the elements' order, so row b of the slice is
+        batch b of ``expr``."""
+        while (reshaped := self._call(expr, "reshape")) is not None:
+            expr = reshaped.args[0]
+        sliced = self._call(expr, "strided_slice")
+        if sliced is None:
+            return None
+        source = _dims(sliced.args[0])
+        axes, begin, end = (c.fields for c in sliced.args[1:4])
+        steps = sliced.args[4].fields if len(sliced.args) > 4 else []
+        if source is None or len(source) != 2 or _static(source[1]) is None or \
+                [_static(a) % 2 for a in axes if _static(a) is not None] != [1] or \
+                any(_static(x) != 1 for x in steps) or \
+                not self.analyzer.can_prove_equal(source[0], batch):
+            return None
+        first, last = _static(begin[0]), _static(end[0])
+        if first is None or last is None or first < 0 or \
+                last > _static(source[1]) or _static(width) != last - first:
+            return None
+        return sliced.args[0], first, _static(source[1])
 
     @staticmethod
     def _sliced_heads(call: relax.Call, heads) -> int | None:

@@ -202,3 +202,29 @@ def test_the_runtime_splits_long_rows_of_small_grids():
         [1, 1, 1, 3, 4, 8]
     assert splits(4, 12, 1024) == 2  # 48 rows: 96 blocks
     assert splits(8, 12, 1024) == 1  # 96 rows: a block a row fills most SMs already
+
+
+@pytest.mark.parametrize("begin", [0, 256])
+def test_the_q_view_fuse_attention_gives_a_decoders_sliced_q(kernels, begin):
+    """The layout ``FuseAttention`` writes for q sliced out of a (b, 768) qkv product's
+    columns and reshaped to heads (``decoder_q_attention``), run on the kernel at b = 3:
+    equal to numpy's attention of that slice."""
+    from test_fused_attention import _fused, _layout, decoder_q_attention
+
+    batch, heads, keys, head_dim = 3, 4, 37, 64
+    (call,) = _fused(decoder_q_attention(begin, heads, head_dim))
+    layout = _layout(call, b=batch, s=keys)
+    rng = np.random.default_rng(begin)
+    qkv = rng.standard_normal((batch, 3 * heads * head_dim)).astype(np.float32)
+    caches = [rng.standard_normal((batch, heads, keys, head_dim)).astype(np.float32)
+              for _ in range(2)]
+    q = View(qkv.reshape(-1), layout.q.offset, layout.q.batch, layout.q.head, layout.q.row)
+    k, v = (View(c.reshape(-1), 0, heads * keys * head_dim, keys * head_dim, head_dim)
+            for c in caches)
+    flat = np.full(batch * heads * head_dim, np.nan, np.float32)
+    out = View(flat, 0, heads * head_dim, head_dim, head_dim)
+    shape = (batch, heads, 1, head_dim)
+    _run(kernels, "float32", q, k, v, out, None, shape, keys, False, head_dim ** -0.5, False)
+    sliced = qkv[:, begin:begin + heads * head_dim].reshape(shape)
+    want = _reference(sliced, *caches, None, head_dim ** -0.5, False)
+    np.testing.assert_allclose(out.read(shape), want, rtol=2e-5, atol=2e-5)

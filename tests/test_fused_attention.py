@@ -48,11 +48,11 @@ def _fused(mod: tvm.IRModule) -> list[relax.Call]:
 
 
 def _layout(call: relax.Call, b: int = 2, s: int = 10) -> AttentionLayout:
-    """The call's layout at dims b and s (those of its output's shape)."""
+    """The call's layout at dims b and s (those of its output's and operands' shapes)."""
     analyzer = tvm.sym.Analyzer()
-    for var in call.ty.shape.values:
-        if not isinstance(var, tirx.IntImm):
-            analyzer.bind(var, tirx.const({"b": b, "s": s}[var.name], "int64"))
+    tensors = [call] + [a for a in call.args[1].fields if isinstance(a.ty, relax.TensorType)]
+    for var in {v for t in tensors for v in t.ty.shape.values if isinstance(v, tirx.Var)}:
+        analyzer.bind(var, tirx.const({"b": b, "s": s}[var.name], "int64"))
     shape = call.args[1].fields[-2]
     return AttentionLayout.from_shape([int(analyzer.simplify(v)) for v in shape.values])
 
@@ -369,3 +369,58 @@ def test_the_scale_however_written(scaled):
 
     (call,) = _fused(_qkv_function(body))
     assert float(call.args[1].fields[-1].value) == pytest.approx(0.125)
+
+
+def decoder_q_attention(begin: int, heads: int = 4, head_dim: int = 64) -> tvm.IRModule:
+    """A decode step's attention as ``bench/models.py: decoder_step`` writes it, fp32: q is
+    columns ``begin..`` of a (b, 3 * width) qkv product reshaped to (b, heads, head_dim) and
+    then to (b, heads, 1, head_dim); k and v are dense (b, heads, s, head_dim) caches."""
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+    width = heads * head_dim
+    qkv = relax.Var("qkv", relax.TensorType((b, 3 * width), "float32"))
+    k, v = (relax.Var(n, relax.TensorType((b, heads, s, head_dim), "float32")) for n in "kv")
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [qkv, k, v]):
+        with bb.dataflow():
+            q = bb.emit(op.reshape(op.strided_slice(qkv, axes=[1], begin=[begin],
+                                                    end=[begin + width]),
+                                   (b, heads, head_dim)))
+            scores = bb.emit(op.multiply(
+                op.matmul(op.reshape(q, (b, heads, 1, head_dim)), op.permute_dims(k, [0, 1, 3, 2])),
+                relax.const(head_dim ** -0.5, "float32")))
+            out = bb.emit_output(op.matmul(op.nn.softmax(scores, axis=-1), v))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.parametrize("begin", [0, 256, 512])
+def test_a_decoders_q_is_read_out_of_its_qkv_product(begin):
+    """q sliced out of the qkv product's columns and reshaped to heads is read in place (the
+    decode-loop benchmark's decoder had a slice kernel for it in every layer)."""
+    (call,) = _fused(decoder_q_attention(begin))
+    assert call.args[0].global_symbol == "grape.decode_attention.fused"
+    assert call.args[1].fields[0].name == "qkv"
+    q = _layout(call).q
+    assert (q.offset, q.batch, q.head, q.row) == (begin, 768, 64, 64)
+
+
+def test_a_slice_across_rows_is_not_a_view_of_columns():
+    """A slice of the rows (axis 0) of a 2-D tensor: q is copied, as before."""
+    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType((b, 256), "float32"))
+    k, v = (relax.Var(n, relax.TensorType((1, 4, s, 64), "float32")) for n in "kv")
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, k, v]):
+        with bb.dataflow():
+            q = bb.emit(op.reshape(op.strided_slice(x, axes=[0], begin=[0], end=[1]),
+                                   (1, 4, 1, 64)))
+            scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(k, [0, 1, 3, 2])),
+                                         relax.const(0.125, "float32")))
+            out = bb.emit_output(op.matmul(op.nn.softmax(scores, axis=-1), v))
+        bb.emit_func_output(out)
+    (call,) = _fused(bb.get())
+    assert call.args[1].fields[0].name != "x"
+    q = _layout(call).q
+    assert (q.offset, q.batch, q.head, q.row) == (0, 256, 64, 64)

@@ -583,12 +583,13 @@ def build_probe_cubins(out: Path) -> None:
 
 def build_decode_attention_cubins(out: Path) -> None:
     """``decode_attention.cubin`` (``runtime/kernels/decode_attention.cu`` as the runtime
-    builds it) and ``decode_attention_w4.cubin`` (4 warps a block) for
+    builds it) and ``decode_attention_w{4,16}.cubin`` (4 and 16 warps a block) for
     ``bench/decode_attention.py``."""
     from grape_tvm.runtime.attention import DECODE_SOURCE  # pylint: disable=import-outside-toplevel
     from grape_tvm.runtime.cuda_compile import compile_cubin  # pylint: disable=import-outside-toplevel
 
-    for suffix, define in (("", ""), ("_w4", "#define GRAPE_DECODE_WARPS 4\n")):
+    for suffix, define in (("", ""), ("_w4", "#define GRAPE_DECODE_WARPS 4\n"),
+                           ("_w16", "#define GRAPE_DECODE_WARPS 16\n")):
         code = define + DECODE_SOURCE.read_text()
         (out / f"decode_attention{suffix}.cubin").write_bytes(compile_cubin(code, "sm_90"))
 

@@ -1,0 +1,165 @@
+"""An in-place write takes the data-movement kernels that produce what it writes: a decode
+step's new key and value rows are sliced out of the qkv product by the kernel that writes
+them into a static cache."""
+
+from __future__ import annotations
+
+from tvm import IRModule, relax, s_tir, tirx
+from tvm.ir import Op
+from tvm.ir.expr import TensorLoad
+from tvm.ir.transform import PassContext, module_pass
+from tvm_ffi.structural import structural_walk
+
+from .var_reads import read_counts
+
+_CALL_TIR = Op.get("relax.call_tir")
+_CALL_TIR_INPLACE = Op.get("relax.call_tir_inplace")
+# TVM's OpPatternKind (include/tvm/relax/op_attr_types.h): element-wise to injective.
+_INJECTIVE = 2
+
+
+def moves_data(func: tirx.PrimFunc) -> bool:
+    """Each output element is an element of the input: one block over spatial iterators
+    storing a load of another buffer (a legalized slice, reshape or transpose). TVM calls a
+    reshape over a symbolic dim opaque (its index wraps by the dim), hence this test rather
+    than the op pattern alone."""
+    pattern = func.attrs.get("op_pattern") if func.attrs is not None else None
+    if pattern is not None and int(pattern) <= _INJECTIVE:
+        return True
+    blocks = []
+    structural_walk(func.body, ((s_tir.SBlock, blocks.append),))
+    body = [b for b in blocks if b.name_hint != "root"]
+    if len(body) != 1 or not isinstance(body[0].body, tirx.BufferStore):
+        return False
+    block = body[0]
+    return all(var.iter_type == tirx.IterVar.DataPar for var in block.iter_vars) and \
+        isinstance(block.body.value, TensorLoad) and \
+        not block.body.value.source.same_as(block.body.buffer)
+
+
+def _dims(param) -> list:
+    """A PrimFunc buffer parameter's dims: their integer types and static extents."""
+    return [(str(d.ty), int(d) if isinstance(d, tirx.IntImm) else None) for d in param.shape]
+
+
+@relax.expr_functor.mutator
+class _Grouper(relax.PyExprMutator):
+    def __init__(self, mod: IRModule, reads: dict):
+        super().__init__(mod)
+        self.mod = mod
+        self.reads = reads
+        self.grouped = 0
+
+    def _primfunc(self, gvar) -> tirx.PrimFunc | None:
+        func = self.mod[gvar] if isinstance(gvar, relax.GlobalVar) else None
+        return func if isinstance(func, tirx.PrimFunc) else None
+
+    def _producers(self, value: relax.Expr) -> list[relax.VarBinding]:
+        """The chain of single-input data-movement ``call_tir`` bindings ``value`` comes
+        through, last first, each of them read only by the next."""
+        chain = []
+        while isinstance(value, relax.DataflowVar) and self.reads.get(value, 0) == 1:
+            bound = self.lookup_binding(value)
+            if not (isinstance(bound, relax.Call) and bound.op == _CALL_TIR and
+                    len(bound.args) == 2 and len(bound.args[1].fields) == 1):
+                break
+            func = self._primfunc(bound.args[0])
+            if func is None or not moves_data(func):
+                break
+            chain.append(relax.VarBinding(value, bound))
+            value = bound.args[1].fields[0]
+        return chain
+
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        call = binding.value
+        if not (isinstance(call, relax.Call) and call.op == _CALL_TIR_INPLACE and
+                len(call.args) == 2 and isinstance(call.args[1], relax.Tuple)):
+            super().visit_var_binding_(binding)
+            return
+        writer = self._primfunc(call.args[0])
+        inplace = {int(i) for i in call.attrs.inplace_indices}
+        args = list(call.args[1].fields)
+        taken = None
+        for index, arg in enumerate(args):
+            chain = [] if writer is None or index in inplace else self._producers(arg)
+            # FuseTIR maps a producer's output buffer onto the writer's parameter: they must
+            # agree to the dims' integer types (a hand-written int32 shape does not).
+            last = self._primfunc(chain[0].value.args[0]) if chain else None
+            if last is not None and _dims(last.params[-1]) == _dims(writer.params[index]):
+                taken = (index, chain)
+                break
+        if taken is None:
+            super().visit_var_binding_(binding)
+            return
+        # A dataflow block's output stays one.
+        output = not isinstance(binding.var, relax.DataflowVar) and \
+            self.builder_.current_block_is_dataflow()
+        emit = self.builder_.emit_output if output else self.builder_.emit
+        self.set_var_remap(binding.var, emit(self._grouped(call, *taken), binding.var.name))
+
+    def _grouped(self, call: relax.Call, index: int, chain: list) -> relax.Call:
+        """A call of a new primitive function running ``chain`` and then ``call``, its
+        parameters ``call``'s arguments with argument ``index`` read through ``chain``."""
+        args = list(call.args[1].fields)
+        root = chain[-1].value.args[1].fields[0]
+        params = [relax.Var(f"arg{i}", (root if i == index else a).ty) for i, a in enumerate(args)]
+        # named as FuseOps names its groups: the kernels' names in order
+        name = "_".join(["fused"] + [p.value.args[0].name_hint for p in reversed(chain)] +
+                        [call.args[0].name_hint])
+        bb = relax.BlockBuilder()
+        with bb.function(name, params, attrs={"Primitive": True}, private=True):
+            with bb.dataflow():
+                value = params[index]
+                for produced in reversed(chain):
+                    value = bb.emit(relax.call_tir(produced.value.args[0], (value,),
+                                                   produced.value.ty))
+                inner = params[:index] + [value] + params[index + 1:]
+                out = bb.emit_output(relax.call_tir_inplace(
+                    call.args[0], inner, [int(i) for i in call.attrs.inplace_indices],
+                    call.ty))
+            bb.emit_func_output(out)
+        # its own symbolic dims: a variable is defined in one function only
+        gvar = self.builder_.add_func(relax.utils.copy_with_new_vars(bb.get()[name]), name)
+        self.grouped += 1
+        new_args = [self.visit_expr(a) for a in args[:index]] + [self.visit_expr(root)] + \
+            [self.visit_expr(a) for a in args[index + 1:]]
+        return relax.Call(gvar, new_args)
+
+
+@module_pass(opt_level=0, name="FuseIntoInplaceWrites")
+class FuseIntoInplaceWrites:
+    """Group a ``call_tir_inplace`` with the data-movement kernels (``moves_data``) that
+    produce one of its written-from arguments into a primitive function, which ``FuseTIR``
+    makes one kernel. Between ``AnnotateTIROpPattern`` and ``FuseOps``: TVM's ``FuseOps``
+    leaves in-place calls alone.
+
+    A decode step with a static cache writes its new key and value rows in place at the
+    position (``cache[b, h, pos, :] = new[b, h, :]``); the rows are sliced out of the qkv
+    product and reshaped to heads, a kernel each. In the decode-loop benchmark's decoder
+    those were 8 of its 59 kernels a step (``bench/models.py: decoder_step``).
+
+    Before::
+
+        k = R.call_tir(strided_slice1, (qkv,))              # (b, 256)
+        k_heads = R.call_tir(reshape, (k,))                 # (b, 4, 64)
+        k0 = R.call_tir_inplace(write_cache, (cache, k_heads, pos), inplace_indices=[0])
+
+    After (``FuseTIR`` then makes the primitive function one PrimFunc)::
+
+        k0 = fused_strided_slice1_reshape_write_cache(cache, qkv, pos)  # the three calls
+    """
+
+    def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
+        updates = {}
+        for gvar, func in mod.functions_items():
+            if not isinstance(func, relax.Function) or \
+                    (func.attrs is not None and "Primitive" in func.attrs):
+                continue
+            grouper = _Grouper(mod, read_counts(func))
+            new = grouper.visit_expr(func)
+            if grouper.grouped:
+                updates[gvar] = relax.analysis.remove_all_unused(new)
+                mod = grouper.builder_.get()
+                mod = IRModule({**dict(mod.functions), **updates}, attrs=mod.attrs,
+                               global_infos=mod.global_infos)
+        return mod

@@ -130,7 +130,8 @@ def main() -> int:
                              "row's keys split (the runtime's: SPLIT_AFTER)")
     args = parser.parse_args()
     kernel = Kernel(args.cubin)
-    variants = {"no_split": Kernel(args.cubin, max_splits=1)}
+    variants = {"no_split": Kernel(args.cubin, max_splits=1),
+                "no_wide": Kernel(args.cubin, wide_dtypes=())}
     for after in (int(r) for r in args.split_after.split(",") if r):
         variants[f"split_after{after}"] = Kernel(args.cubin, split_after=after)
     for spec in args.variant:
@@ -157,7 +158,8 @@ def main() -> int:
                        "max_abs_error against PyTorch's fp32 softmax(q k^T * scale + mask) v; "
                        "bound_us: K and V bytes at copy_tbps; torch_unfused: matmul, softmax, "
                        "matmul; torch_sdpa: F.scaled_dot_product_attention with the mask; "
-                       "variants: no_split (a block a row), split_afterN (rows of more than N "
+                       "variants: no_split (a block a row), no_wide (no _wide kernel: 8 warps "
+                       "a block always), split_afterN (rows of more than N "
                        "keys a thread split, a key a thread a block), wN (builds of N warps a "
                        "block)",
                   reps=args.reps, copy_tbps=args.copy_tbps, cases=results)

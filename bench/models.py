@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import math
+
 import numpy as np
 
 
@@ -552,11 +554,12 @@ def reductions_numpy(x: np.ndarray, threshold: float) -> dict[str, np.ndarray]:
 LIBRARY_SHAPE = {"k": 768, "n": 3072}  # GPT-2's MLP: (K, N) of its up projection
 
 
-def library_layer(dtype: str = "float32"):
+def library_layer(dtype: str = "float32", gelu: str = "tanh"):
     """A GPT-2 MLP with its matmuls as cuBLASLt calls on CUDA (``OffloadMatmul``):
     ``h = gelu_tanh(x @ w_up + b_up)`` (bias and GELU in cuBLASLt's epilogue), ``y = h @
     w_down_t^T + x`` (a weight stored [N, K]; the residual added by cuBLASLt as its C).
-    x: (n, 768)."""
+    x: (n, 768). ``gelu="erf"``: ``nn.gelu`` instead, which cuBLASLt's epilogue lacks
+    (grape's GEMV kernels fuse it; ``passes/few_rows_gemv.py``)."""
     from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
 
     k, n_up = LIBRARY_SHAPE["k"], LIBRARY_SHAPE["n"]
@@ -569,7 +572,8 @@ def library_layer(dtype: str = "float32"):
     bb = relax.BlockBuilder()
     with bb.function("main", [x, w_up, b_up, w_down_t]):
         with bb.dataflow():
-            h = bb.emit(op.nn.gelu_tanh(op.add(op.matmul(x, w_up), b_up)))
+            activation = {"tanh": op.nn.gelu_tanh, "erf": op.nn.gelu}[gelu]
+            h = bb.emit(activation(op.add(op.matmul(x, w_up), b_up)))
             y = bb.emit_output(op.add(op.matmul(h, op.permute_dims(w_down_t)), x))
             h = bb.emit_output(h)
         bb.emit_func_output(relax.Tuple([y, h]))
@@ -584,12 +588,16 @@ def library_weights(dtype: str = "float32", seed: int = 0) -> dict[str, np.ndarr
             "w_down_t": (rng.standard_normal((k, n_up)) / np.sqrt(n_up)).astype(dtype)}
 
 
-def library_numpy(x: np.ndarray, weights: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+def library_numpy(x: np.ndarray, weights: dict[str, np.ndarray],
+                  gelu: str = "tanh") -> tuple[np.ndarray, np.ndarray]:
     """``library_layer`` in float64: (y, h)."""
     w = {k: v.astype(np.float64) for k, v in weights.items()}
     x64 = x.astype(np.float64)
     pre = x64 @ w["w_up"] + w["b_up"]
-    h = 0.5 * pre * (1 + np.tanh(np.sqrt(2 / np.pi) * (pre + 0.044715 * pre ** 3)))
+    if gelu == "erf":
+        h = 0.5 * pre * (1 + np.frompyfunc(math.erf, 1, 1)(pre / np.sqrt(2)).astype(np.float64))
+    else:
+        h = 0.5 * pre * (1 + np.tanh(np.sqrt(2 / np.pi) * (pre + 0.044715 * pre ** 3)))
     return h @ w["w_down_t"].T + x64, h
 
 

@@ -50,7 +50,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``Conv1dAsMatmul``: a conv1d becomes a gather of its windows and a matmul (im2col),
   batched over its groups, for ``OffloadMatmul`` to give to cuBLASLt (CUDA).
 - ``GemvForFewRows``: a cuBLASLt matmul (``OffloadMatmul``) whose rows are few runs on
-  ``DecodeGemv``'s kernels, cuBLASLt above, one PrimFunc choosing on the host (CUDA).
+  ``DecodeGemv``'s kernels, cuBLASLt above, one PrimFunc choosing on the host (CUDA); an
+  element-wise kernel of one input after it (an erf GELU) joins that PrimFunc.
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
 - ``numerics_legalize_map``: legalizations that keep NaN through relu, clip, maximum,
   minimum and sign, and give empty max/min/mean reductions onnxruntime's values;

@@ -5,13 +5,19 @@ from __future__ import annotations
 import math
 
 import tvm
-from tvm import IRModule, relax, te, tirx
+from tvm import IRModule, relax, s_tir, te, tirx
 from tvm.ir import Op
+from tvm.ir.expr import TensorLoad
 from tvm.ir.transform import PassContext, module_pass
+from tvm.s_tir.dlight.analysis import normalize_prim_func
+from tvm.s_tir.dlight.base import try_inline_contiguous_spatial
+from tvm_ffi.structural import structural_map, structural_walk
 
 from grape_tvm.runtime.cublaslt import MATMUL_FUNCTIONS, MatmulFunction
 
 from .gemv_schedule import gemv_by_rows, match_gemv
+from .if_to_select import same_dims
+from .var_reads import read_counts
 
 # The buckets of rows (M) grape's GEMV kernels take, by weight layout; the library takes M
 # above. Measured on the H200 in grape's graphs (bench/results/matmul.json, GPT-2's five
@@ -26,6 +32,7 @@ LIBRARY_FUNCTION_ATTR = "grape.library_function"
 GEMV_ROWS_ATTR = "grape.gemv_rows"
 
 _CALL_DPS_PACKED = Op.get("relax.call_dps_packed")
+_CALL_TIR = Op.get("relax.call_tir")
 _GELU_SCALE = math.sqrt(2 / math.pi)
 
 
@@ -60,11 +67,12 @@ def _gelu_tanh(v):
 
 
 def matmul_prim_func(function: MatmulFunction, rows: list, k: int, n: int,
-                     dtype: str) -> tirx.PrimFunc:
+                     dtype: str, activation=None) -> tirx.PrimFunc:
     """What ``function`` computes, as a PrimFunc: ``out[rows.., n] = epilogue(sum_k x[rows..,
     k] w[k, n] (+ residual) (+ bias))``, summed and finished in fp32 and rounded once, as
-    cuBLASLt does (w[n, k] where the weight is transposed). Parameters in the packed
-    function's order: x, w, bias, residual, out."""
+    cuBLASLt does (w[n, k] where the weight is transposed), then ``activation`` (a scalar
+    function of the rounded value, ``unary_elementwise``) where given. Parameters in the
+    packed function's order: x, w, bias, residual, out."""
     acc = "float32"
     # int64 throughout, as Relax's legalization makes them: the schedules index in one dtype
     rows = [tirx.IntImm("int64", r) if isinstance(r, int) else r for r in rows]
@@ -89,26 +97,85 @@ def matmul_prim_func(function: MatmulFunction, rows: list, k: int, n: int,
             v = v + bias[i[-1]].astype(acc)
         if "gelu" in function.epilogue:
             v = _gelu_tanh(v)
-        return v.astype(dtype)
+        return v.astype(dtype) if activation is None else activation(v.astype(dtype))
 
     out = te.compute((*rows, n), finish, name="epilogue")
     params = [t for t in (x, w, bias, residual, out) if t is not None]
     return te.create_prim_func(params)
 
 
+def unary_elementwise(func: tirx.PrimFunc):
+    """The scalar function a PrimFunc of one input and one output of the same shape applies
+    element by element (one store, of loads of the input at the store's own indices; a
+    GELU, as TVM legalizes and schedules ``nn.gelu``), as a function of a TIR value; else
+    None."""
+    if len(func.params) != 2:
+        return None
+    source, output = func.params
+    if not same_dims(source.shape, output.shape) or source.dtype != output.dtype:
+        return None
+    stores, loads = [], []
+    structural_walk(_inlined(func).body, ((tirx.BufferStore, stores.append),))
+    if len(stores) != 1 or not stores[0].buffer.same_as(output):
+        return None
+    store = stores[0]
+    structural_walk(store.value, ((TensorLoad, loads.append),))
+    if not loads or any(not load.source.same_as(source) or
+                        not all(a.same_as(b) for a, b in zip(load.indices, store.indices))
+                        for load in loads):
+        return None
+    # A value that uses the element's position (tril's) or a dim besides the loads is no
+    # scalar function: its variables would be unbound in the matmul's kernel.
+    variables = []
+    structural_walk(structural_map(store.value, (TensorLoad, lambda _: tirx.const(0.0))),
+                    ((tirx.Var, variables.append),))
+    if variables:
+        return None
+    return lambda value: structural_map(store.value, (TensorLoad, lambda _: value))
+
+
+def _inlined(func: tirx.PrimFunc) -> tirx.PrimFunc:
+    """``func`` with its spatial blocks inlined into the last (as legalized, a GELU is
+    several blocks); itself where that fails."""
+    try:
+        sch = s_tir.Schedule(func)
+        try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
+        return sch.mod["main"]
+    except (s_tir.ScheduleError, tvm.error.InternalError):
+        return func  # a body dlight cannot inline: read as it is
+
+
+def _in_place(activation, out: tirx.Var, threads: int = 256) -> tirx.Stmt:
+    """A kernel applying ``activation`` to ``out`` (a PrimFunc's buffer parameter) in
+    place: the library's result, where the GEMV kernels fuse it."""
+    source = te.placeholder(out.shape, out.dtype, "source")
+    applied = te.compute(source.shape, lambda *i: activation(source(*i)), name="activation")
+    sch = s_tir.Schedule(te.create_prim_func([source, applied]))
+    block = sch.get_sblock("activation")
+    grid, lanes = sch.split(sch.fuse(*sch.get_loops(block)), [None, threads])
+    sch.bind(grid, "blockIdx.x")
+    sch.bind(lanes, "threadIdx.x")
+    kernel = sch.mod["main"]
+    ends = set(kernel.params)
+    return structural_map(kernel.body, (tirx.Var, lambda v: out if v in ends else v))
+
+
 def few_rows_gemv(function: MatmulFunction, func: tirx.PrimFunc,
-                  target: tvm.target.Target) -> tirx.PrimFunc | None:
+                  target: tvm.target.Target, activation=None) -> tirx.PrimFunc | None:
     """``func`` (``matmul_prim_func``) as GEMV kernels for the rows of ``GEMV_ROWS`` and a
     call of the library function above them (and at M = 0: it launches nothing, where a
     kernel of 0 blocks would fail), chosen on the host; None where the GEMV rule does not
-    take it. Static rows within the buckets: one GEMV kernel, no library."""
+    take it. Static rows within the buckets: one GEMV kernel, no library. ``activation``
+    (``func``'s, applied after its epilogue): a kernel of its own after the library's."""
     shape = match_gemv(func)
     if shape is None:
         return None
     buckets = GEMV_ROWS[shape.layout]
     # the parameters are buffers: passed to the packed function as DLTensors
     library = func.with_body(tirx.Evaluate(tirx.call_packed(function.name, *func.params)))
-    scheduled = gemv_by_rows(func, shape, buckets, target, default=library,
+    above = library if activation is None else library.with_body(
+        tirx.SeqStmt([library.body, _in_place(activation, func.params[-1])]))
+    scheduled = gemv_by_rows(func, shape, buckets, target, default=above,
                              before=((0, library),))
     if scheduled is None:
         return None
@@ -132,6 +199,11 @@ class GemvForFewRows:
     (``DecodeGemv`` takes one) stays the library's alone; M = 0 is the library's (which
     launches nothing).
 
+    An element-wise kernel of one input that alone reads the call's result (an erf GELU,
+    which cuBLASLt's epilogues lack; ``unary_elementwise``) joins it: the GEMV kernels apply
+    it in their epilogue, and above the buckets it runs as a kernel after the library's,
+    in the same PrimFunc. The decode-loop benchmark's decoder had a GELU kernel a layer.
+
     Before::
 
         y = R.call_dps_packed("grape.cublaslt.matmul_bias_nt", (x, w, b),
@@ -148,6 +220,10 @@ class GemvForFewRows:
             elif m <= 2: ...
             elif m <= 8: <GEMV kernel, 8 rows per block>
             else:        T.call_packed("grape.cublaslt.matmul_bias_nt", x, w, bias, out)
+
+    and ``z = R.call_tir(gelu, (y,), ...)`` after it (``y`` read there alone) becomes
+    ``z = R.call_tir(matmul_bias_nt_gelu_gemv, (x, w, b), ...)``: the GELU in each GEMV
+    kernel's epilogue, and after the library call a kernel applying it to ``out`` in place.
     """
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
@@ -157,16 +233,57 @@ class GemvForFewRows:
         rewrite = _OnGemv(mod, target)
         for gvar, func in mod.functions_items():
             if isinstance(func, relax.Function):
+                rewrite.find_activations(func)
                 rewrite.builder_.update_func(gvar, rewrite.visit_expr(func))
-        return rewrite.builder_.get() if any(rewrite.made.values()) else mod
+        if not any(rewrite.made.values()):
+            return mod
+        return _without_unread(rewrite.builder_.get(), set(rewrite.activated_kernels))
+
+
+def _without_unread(mod: IRModule, kernels: set) -> IRModule:
+    """``mod`` without those of ``kernels`` that no function calls any more (an activation
+    fused everywhere it ran)."""
+    called: set = set()
+    for func in mod.functions.values():
+        if isinstance(func, relax.Function):
+            relax.analysis.post_order_visit(
+                func, lambda e: isinstance(e, relax.GlobalVar) and called.add(e.name_hint))
+    gone = [g for g in mod.get_global_vars() if g in kernels and g.name_hint not in called]
+    for gvar in gone:
+        del mod[gvar]
+    return mod
 
 
 @relax.expr_functor.mutator
 class _OnGemv(relax.PyExprMutator):
     def __init__(self, mod: IRModule, target: tvm.target.Target):
         super().__init__(mod)
+        self.mod = mod
         self.target = target
-        self.made: dict = {}  # (function, rows, K, N, dtype) -> its GlobalVar, or None
+        # (function, rows, K, N, dtype, activation's kernel) -> its GlobalVar, or None
+        self.made: dict = {}
+        self.activated: dict = {}  # a library call's variable -> the kernel applied to it
+        self.pending: dict = {}  # such a variable -> its fused call, emitted at its reader
+        self.fused = 0
+        self.activated_kernels: list = []  # the kernels fused into a matmul's
+
+    def find_activations(self, func: relax.Function) -> None:
+        """The library calls whose one reader applies an element-wise kernel of one input
+        to them (``unary_elementwise``: an erf GELU, which cuBLASLt's epilogues lack)."""
+        reads = read_counts(func)
+        self.activated, self.pending = {}, {}
+        bound = relax.analysis.get_var2val(func)
+        for var, value in bound.items():
+            if not (isinstance(value, relax.Call) and value.op == _CALL_TIR and
+                    len(value.args) == 2 and len(value.args[1].fields) == 1):
+                continue
+            source = value.args[1].fields[0]
+            kernel = self.mod[value.args[0]]
+            if isinstance(source, relax.DataflowVar) and reads.get(source) == 1 and \
+                    _library_call(bound.get(source)) is not None \
+                    and isinstance(kernel, tirx.PrimFunc) and \
+                    unary_elementwise(kernel) is not None:
+                self.activated[source] = value.args[0]
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -176,7 +293,31 @@ class _OnGemv(relax.PyExprMutator):
         gvar = self._gemv(function, call)
         return call if gvar is None else relax.call_tir(gvar, call.args[1], call.ty)
 
-    def _gemv(self, function: MatmulFunction, call: relax.Call):
+    def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        value = binding.value
+        kernel = self.activated.get(binding.var)
+        if kernel is not None:
+            # The library call is emitted at its reader, with the activation fused.
+            library = self.builder_.normalize(relax.op.call_dps_packed(
+                value.args[0], self.visit_expr(value.args[1]), value.ty))
+            gvar = self._gemv(_library_call(value), library, kernel)
+            if gvar is not None:
+                self.pending[binding.var] = relax.call_tir(gvar, library.args[1], value.ty)
+                return
+        if isinstance(value, relax.Call) and value.op == _CALL_TIR and \
+                len(value.args[1].fields) == 1 and value.args[1].fields[0] in self.pending:
+            fused = self.pending.pop(value.args[1].fields[0])
+            # A dataflow block's output stays one.
+            output = not isinstance(binding.var, relax.DataflowVar) and \
+                self.builder_.current_block_is_dataflow()
+            emit = self.builder_.emit_output if output else self.builder_.emit
+            self.set_var_remap(binding.var, emit(fused, binding.var.name))
+            self.fused += 1
+            self.activated_kernels.append(value.args[0])
+            return
+        super().visit_var_binding_(binding)
+
+    def _gemv(self, function: MatmulFunction, call: relax.Call, activation=None):
         out_ty = call.ty
         rows = _fresh_dims(out_ty.shape.values[:-1])
         if rows is None:
@@ -185,10 +326,13 @@ class _OnGemv(relax.PyExprMutator):
             return None
         x_ty = call.args[1].fields[0].ty
         k, n, dtype = int(x_ty.shape.values[-1]), int(out_ty.shape.values[-1]), str(out_ty.dtype)
-        key = (function.name, tuple(str(r) for r in rows), k, n, dtype)
+        key = (function.name, tuple(str(r) for r in rows), k, n, dtype,
+               None if activation is None else activation.name_hint)
         if key not in self.made:
-            func = few_rows_gemv(function, matmul_prim_func(function, rows, k, n, dtype),
-                                 self.target)
-            name = function.name.rsplit(".", 1)[-1] + "_gemv"
+            scalar = None if activation is None else unary_elementwise(self.mod[activation])
+            func = few_rows_gemv(function, matmul_prim_func(function, rows, k, n, dtype, scalar),
+                                 self.target, scalar)
+            name = function.name.rsplit(".", 1)[-1] + \
+                ("" if activation is None else "_" + activation.name_hint) + "_gemv"
             self.made[key] = None if func is None else self.builder_.add_func(func, name)
         return self.made[key]

@@ -146,7 +146,7 @@ class _Fuser(relax.PyExprMutator):
         axes, begin, end = (c.fields for c in sliced.args[1:4])
         steps = sliced.args[4].fields if len(sliced.args) > 4 else []
         if source is None or len(source) != 2 or _static(source[1]) is None or \
-                [_static(a) % 2 for a in axes if _static(a) is not None] != [1] or \
+                [_static(a) for a in axes] not in ([1], [-1]) or \
                 any(_static(x) != 1 for x in steps) or \
                 not self.analyzer.can_prove_equal(source[0], batch):
             return None

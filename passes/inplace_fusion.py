@@ -19,10 +19,10 @@ _INJECTIVE = 2
 
 
 def moves_data(func: tirx.PrimFunc) -> bool:
-    """Each output element is an element of the input: one block over spatial iterators
-    storing a load of another buffer (a legalized slice, reshape or transpose). TVM calls a
-    reshape over a symbolic dim opaque (its index wraps by the dim), hence this test rather
-    than the op pattern alone."""
+    """An injective kernel by TVM's op pattern (element-wise to injective), or one block over
+    spatial iterators storing a load of another buffer (a legalized slice, reshape or
+    transpose): TVM calls a reshape over a symbolic dim opaque (its index wraps by the dim),
+    hence the second test."""
     pattern = func.attrs.get("op_pattern") if func.attrs is not None else None
     if pattern is not None and int(pattern) <= _INJECTIVE:
         return True
@@ -49,6 +49,9 @@ class _Grouper(relax.PyExprMutator):
         self.mod = mod
         self.reads = reads
         self.grouped = 0
+        self.position = 0  # of the binding being visited, in the function
+        self.bound_at: dict[relax.Var, int] = {}
+        self.written: dict[relax.Var, int] = {}  # written in place: where, the last time
 
     def _primfunc(self, gvar) -> tirx.PrimFunc | None:
         func = self.mod[gvar] if isinstance(gvar, relax.GlobalVar) else None
@@ -71,35 +74,60 @@ class _Grouper(relax.PyExprMutator):
         return chain
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
+        self.position += 1
+        self.bound_at[binding.var] = self.position
         call = binding.value
         if not (isinstance(call, relax.Call) and call.op == _CALL_TIR_INPLACE and
                 len(call.args) == 2 and isinstance(call.args[1], relax.Tuple)):
             super().visit_var_binding_(binding)
             return
+        self._visit_write(binding)
+        for index in call.attrs.inplace_indices:
+            written = call.args[1].fields[int(index)]
+            if isinstance(written, relax.Var):
+                self.written[written] = self.position
+
+    def _takes(self, chain: list, args: list, inplace: set, writer, index: int) -> bool:
+        """Whether the write may read its argument ``index`` through ``chain`` (last first)
+        itself: what the chain reads is neither written by the call (a kernel reading and
+        writing one buffer through other indices races) nor written in place since the
+        chain's first kernel ran (the group runs where the write was), and FuseTIR can map
+        each kernel's output buffer onto the next one's input, to the dims' integer types
+        (a hand-written int32 shape does not map onto Relax's int64 ones)."""
+        root = chain[-1].value.args[1].fields[0]
+        if any(root.same_as(args[i]) for i in inplace) or \
+                self.written.get(root, -1) > self.bound_at.get(chain[-1].var, self.position):
+            return False
+        kernels = [self._primfunc(b.value.args[0]) for b in chain]
+        links = [(k.params[-1], writer.params[index]) for k in kernels[:1]] + \
+            [(outer.params[-1], inner.params[0]) for inner, outer in zip(kernels, kernels[1:])]
+        return all(_dims(a) == _dims(b) for a, b in links)
+
+    def _visit_write(self, binding: relax.VarBinding) -> None:
+        call = binding.value
         writer = self._primfunc(call.args[0])
         inplace = {int(i) for i in call.attrs.inplace_indices}
         args = list(call.args[1].fields)
         taken = None
         for index, arg in enumerate(args):
             chain = [] if writer is None or index in inplace else self._producers(arg)
-            # FuseTIR maps a producer's output buffer onto the writer's parameter: they must
-            # agree to the dims' integer types (a hand-written int32 shape does not).
-            last = self._primfunc(chain[0].value.args[0]) if chain else None
-            if last is not None and _dims(last.params[-1]) == _dims(writer.params[index]):
+            if chain and self._takes(chain, args, inplace, writer, index):
                 taken = (index, chain)
                 break
-        if taken is None:
+        grouped = None if taken is None else self._grouped(call, *taken)
+        if grouped is None:
             super().visit_var_binding_(binding)
             return
         # A dataflow block's output stays one.
         output = not isinstance(binding.var, relax.DataflowVar) and \
             self.builder_.current_block_is_dataflow()
         emit = self.builder_.emit_output if output else self.builder_.emit
-        self.set_var_remap(binding.var, emit(self._grouped(call, *taken), binding.var.name))
+        self.set_var_remap(binding.var, emit(grouped, binding.var.name))
 
-    def _grouped(self, call: relax.Call, index: int, chain: list) -> relax.Call:
+    def _grouped(self, call: relax.Call, index: int, chain: list) -> relax.Call | None:
         """A call of a new primitive function running ``chain`` and then ``call``, its
-        parameters ``call``'s arguments with argument ``index`` read through ``chain``."""
+        parameters ``call``'s arguments with argument ``index`` read through ``chain``; None
+        where a kernel of the chain has a dim the parameters do not define."""
         args = list(call.args[1].fields)
         root = chain[-1].value.args[1].fields[0]
         params = [relax.Var(f"arg{i}", (root if i == index else a).ty) for i, a in enumerate(args)]
@@ -119,7 +147,10 @@ class _Grouper(relax.PyExprMutator):
                     call.ty))
             bb.emit_func_output(out)
         # its own symbolic dims: a variable is defined in one function only
-        gvar = self.builder_.add_func(relax.utils.copy_with_new_vars(bb.get()[name]), name)
+        func = relax.utils.copy_with_new_vars(bb.get()[name])
+        if relax.analysis.free_symbolic_vars(func):
+            return None
+        gvar = self.builder_.add_func(func, name)
         self.grouped += 1
         new_args = [self.visit_expr(a) for a in args[:index]] + [self.visit_expr(root)] + \
             [self.visit_expr(a) for a in args[index + 1:]]
@@ -128,10 +159,13 @@ class _Grouper(relax.PyExprMutator):
 
 @module_pass(opt_level=0, name="FuseIntoInplaceWrites")
 class FuseIntoInplaceWrites:
-    """Group a ``call_tir_inplace`` with the data-movement kernels (``moves_data``) that
-    produce one of its written-from arguments into a primitive function, which ``FuseTIR``
-    makes one kernel. Between ``AnnotateTIROpPattern`` and ``FuseOps``: TVM's ``FuseOps``
-    leaves in-place calls alone.
+    """Group a ``call_tir_inplace`` with the single-input injective kernels (``moves_data``:
+    slices, reshapes, transposes, element-wise ops) that produce one of its written-from
+    arguments into a primitive function, which ``FuseTIR`` makes one kernel. Between
+    ``AnnotateTIROpPattern`` and ``FuseOps``: TVM's ``FuseOps`` stops at a reshape over a
+    symbolic batch, which its pattern analysis calls opaque. Declined where the group would
+    read what the write writes, or what an in-place call since the chain's first kernel
+    wrote (the group runs where the write was), or a dim its parameters do not define.
 
     A decode step with a static cache writes its new key and value rows in place at the
     position (``cache[b, h, pos, :] = new[b, h, :]``); the rows are sliced out of the qkv

@@ -61,6 +61,12 @@ ALIGN_ELEMENTS = 8  # every stride and offset: the kernels load 16 bytes at a ti
 # fp16; 1024 faster in both (bench/results/decode_attention.json).
 MAX_SPLITS = 8
 SPLIT_AFTER = 2
+# A row the decode kernel does not split, of more keys than its block's threads, runs its
+# _wide kernel (twice the warps: one round of keys where the block would take two) in these
+# dtypes. On the H200, fp32, head_dim 64 (bench/results/decode_attention.json, build w16):
+# 257 keys 5.34 against 6.21 us at batch 1 and 6.23 against 7.00 at batch 8, 1024 keys at
+# batch 8 13.90 against 18.63; in fp16 twice the warps were slower at most sizes.
+WIDE_DECODE_DTYPES = ("float32",)
 SPLIT_BLOCKS = 128  # about the H200's 132 SMs: a split's combine costs more than a wave
 SPLIT_ROWS = SPLIT_BLOCKS // 2  # the most rows that split (in two, at least)
 _SPLIT_PARTIAL_BYTES = SPLIT_ROWS * MAX_SPLITS * (max(HEAD_DIMS) + 2) * 4  # acc, max, sum
@@ -89,10 +95,11 @@ class AttentionFunction:
         """The dtypes its kernels take, with their names in the kernels' names."""
         return DECODE_DTYPES if self.decode else DTYPES
 
-    def kernel(self, dtype: str, head_dim: int) -> str:
-        """The name of its kernel for ``dtype`` and ``head_dim``."""
+    def kernel(self, dtype: str, head_dim: int, wide: bool = False) -> str:
+        """The name of its kernel for ``dtype`` and ``head_dim`` (``wide``: the decode
+        kernel's of twice the warps, ``WIDE_DECODE_DTYPES``)."""
         kind = DECODE_LIBRARY if self.decode else LIBRARY
-        return f"grape_{kind}_{self.dtypes[dtype]}_d{head_dim}"
+        return f"grape_{kind}_{self.dtypes[dtype]}_d{head_dim}" + ("_wide" if wide else "")
 
 
 ATTENTION_FUNCTIONS = {f.name: f for f in (AttentionFunction(b, c, d) for b in (False, True)
@@ -172,6 +179,13 @@ def decode_splits(layout: AttentionLayout, threads: int, split_after: int = SPLI
     return max(1, min(max_splits, -(-layout.keys // threads), SPLIT_BLOCKS // rows))
 
 
+def runs_wide(layout: AttentionLayout, dtype: str, threads: int, splits: int,
+              dtypes: Sequence[str] = WIDE_DECODE_DTYPES) -> bool:
+    """Whether a decode launch takes the _wide kernel: a row it does not split, of more
+    keys than the ``threads`` of a block of the usual kernel, in ``dtypes``."""
+    return dtype in dtypes and splits == 1 and layout.keys > threads
+
+
 def kernel_arguments(function: AttentionFunction, layout: AttentionLayout,
                      addresses: Sequence[int], scale: float, split: KeySplit | None = None
                      ) -> list[tuple[str, Any]]:
@@ -204,14 +218,17 @@ class FusedAttention:
     capture); any other is loaded on first use (TVM's VM on the library). ``split_after``
     and ``max_splits``: the decode kernel's split of long rows (``decode_splits``). The split
     workspace is one per instance: its launches must not run at once, as a backend's do not
-    (its calls and graphs run in order on its one stream)."""
+    (its calls and graphs run in order on its one stream). ``wide_dtypes``: those whose long
+    unsplit rows take the _wide kernel (``runs_wide``)."""
 
     def __init__(self, store: CubinStore, sources: Sequence[Path] = (), *,
-                 split_after: int = SPLIT_AFTER, max_splits: int = MAX_SPLITS):
+                 split_after: int = SPLIT_AFTER, max_splits: int = MAX_SPLITS,
+                 wide_dtypes: Sequence[str] = WIDE_DECODE_DTYPES):
         if not 1 <= max_splits <= MAX_SPLITS:  # the workspace holds MAX_SPLITS a row
             raise ValueError(f"max_splits must be 1 to {MAX_SPLITS}, got {max_splits}")
         self._store = store
         self.split_after, self.max_splits = split_after, max_splits
+        self.wide_dtypes = tuple(wide_dtypes)
         self._kernels: dict[Path, RuntimeKernel] = {}
         self._functions: dict[str, tuple[Any, int]] = {}  # name -> (CUfunction, threads)
         self._workspace = 0
@@ -240,15 +257,16 @@ class FusedAttention:
         check(driver.cuCtxSynchronize(), "cuCtxSynchronize")  # zeroed before any launch reads
         return int(workspace)
 
-    def function(self, function: AttentionFunction, dtype: str, head_dim: int) -> tuple[Any, int]:
+    def function(self, function: AttentionFunction, dtype: str, head_dim: int,
+                 wide: bool = False) -> tuple[Any, int]:
         """The CUfunction of ``function``'s kernel and its threads a block (the kernel's own
         ``__launch_bounds__``)."""
-        name = function.kernel(dtype, head_dim)
+        name = function.kernel(dtype, head_dim, wide)
         if name not in self._functions:
             module = self._kernel(DECODE_SOURCE if function.decode else SOURCE).module
             handle = check(driver.cuModuleGetFunction(module, name.encode()),
                            f"cuModuleGetFunction({name})")
-            # The kernels' __launch_bounds__ are their blocks (kWarps * 32, kDecodeWarps * 32):
+            # The kernels' __launch_bounds__ are their blocks (kWarps * 32, WARPS * 32):
             # the most threads the driver allows a block is the block they need.
             threads = check(driver.cuFuncGetAttribute(
                 driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK, handle),
@@ -284,6 +302,8 @@ class FusedAttention:
             splits = decode_splits(layout, threads, self.split_after, self.max_splits)
             split = KeySplit(splits, self._workspace,
                              self._workspace + _SPLIT_PARTIAL_BYTES)
+            if runs_wide(layout, dtype, threads, splits, self.wide_dtypes):
+                handle, threads = self.function(function, dtype, layout.head_dim, wide=True)
         addresses = (q_at, k_at, v_at,
                      0 if bias is None else bias.data_ptr() + layout.bias.offset * size,
                      out.data_ptr() + layout.out.offset * size)

@@ -21,28 +21,30 @@ import numpy as np
 import pytest
 
 from grape_tvm.runtime.attention import (DECODE_SOURCE, MAX_SPLITS, SPLIT_ROWS,
-                                         AttentionFunction, AttentionLayout, KeySplit,
-                                         ViewLayout, decode_splits, kernel_arguments,
-                                         kernel_grid)
+                                         WIDE_DECODE_DTYPES, AttentionFunction,
+                                         AttentionLayout, KeySplit, ViewLayout, decode_splits,
+                                         kernel_arguments, kernel_grid, runs_wide)
 from grape_tvm.runtime.cuda_compile import kernel_params
 from test_gemv_on_cpu import HEADER, _gxx_cxx20_float16
 
 pytestmark = pytest.mark.skipif(not _gxx_cxx20_float16(),
                                 reason="needs g++ with C++20 <barrier> and _Float16")
 
-KERNELS = {("float32", 64): "grape_decode_attention_f32_d64",
-           ("float32", 128): "grape_decode_attention_f32_d128",
-           ("float16", 64): "grape_decode_attention_f16_d64",
-           ("float16", 128): "grape_decode_attention_f16_d128"}
-THREADS = 256  # the kernel's block (kDecodeWarps = 8); on a GPU, read from the function
+THREADS = 256  # the kernel's block (kWarps = 8); on a GPU, read from the function
+WIDE_THREADS = 512  # the _wide kernels' (kWideWarps = 16)
+# (dtype, head_dim, wide) -> (kernel, threads a block)
+KERNELS = {(dtype, d, wide): (AttentionFunction(False, False, decode=True).kernel(dtype, d, wide),
+                              WIDE_THREADS if wide else THREADS)
+           for dtype in ("float32", "float16") for d in (64, 128)
+           for wide in ((False, True) if dtype in WIDE_DECODE_DTYPES else (False,))}
 
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory) -> ctypes.CDLL:
     wrappers = "".join(
         f'extern "C" void run_{name}(void** a, unsigned gx, unsigned gy, unsigned gz) {{\n'
-        f"  launch([=]() {{ {name}({_arguments(dtype)}); }}, gx, gy, {THREADS}, 1, gz);\n"
-        "}\n" for (dtype, _), name in KERNELS.items())
+        f"  launch([=]() {{ {name}({_arguments(dtype)}); }}, gx, gy, {threads}, 1, gz);\n"
+        "}\n" for (dtype, _, _), (name, threads) in KERNELS.items())
     code = (f'#include "{HEADER}"\nusing std::min;\n#define GRAPE_CPU_HALF 1\n'
             f'#include "{DECODE_SOURCE}"\n{wrappers}')
     workdir = tmp_path_factory.mktemp("decode_attention")
@@ -99,13 +101,14 @@ def _run(kernels, dtype, q: View, k: View, v: View, out: View, bias: View | None
     counters = np.zeros(SPLIT_ROWS, np.uint32)
     split = KeySplit(splits or decode_splits(layout, THREADS), partials.ctypes.data,
                      counters.ctypes.data)
+    wide = runs_wide(layout, dtype, THREADS, split.splits)  # as FusedAttention.launch
     addresses = [x.base[x.offset:].ctypes.data for x in (q, k, v)]
     addresses += [0 if bias is None else bias.base[bias.offset:].ctypes.data,
                   out.base[out.offset:].ctypes.data]
     _boxes, array = kernel_params(kernel_arguments(function, layout, addresses, scale, split))
     ctypes.c_int.in_dll(kernels, "reverse_blocks").value = int(reverse)
-    getattr(kernels, f"run_{KERNELS[(dtype, head_dim)]}")(array, *kernel_grid(function, layout,
-                                                                              split))
+    name, _ = KERNELS[(dtype, head_dim, wide)]
+    getattr(kernels, f"run_{name}")(array, *kernel_grid(function, layout, split))
     assert not counters.any()  # the last block of each row set its counter back to 0
     return split.splits
 
@@ -126,8 +129,10 @@ def _reference(q, k, v, bias, scale, causal) -> np.ndarray:
 CASES = [  # dtype, head_dim, batch, heads, rows, keys, bias, causal, splits (None: the runtime's)
     ("float32", 64, 2, 3, 1, 1, False, False, None),
     ("float32", 64, 2, 3, 1, 33, True, False, None),
-    ("float32", 64, 1, 2, 1, 300, True, False, 1),     # two tiles for some warps
-    ("float32", 64, 1, 2, 1, 600, False, False, 1),    # three for some
+    ("float32", 64, 1, 2, 1, 300, True, False, 1),     # the wide kernel (16 warps)
+    ("float32", 64, 1, 2, 1, 600, False, False, 1),    # wide, two tiles for some warps
+    ("float32", 64, 2, 3, 1, 256, True, False, None),  # 8 warps: one tile each
+    ("float32", 128, 2, 2, 1, 300, True, False, None),  # wide (no split below 513 keys)
     ("float32", 64, 1, 2, 1, 600, True, False, None),  # split over 3 blocks a row
     ("float32", 64, 1, 2, 1, 70, True, False, 8),      # splits with no key at all
     ("float32", 64, 2, 2, 3, 70, False, True, None),   # a few rows, causal
@@ -228,3 +233,16 @@ def test_the_q_view_fuse_attention_gives_a_decoders_sliced_q(kernels, begin):
     sliced = qkv[:, begin:begin + heads * head_dim].reshape(shape)
     want = _reference(sliced, *caches, None, head_dim ** -0.5, False)
     np.testing.assert_allclose(out.read(shape), want, rtol=2e-5, atol=2e-5)
+
+
+def test_the_wide_kernel_takes_long_unsplit_fp32_rows_alone():
+    """``runs_wide``: fp32 rows of more keys than a block's threads that do not split; fp16
+    (slower with more warps on the H200) and split rows keep the usual kernel."""
+    def layout(keys):
+        view = ViewLayout(0, 0, 0, 0)
+        return AttentionLayout(1, 12, 1, keys, 64, *[view] * 5)
+
+    assert [runs_wide(layout(k), "float32", THREADS, 1) for k in (255, 256, 257, 1024)] == \
+        [False, False, True, True]
+    assert not runs_wide(layout(300), "float16", THREADS, 1)
+    assert not runs_wide(layout(1024), "float32", THREADS, 4)

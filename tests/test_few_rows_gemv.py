@@ -222,3 +222,90 @@ def test_the_gemv_rule_declines_iters_of_mixed_index_dtypes():
     assert match_gemv(te.create_prim_func([x, w, y])) is None
     function = MATMUL_FUNCTIONS["grape.cublaslt.matmul"]
     assert match_gemv(matmul_prim_func(function, [n], 64, 32, "float32")) is not None
+
+
+def _legalized(op, *shapes) -> tirx.PrimFunc:
+    """The PrimFunc TVM legalizes ``op`` over fp32 inputs of ``shapes`` into."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    m = tirx.Var("m", "int64")
+    params = [relax.Var(f"a{i}", relax.TensorType([m if d == "m" else d for d in shape],
+                                                  "float32"))
+              for i, shape in enumerate(shapes)]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        out = bb.emit(op(*params))
+        bb.emit_func_output(out)
+    legalized = relax.transform.LegalizeOps()(bb.get())
+    (func,) = [f for f in legalized.functions.values() if isinstance(f, tirx.PrimFunc)]
+    return func
+
+
+def test_an_element_wise_kernel_of_one_input_is_a_scalar_function():
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.passes.few_rows_gemv import unary_elementwise
+
+    assert unary_elementwise(_legalized(relax.op.nn.gelu, ("m", 40))) is not None
+    assert unary_elementwise(_legalized(relax.op.add, ("m", 40), ("m", 40))) is None
+    assert unary_elementwise(_legalized(lambda a: relax.op.sum(a, axis=[1]), ("m", 40))) is None
+    assert unary_elementwise(_legalized(relax.op.permute_dims, (40, 40))) is None
+    # tril's value uses the element's position: no scalar function of the value alone (a
+    # review found it taken, and the matmul's kernel built with unbound variables)
+    assert unary_elementwise(_legalized(relax.op.tril, (40, 40))) is None
+
+
+def test_an_erf_gelu_joins_the_gemv_epilogue_and_equals_numpy():
+    """``matmul_prim_func`` with the erf GELU ``unary_elementwise`` reads from TVM's
+    legalized ``nn.gelu``, built for the CPU: numpy's matmul, bias and erf GELU."""
+    import math  # pylint: disable=import-outside-toplevel
+
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.passes.few_rows_gemv import unary_elementwise
+
+    function = MATMUL_FUNCTIONS["grape.cublaslt.matmul_bias_nt"]
+    gelu = unary_elementwise(_legalized(relax.op.nn.gelu, ("m", 40)))
+    m = tirx.Var("m", "int64")
+    k, n = 48, 40
+    lib = tvm.compile(tvm.IRModule({"main": matmul_prim_func(function, [m], k, n, "float32",
+                                                             gelu)}), target="llvm")
+    rng = np.random.default_rng(1)
+    for rows in (1, 7):
+        x, w = rng.standard_normal((rows, k)), rng.standard_normal((n, k))
+        bias = rng.standard_normal(n)
+        out = tvm.runtime.tensor(np.zeros((rows, n), "float32"))
+        lib["main"](*[tvm.runtime.tensor(a.astype("float32")) for a in (x, w, bias)], out)
+        v = x.astype("float32").astype(np.float64) @ w.astype("float32").T.astype(np.float64) + \
+            bias.astype("float32")
+        want = 0.5 * v * (1 + np.frompyfunc(math.erf, 1, 1)(v / math.sqrt(2)).astype(np.float64))
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+@I.ir_module
+class ErfLayer:
+    @R.function
+    def main(x: R.Tensor(("n", 64), "float32"), w: R.Tensor((128, 64), "float32"),
+             b: R.Tensor((128,), "float32")):
+        with R.dataflow():
+            h = R.nn.gelu(R.add(R.matmul(x, R.permute_dims(w)), b))  # no cuBLASLt epilogue
+            R.output(h)
+        return h
+
+
+def test_an_erf_gelu_after_a_library_matmul_is_no_kernel_of_its_own():
+    """Built for CUDA (the default matmul): the GELU is in the matmul's kernel function,
+    fused into its GEMV kernels and run after cuBLASLt above them; before, it was a kernel
+    of its own after the call."""
+    from grape_tvm.compiler import _lower  # pylint: disable=import-outside-toplevel
+
+    module = grape_tvm.build(ErfLayer, {"n": (1, 64)}, CUDA, output_names=["h"])
+    kernels = [k for r in module.plan["regions"] for k in r["kernels"]]
+    assert kernels == ["grape.cublaslt.matmul_bias_nt"], kernels
+    lowered = _lower(ErfLayer, CUDA, {"n": (1, 64)})
+    (fused,) = [g.name_hint for g, f in lowered.functions_items()
+                if isinstance(f, tirx.PrimFunc) and g.name_hint.endswith("_gemv")]
+    assert "gelu" in fused
+    assert not [g for g in lowered.get_global_vars() if g.name_hint.startswith("gelu")]
+    # the GEMV kernel of each of the 4 buckets and the kernel after cuBLASLt's compute it
+    assert lowered[fused].script().count("T.erf(") == 5

@@ -405,22 +405,34 @@ def test_a_decoders_q_is_read_out_of_its_qkv_product(begin):
     assert (q.offset, q.batch, q.head, q.row) == (begin, 768, 64, 64)
 
 
-def test_a_slice_across_rows_is_not_a_view_of_columns():
-    """A slice of the rows (axis 0) of a 2-D tensor: q is copied, as before."""
-    b, s = tirx.Var("b", "int64"), tirx.Var("s", "int64")
-    x = relax.Var("x", relax.TensorType((b, 256), "float32"))
-    k, v = (relax.Var(n, relax.TensorType((1, 4, s, 64), "float32")) for n in "kv")
+def _rows_sliced_q(rows, width: int, end: int, q_shape: tuple) -> tvm.IRModule:
+    """Attention whose q is rows 0..end of an x of (``rows``, ``width``) reshaped to
+    ``q_shape``; k and v of q's batch and heads, s keys."""
+    s = tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType((rows, width), "float32"))
+    k, v = (relax.Var(n, relax.TensorType((*q_shape[:2], s, 64), "float32")) for n in "kv")
     op = relax.op
     bb = relax.BlockBuilder()
     with bb.function("main", [x, k, v]):
         with bb.dataflow():
-            q = bb.emit(op.reshape(op.strided_slice(x, axes=[0], begin=[0], end=[1]),
-                                   (1, 4, 1, 64)))
+            q = bb.emit(op.reshape(op.strided_slice(x, axes=[0], begin=[0], end=[end]), q_shape))
             scores = bb.emit(op.multiply(op.matmul(q, op.permute_dims(k, [0, 1, 3, 2])),
                                          relax.const(0.125, "float32")))
             out = bb.emit_output(op.matmul(op.nn.softmax(scores, axis=-1), v))
         bb.emit_func_output(out)
-    (call,) = _fused(bb.get())
+    return bb.get()
+
+
+def test_a_slice_across_rows_is_not_a_view_of_columns():
+    """A slice of the rows (axis 0) of a 2-D tensor: q is copied, as before."""
+    (call,) = _fused(_rows_sliced_q(tirx.Var("b", "int64"), 256, 1, (1, 4, 1, 64)))
     assert call.args[1].fields[0].name != "x"
     q = _layout(call).q
     assert (q.offset, q.batch, q.head, q.row) == (0, 256, 64, 64)
+
+
+def test_rows_of_a_square_tensor_are_not_read_as_its_columns():
+    """Rows 0..64 of a (128, 128) tensor reshaped to (128, 1, 1, 64) pass every check but
+    the slice's axis: read as columns, the kernel would take other elements."""
+    (call,) = _fused(_rows_sliced_q(128, 128, 64, (128, 1, 1, 64)))
+    assert call.args[1].fields[0].name != "x"

@@ -879,6 +879,23 @@ def test_few_rows_on_gemv_kernels_and_cublaslt_above_equal_numpy(dtype):
         assert min(library_rows("matmul_residual_nt")) == 16
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_an_erf_gelu_fused_on_gemv_kernels_and_after_cublaslt_equals_numpy(dtype):
+    """``library_layer`` with an erf GELU, which cuBLASLt's epilogues lack: fused into the
+    GEMV kernels' epilogue where the rows are few, a kernel of its own after cuBLASLt's
+    above them, in one kernel function (``passes/few_rows_gemv.py``); no GELU kernel of its
+    own in the plan. Every n on both sides of the buckets, first seen and replayed, equals
+    numpy's erf GELU, and cuBLASLt ran the rows above the [K, N] weight's one."""
+    sizes = [1, 2, 3, 8, 9, 17, 300, 1024]
+    with _library_executor(dtype, "auto", gelu="erf") as run:
+        worst, executor = run(sizes, rounds=2)
+        kernels = [k for r in executor.manifest["plan"]["regions"] for k in r["kernels"]]
+        chosen = executor.backend.describe()["cublaslt_algorithms"]
+        print(f"{dtype}: worst relative error {worst:.2e}; kernels {kernels}")
+        assert kernels == ["grape.cublaslt.matmul_bias", "grape.cublaslt.matmul_residual_nt"]
+        assert any(key.startswith("grape.cublaslt.matmul_bias/") for key in chosen), chosen
+
+
 @pytest.mark.timeout(240, method="thread")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_convs_as_windows_and_cublaslt_matmuls_equal_numpy(dtype):
@@ -918,17 +935,19 @@ def test_convs_as_windows_and_cublaslt_matmuls_equal_numpy(dtype):
         executor.close()
 
 
-def _library_artifact(dtype: str, matmul: str) -> Path:
+def _library_artifact(dtype: str, matmul: str, gelu: str = "tanh") -> Path:
     """``models.library_layer`` built with ``matmul`` (bench/gpu/build_artifacts.py)."""
+    if gelu == "erf":
+        return _artifact(f"library_{matmul}_erf_{dtype}.cuda.grape")
     return _artifact(f"library_{dtype}.cuda.grape" if matmul == "cublaslt"
                      else f"library_{matmul}_{dtype}.cuda.grape")
 
 
 @contextlib.contextmanager
-def _library_executor(dtype: str, matmul: str = "cublaslt"):
+def _library_executor(dtype: str, matmul: str = "cublaslt", gelu: str = "tanh"):
     """``models.library_layer`` (built with ``matmul``: ``library_{dtype}`` is cuBLASLt's
-    alone, ``library_auto_{dtype}`` the default) loaded with its weights bound; yields
-    ``run(sizes, rounds)``,
+    alone, ``library_auto_{dtype}`` the default; ``gelu``: its GELU) loaded with its
+    weights bound; yields ``run(sizes, rounds)``,
     which runs every n of ``sizes`` in a random order per round, checks y and h against
     numpy (float64) and returns the worst relative error and the executor."""
     import sys  # pylint: disable=import-outside-toplevel
@@ -940,7 +959,7 @@ def _library_executor(dtype: str, matmul: str = "cublaslt"):
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
     from models import library_numpy, library_weights  # pylint: disable=import-outside-toplevel
 
-    executor = load(_library_artifact(dtype, matmul), "cuda")
+    executor = load(_library_artifact(dtype, matmul, gelu), "cuda")
     weights = library_weights(dtype)
     executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device) for k, v in weights.items()})
     tolerance = 1e-4 if dtype == "float32" else 2e-2
@@ -951,7 +970,7 @@ def _library_executor(dtype: str, matmul: str = "cublaslt"):
         for n in [int(n) for _ in range(rounds) for n in rng.permutation(sizes)]:
             x = rng.standard_normal((n, 768)).astype(dtype)
             got = executor.run({"x": x})
-            want_y, want_h = library_numpy(x, weights)
+            want_y, want_h = library_numpy(x, weights, gelu)
             for value, want in ((got["y"], want_y), (got["h"], want_h)):
                 error = float(np.abs(value.astype(np.float64) - want).max() / np.abs(want).max())
                 worst = max(worst, error)

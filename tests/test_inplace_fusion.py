@@ -142,3 +142,76 @@ def test_the_pass_alone_groups_the_chain():
     assert len(primitive) == 1
     text = grouped["main"].script()
     assert "call_tir(strided_slice" not in text and "call_tir(reshape" not in text
+
+
+def _grouped(mod: tvm.IRModule) -> list[str]:
+    """The primitive functions the pass makes of ``mod`` legalized."""
+    legalized = tvm.transform.Sequential([relax.transform.LegalizeOps(),
+                                          relax.transform.AnnotateTIROpPattern()])(mod)
+    grouped = FuseIntoInplaceWrites()(legalized)
+    relax.analysis.well_formed(grouped)
+    return [g.name_hint for g, f in grouped.functions_items()
+            if isinstance(f, relax.Function) and f.attrs is not None and "Primitive" in f.attrs]
+
+
+@T.prim_func(private=True, s_tir=True)
+def _double(var_x: T.handle):
+    T.func_attr({"tirx.noalias": True})
+    batch = T.int64()
+    x = T.match_buffer(var_x, (batch, T.int64(3 * WIDTH)), "float32")
+    for b, j in T.grid(batch, T.int64(3 * WIDTH)):
+        with T.sblock("double"):
+            vb, vj = T.axis.remap("SS", [b, j])
+            x[vb, vj] = x[vb, vj] * T.float32(2)
+
+
+@T.prim_func(private=True, s_tir=True)
+def _shift_rows(var_cache: T.handle, var_new: T.handle):
+    T.func_attr({"tirx.noalias": True})
+    batch = T.int64()
+    cache = T.match_buffer(var_cache, (batch, T.int64(HEADS), T.int64(MAX_LEN), T.int64(HEAD_DIM)),
+                           "float32")
+    new = T.match_buffer(var_new, (batch, T.int64(HEADS), T.int64(MAX_LEN - 1), T.int64(HEAD_DIM)),
+                         "float32")
+    for b, h, t, d in T.grid(batch, T.int64(HEADS), T.int64(MAX_LEN - 1), T.int64(HEAD_DIM)):
+        with T.sblock("shift"):
+            vb, vh, vt, vd = T.axis.remap("SSSS", [b, h, t, d])
+            cache[vb, vh, vt + T.int64(1), vd] = new[vb, vh, vt, vd]
+
+
+def test_a_source_written_in_place_before_the_write_is_read_where_it_was():
+    """The slice of qkv, then qkv doubled in place, then the write: grouped, the slice would
+    read qkv after the doubling (a review found it did)."""
+    b = tirx.Var("b", "int64")
+    qkv_type = relax.TensorType((b, 3 * WIDTH), "float32")
+    cache_type = relax.TensorType((b, HEADS, MAX_LEN, HEAD_DIM), "float32")
+    qkv, cache = relax.Var("qkv", qkv_type), relax.Var("cache", cache_type)
+    pos = relax.Var("pos", relax.TensorType((1,), "int32"))
+    bb = relax.BlockBuilder()
+    write = bb.add_func(_cache_write(HEADS, MAX_LEN, HEAD_DIM), "write_cache")
+    double = bb.add_func(_double, "double")
+    with bb.function("main", [qkv, cache, pos]):
+        with bb.dataflow():
+            k = bb.emit(relax.op.reshape(relax.op.strided_slice(
+                qkv, axes=[1], begin=[WIDTH], end=[2 * WIDTH]), (b, HEADS, HEAD_DIM)))
+            doubled = bb.emit_output(relax.call_tir_inplace(double, [qkv], 0, qkv_type))
+            out = bb.emit_output(relax.call_tir_inplace(write, [cache, k, pos], 0, cache_type))
+        bb.emit_func_output(relax.Tuple([out, doubled]))
+    assert _grouped(bb.get()) == []
+
+
+def test_a_write_reading_what_it_writes_is_left_alone():
+    """A cache's rows shifted by one, read through a slice of the cache itself: one kernel
+    would read rows other threads are writing (a review found it grouped)."""
+    b = tirx.Var("b", "int64")
+    cache_type = relax.TensorType((b, HEADS, MAX_LEN, HEAD_DIM), "float32")
+    cache = relax.Var("cache", cache_type)
+    bb = relax.BlockBuilder()
+    shift = bb.add_func(_shift_rows, "shift_rows")
+    with bb.function("main", [cache]):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.strided_slice(cache, axes=[2], begin=[0], end=[MAX_LEN - 1]))
+            out = bb.emit_output(relax.call_tir_inplace(shift, [cache, rows], 0, cache_type))
+        bb.emit_func_output(out)
+    assert _grouped(bb.get()) == []
+    assert len(_grouped(_key_write())) == 1  # the form it takes, for contrast

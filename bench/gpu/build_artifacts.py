@@ -428,7 +428,7 @@ def build_attention(out: Path) -> None:
 def build_library(out: Path) -> None:
     """``models.library_layer`` and ``models.attention_products`` in fp32 and fp16: matmuls
     as cuBLASLt calls, and (``library_auto_*``) by default, grape's GEMV kernels for few
-    rows; ``models.wide_head`` in fp16, cuBLASLt's split calls; ``models.attention_products``
+    rows (``library_auto_erf_*``: with an erf GELU); ``models.wide_head`` in fp16, cuBLASLt's split calls; ``models.attention_products``
     with a mask on grape's decode attention kernel (``decode_attention_*``);
     ``models.causal_attention`` in fp16, grape's fused attention (tests)."""
     for dtype in ("float32", "float16"):
@@ -437,6 +437,11 @@ def build_library(out: Path) -> None:
             module = _timed(name, lambda d=dtype, m=matmul: grape_tvm.build(
                 library_layer(d), {"n": (1, 1024)}, CUDA, output_names=["y", "h"], matmul=m))
             module.export(out / f"{name}.cuda.grape")
+        # an erf GELU: fused into the GEMV kernels, a kernel after cuBLASLt's above them
+        name = f"library_auto_erf_{dtype}"
+        module = _timed(name, lambda d=dtype: grape_tvm.build(
+            library_layer(d, gelu="erf"), {"n": (1, 1024)}, CUDA, output_names=["y", "h"]))
+        module.export(out / f"{name}.cuda.grape")
         if dtype == "float16":  # rows of odd width: cuBLASLt's split calls
             module = _timed("wide_head_float16", lambda: grape_tvm.build(
                 wide_head("float16"), {"n": (1, 1024)}, CUDA, output_names=["y", "z"],
@@ -583,13 +588,12 @@ def build_probe_cubins(out: Path) -> None:
 
 def build_decode_attention_cubins(out: Path) -> None:
     """``decode_attention.cubin`` (``runtime/kernels/decode_attention.cu`` as the runtime
-    builds it) and ``decode_attention_w{4,16}.cubin`` (4 and 16 warps a block) for
-    ``bench/decode_attention.py``."""
+    builds it) and ``decode_attention_w4.cubin`` (4 warps a block, 8 in its _wide kernels)
+    for ``bench/decode_attention.py``."""
     from grape_tvm.runtime.attention import DECODE_SOURCE  # pylint: disable=import-outside-toplevel
     from grape_tvm.runtime.cuda_compile import compile_cubin  # pylint: disable=import-outside-toplevel
 
-    for suffix, define in (("", ""), ("_w4", "#define GRAPE_DECODE_WARPS 4\n"),
-                           ("_w16", "#define GRAPE_DECODE_WARPS 16\n")):
+    for suffix, define in (("", ""), ("_w4", "#define GRAPE_DECODE_WARPS 4\n")):
         code = define + DECODE_SOURCE.read_text()
         (out / f"decode_attention{suffix}.cubin").write_bytes(compile_cubin(code, "sm_90"))
 

@@ -2,8 +2,9 @@
 // fp16 or bf16 q, k, v (runtime/attention.py): a decode step's attention over its cache,
 // optionally causal (query row i of S attends keys j <= i + (T - S) of T).
 //
-// One block of eight warps takes one query row of one (batch, head), or one split of its keys
-// where the grid would be small (runtime/attention.py, decode_splits). Each warp walks its own
+// One block of eight warps (sixteen: the _wide kernels) takes one query row of one (batch,
+// head), or one split of its keys where the grid would be small (runtime/attention.py,
+// decode_splits). Each warp walks its own
 // tiles of 32 keys (tile w, w + 8, ...). It reads a tile's key and value rows coalesced, 16
 // bytes a lane, D * sizeof(T) / 16 lanes a row, all of them in flight at once where registers
 // allow; a lane's partial dot products over its head dims become one key's score per lane by
@@ -33,7 +34,10 @@ namespace {
 #ifndef GRAPE_DECODE_WARPS
 #define GRAPE_DECODE_WARPS 8
 #endif
-constexpr int kDecodeWarps = GRAPE_DECODE_WARPS;
+constexpr int kWarps = GRAPE_DECODE_WARPS;  // a block's warps
+// fp32 rows of more keys than one round of kWarps warps and no split: twice the warps
+// (runtime/attention.py, WIDE_DECODE_DTYPES).
+constexpr int kWideWarps = 2 * kWarps;
 constexpr int kLanes = 32;
 constexpr float kLog2e = 1.4426950408889634f;
 
@@ -121,7 +125,7 @@ __device__ __forceinline__ float transposed_sum(float (&v)[kN], int part) {
   return v[0];
 }
 
-template <int D, typename T>
+template <int D, typename T, int kDecodeWarps>
 __device__ __forceinline__ void decode_attention(
     const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
     const T* __restrict__ bias, T* __restrict__ out, int query_rows, int keys, int causal,
@@ -282,13 +286,13 @@ __device__ __forceinline__ void decode_attention(
 // Strides as scalar parameters, each at most 8 bytes: the patch kernel rewrites a topology
 // graph's parameters that change with the shape (runtime/topology_graph.py, MAX_PARAM_BYTES).
 #define GRAPE_LAYOUT(X) long long X##_batch, long long X##_head, long long X##_row
-#define GRAPE_DECODE_ATTENTION(NAME, D, T)                                                     \
-  extern "C" __global__ void __launch_bounds__(kDecodeWarps * kLanes)                         \
+#define GRAPE_DECODE_ATTENTION(NAME, D, T, WARPS)                                              \
+  extern "C" __global__ void __launch_bounds__(WARPS * kLanes)                                \
       NAME(const T* q, const T* k, const T* v, const T* bias, T* out, int query_rows,         \
            int keys, int causal, GRAPE_LAYOUT(q), GRAPE_LAYOUT(k), GRAPE_LAYOUT(v),           \
            GRAPE_LAYOUT(o), GRAPE_LAYOUT(b), float scale, float* partials,                   \
            unsigned* counters, int splits) {                                                  \
-    decode_attention<D, T>(q, k, v, bias, out, query_rows, keys, causal,                      \
+    decode_attention<D, T, WARPS>(q, k, v, bias, out, query_rows, keys, causal,               \
                            DecodeLayout{q_batch, q_head, q_row},                              \
                            DecodeLayout{k_batch, k_head, k_row},                              \
                            DecodeLayout{v_batch, v_head, v_row},                              \
@@ -297,13 +301,15 @@ __device__ __forceinline__ void decode_attention(
                            splits);                                                           \
   }
 
-GRAPE_DECODE_ATTENTION(grape_decode_attention_f32_d64, 64, float)
-GRAPE_DECODE_ATTENTION(grape_decode_attention_f32_d128, 128, float)
+GRAPE_DECODE_ATTENTION(grape_decode_attention_f32_d64, 64, float, kWarps)
+GRAPE_DECODE_ATTENTION(grape_decode_attention_f32_d128, 128, float, kWarps)
+GRAPE_DECODE_ATTENTION(grape_decode_attention_f32_d64_wide, 64, float, kWideWarps)
+GRAPE_DECODE_ATTENTION(grape_decode_attention_f32_d128_wide, 128, float, kWideWarps)
 #if defined(__CUDACC__) || defined(GRAPE_CPU_HALF)
-GRAPE_DECODE_ATTENTION(grape_decode_attention_f16_d64, 64, __half)
-GRAPE_DECODE_ATTENTION(grape_decode_attention_f16_d128, 128, __half)
+GRAPE_DECODE_ATTENTION(grape_decode_attention_f16_d64, 64, __half, kWarps)
+GRAPE_DECODE_ATTENTION(grape_decode_attention_f16_d128, 128, __half, kWarps)
 #endif
 #ifdef __CUDACC__
-GRAPE_DECODE_ATTENTION(grape_decode_attention_bf16_d64, 64, __nv_bfloat16)
-GRAPE_DECODE_ATTENTION(grape_decode_attention_bf16_d128, 128, __nv_bfloat16)
+GRAPE_DECODE_ATTENTION(grape_decode_attention_bf16_d64, 64, __nv_bfloat16, kWarps)
+GRAPE_DECODE_ATTENTION(grape_decode_attention_bf16_d128, 128, __nv_bfloat16, kWarps)
 #endif

@@ -12,20 +12,27 @@ from tvm_ffi.structural import structural_walk
 _INJECTIVE, _OPAQUE = 2, 8
 
 
+def single_spatial_store(func: tirx.PrimFunc) -> tirx.BufferStore | None:
+    """The store of ``func``'s one block, where that block iterates over spatial iterators
+    only and stores one element (a legalized concat, slice, reshape or transpose)."""
+    blocks = []
+    structural_walk(func.body, ((s_tir.SBlock, blocks.append),))
+    body = [b for b in blocks if b.name_hint != "root"]
+    if len(body) != 1 or any(var.iter_type != tirx.IterVar.DataPar
+                             for var in body[0].iter_vars) or \
+            not isinstance(body[0].body, tirx.BufferStore):
+        return None
+    return body[0].body
+
+
 def is_concatenation(func: tirx.PrimFunc) -> bool:
     """One block over spatial iterators only, storing a choice (``if_then_else``) among
     loads of other buffers: TVM's legalized ``concat`` (which its pattern analysis calls
     opaque, each element reading one of several inputs)."""
-    blocks = []
-    structural_walk(func.body, ((s_tir.SBlock, blocks.append),))
-    body = [b for b in blocks if b.name_hint != "root"]
-    if len(body) != 1:
+    store = single_spatial_store(func)
+    if store is None:
         return False
-    block = body[0]
-    if any(var.iter_type != tirx.IterVar.DataPar for var in block.iter_vars) or \
-            not isinstance(block.body, tirx.BufferStore):
-        return False
-    output = block.body.buffer
+    output = store.buffer
 
     def choice_of_inputs(value) -> bool:
         if isinstance(value, TensorLoad):
@@ -34,8 +41,7 @@ def is_concatenation(func: tirx.PrimFunc) -> bool:
             return all(choice_of_inputs(arm) for arm in value.args[1:])
         return False
 
-    value = block.body.value
-    return isinstance(value, ir.Call) and choice_of_inputs(value)
+    return isinstance(store.value, ir.Call) and choice_of_inputs(store.value)
 
 
 @module_pass(opt_level=0, name="FuseIntoConcatenations")

@@ -17,7 +17,7 @@ from grape_tvm.runtime.cublaslt import MATMUL_FUNCTIONS, MatmulFunction
 
 from .gemv_schedule import gemv_by_rows, match_gemv
 from .if_to_select import same_dims
-from .var_reads import read_counts
+from .var_reads import emit_as, read_counts
 
 # The buckets of rows (M) grape's GEMV kernels take, by weight layout; the library takes M
 # above. Measured on the H200 in grape's graphs (bench/results/matmul.json, GPT-2's five
@@ -262,16 +262,17 @@ class _OnGemv(relax.PyExprMutator):
         self.target = target
         # (function, rows, K, N, dtype, activation's kernel) -> its GlobalVar, or None
         self.made: dict = {}
-        self.activated: dict = {}  # a library call's variable -> the kernel applied to it
-        self.pending: dict = {}  # such a variable -> its fused call, emitted at its reader
-        self.fused = 0
+        # a library call's variable -> (its one reader's variable, the element-wise kernel
+        # that reader calls, that kernel's scalar function)
+        self.activated: dict = {}
+        self.fused: dict = {}  # such a reader's variable -> the fused call's, bound already
         self.activated_kernels: list = []  # the kernels fused into a matmul's
 
     def find_activations(self, func: relax.Function) -> None:
         """The library calls whose one reader applies an element-wise kernel of one input
         to them (``unary_elementwise``: an erf GELU, which cuBLASLt's epilogues lack)."""
         reads = read_counts(func)
-        self.activated, self.pending = {}, {}
+        self.activated, self.fused = {}, {}
         bound = relax.analysis.get_var2val(func)
         for var, value in bound.items():
             if not (isinstance(value, relax.Call) and value.op == _CALL_TIR and
@@ -279,11 +280,13 @@ class _OnGemv(relax.PyExprMutator):
                 continue
             source = value.args[1].fields[0]
             kernel = self.mod[value.args[0]]
-            if isinstance(source, relax.DataflowVar) and reads.get(source) == 1 and \
-                    _library_call(bound.get(source)) is not None \
-                    and isinstance(kernel, tirx.PrimFunc) and \
-                    unary_elementwise(kernel) is not None:
-                self.activated[source] = value.args[0]
+            if not (isinstance(source, relax.DataflowVar) and reads.get(source) == 1 and
+                    _library_call(bound.get(source)) is not None and
+                    isinstance(kernel, tirx.PrimFunc)):
+                continue
+            scalar = unary_elementwise(kernel)
+            if scalar is not None:
+                self.activated[source] = (var, value.args[0], scalar)
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -295,29 +298,26 @@ class _OnGemv(relax.PyExprMutator):
 
     def visit_var_binding_(self, binding: relax.VarBinding) -> None:
         value = binding.value
-        kernel = self.activated.get(binding.var)
-        if kernel is not None:
-            # The library call is emitted at its reader, with the activation fused.
+        if binding.var in self.fused:  # the activation's reader: bound with the matmul
+            self.set_var_remap(binding.var, self.fused.pop(binding.var))
+            return
+        if binding.var in self.activated:
+            # The matmul with its reader's activation fused, where the matmul was: it reads
+            # its operands where the model did.
+            reader, kernel, scalar = self.activated[binding.var]
             library = self.builder_.normalize(relax.op.call_dps_packed(
                 value.args[0], self.visit_expr(value.args[1]), value.ty))
-            gvar = self._gemv(_library_call(value), library, kernel)
+            gvar = self._gemv(_library_call(value), library, kernel, scalar)
             if gvar is not None:
-                self.pending[binding.var] = relax.call_tir(gvar, library.args[1], value.ty)
+                self.fused[reader] = emit_as(self.builder_, reader, relax.call_tir(
+                    gvar, library.args[1], reader.ty))
+                self.activated_kernels.append(kernel)
                 return
-        if isinstance(value, relax.Call) and value.op == _CALL_TIR and \
-                len(value.args[1].fields) == 1 and value.args[1].fields[0] in self.pending:
-            fused = self.pending.pop(value.args[1].fields[0])
-            # A dataflow block's output stays one.
-            output = not isinstance(binding.var, relax.DataflowVar) and \
-                self.builder_.current_block_is_dataflow()
-            emit = self.builder_.emit_output if output else self.builder_.emit
-            self.set_var_remap(binding.var, emit(fused, binding.var.name))
-            self.fused += 1
-            self.activated_kernels.append(value.args[0])
-            return
         super().visit_var_binding_(binding)
 
-    def _gemv(self, function: MatmulFunction, call: relax.Call, activation=None):
+    def _gemv(self, function: MatmulFunction, call: relax.Call, activation=None, scalar=None):
+        """The GlobalVar of the GEMV PrimFunc of ``call`` (``activation``: the kernel whose
+        ``scalar`` function it applies after), made once; None where there is none."""
         out_ty = call.ty
         rows = _fresh_dims(out_ty.shape.values[:-1])
         if rows is None:
@@ -329,7 +329,6 @@ class _OnGemv(relax.PyExprMutator):
         key = (function.name, tuple(str(r) for r in rows), k, n, dtype,
                None if activation is None else activation.name_hint)
         if key not in self.made:
-            scalar = None if activation is None else unary_elementwise(self.mod[activation])
             func = few_rows_gemv(function, matmul_prim_func(function, rows, k, n, dtype, scalar),
                                  self.target, scalar)
             name = function.name.rsplit(".", 1)[-1] + \

@@ -14,7 +14,7 @@ from grape_tvm.runtime.attention import (ALIGN_ELEMENTS, DECODE_DTYPES, DECODE_R
                                          HEAD_DIMS, AttentionFunction, AttentionLayout,
                                          ViewLayout)
 
-from .var_reads import read_counts
+from .var_reads import emit_as, read_counts
 
 _OPS = {name: Op.get(f"relax.{name}") for name in (
     "matmul", "nn.softmax", "add", "multiply", "divide", "permute_dims", "strided_slice", "reshape",
@@ -382,11 +382,7 @@ class _Fuser(relax.PyExprMutator):
         if fused is None:
             super().visit_var_binding_(binding)
             return
-        # A dataflow block's output (the function's result) stays one.
-        output = not isinstance(binding.var, relax.DataflowVar) and \
-            self.builder_.current_block_is_dataflow()
-        emit = self.builder_.emit_output if output else self.builder_.emit
-        self.set_var_remap(binding.var, emit(fused, binding.var.name))
+        self.set_var_remap(binding.var, emit_as(self.builder_, binding.var, fused))
 
 
 def _permutes(call: relax.Call, axes: list[int]) -> bool:

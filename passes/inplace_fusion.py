@@ -4,13 +4,13 @@ them into a static cache."""
 
 from __future__ import annotations
 
-from tvm import IRModule, relax, s_tir, tirx
+from tvm import IRModule, relax, tirx
 from tvm.ir import Op
 from tvm.ir.expr import TensorLoad
 from tvm.ir.transform import PassContext, module_pass
-from tvm_ffi.structural import structural_walk
 
-from .var_reads import read_counts
+from .concat_fusion import single_spatial_store
+from .var_reads import emit_as, read_counts
 
 _CALL_TIR = Op.get("relax.call_tir")
 _CALL_TIR_INPLACE = Op.get("relax.call_tir_inplace")
@@ -19,22 +19,16 @@ _INJECTIVE = 2
 
 
 def moves_data(func: tirx.PrimFunc) -> bool:
-    """An injective kernel by TVM's op pattern (element-wise to injective), or one block over
-    spatial iterators storing a load of another buffer (a legalized slice, reshape or
-    transpose): TVM calls a reshape over a symbolic dim opaque (its index wraps by the dim),
-    hence the second test."""
+    """An injective kernel by TVM's op pattern (element-wise to injective), or one storing a
+    load of another buffer over spatial iterators (a legalized slice, reshape or transpose):
+    TVM calls a reshape over a symbolic dim opaque (its index wraps by the dim), hence the
+    second test."""
     pattern = func.attrs.get("op_pattern") if func.attrs is not None else None
     if pattern is not None and int(pattern) <= _INJECTIVE:
         return True
-    blocks = []
-    structural_walk(func.body, ((s_tir.SBlock, blocks.append),))
-    body = [b for b in blocks if b.name_hint != "root"]
-    if len(body) != 1 or not isinstance(body[0].body, tirx.BufferStore):
-        return False
-    block = body[0]
-    return all(var.iter_type == tirx.IterVar.DataPar for var in block.iter_vars) and \
-        isinstance(block.body.value, TensorLoad) and \
-        not block.body.value.source.same_as(block.body.buffer)
+    store = single_spatial_store(func)
+    return store is not None and isinstance(store.value, TensorLoad) and \
+        not store.value.source.same_as(store.buffer)
 
 
 def _dims(param) -> list:
@@ -44,11 +38,15 @@ def _dims(param) -> list:
 
 @relax.expr_functor.mutator
 class _Grouper(relax.PyExprMutator):
-    def __init__(self, mod: IRModule, reads: dict):
+    def __init__(self, mod: IRModule):
         super().__init__(mod)
         self.mod = mod
-        self.reads = reads
         self.grouped = 0
+        self.start(None)
+
+    def start(self, func: relax.Function | None) -> None:
+        """Before visiting ``func``: its reads, and no binding seen yet."""
+        self.reads = read_counts(func) if func is not None else {}
         self.position = 0  # of the binding being visited, in the function
         self.bound_at: dict[relax.Var, int] = {}
         self.written: dict[relax.Var, int] = {}  # written in place: where, the last time
@@ -118,11 +116,7 @@ class _Grouper(relax.PyExprMutator):
         if grouped is None:
             super().visit_var_binding_(binding)
             return
-        # A dataflow block's output stays one.
-        output = not isinstance(binding.var, relax.DataflowVar) and \
-            self.builder_.current_block_is_dataflow()
-        emit = self.builder_.emit_output if output else self.builder_.emit
-        self.set_var_remap(binding.var, emit(grouped, binding.var.name))
+        self.set_var_remap(binding.var, emit_as(self.builder_, binding.var, grouped))
 
     def _grouped(self, call: relax.Call, index: int, chain: list) -> relax.Call | None:
         """A call of a new primitive function running ``chain`` and then ``call``, its
@@ -184,16 +178,14 @@ class FuseIntoInplaceWrites:
     """
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
-        updates = {}
+        grouper = _Grouper(mod)
         for gvar, func in mod.functions_items():
             if not isinstance(func, relax.Function) or \
                     (func.attrs is not None and "Primitive" in func.attrs):
                 continue
-            grouper = _Grouper(mod, read_counts(func))
+            before = grouper.grouped
+            grouper.start(func)
             new = grouper.visit_expr(func)
-            if grouper.grouped:
-                updates[gvar] = relax.analysis.remove_all_unused(new)
-                mod = grouper.builder_.get()
-                mod = IRModule({**dict(mod.functions), **updates}, attrs=mod.attrs,
-                               global_infos=mod.global_infos)
-        return mod
+            if grouper.grouped > before:
+                grouper.builder_.update_func(gvar, relax.analysis.remove_all_unused(new))
+        return grouper.builder_.get() if grouper.grouped else mod

@@ -1,4 +1,5 @@
-"""How often each variable of a Relax expression is read."""
+"""How often each variable of a Relax expression is read, and rebinding a variable a
+mutator rewrites."""
 
 from __future__ import annotations
 
@@ -17,3 +18,10 @@ def read_counts(expr: relax.Expr) -> dict[relax.Var, int]:
 
     relax.analysis.post_order_visit(expr, read)
     return count
+
+
+def emit_as(builder: relax.BlockBuilder, var: relax.Var, value: relax.Expr) -> relax.Var:
+    """``value`` emitted in place of ``var``'s binding: an output of a dataflow block (a
+    variable that is not a dataflow variable) stays one."""
+    output = not isinstance(var, relax.DataflowVar) and builder.current_block_is_dataflow()
+    return (builder.emit_output if output else builder.emit)(value, var.name)

@@ -63,9 +63,10 @@ MAX_SPLITS = 8
 SPLIT_AFTER = 2
 # A row the decode kernel does not split, of more keys than its block's threads, runs its
 # _wide kernel (twice the warps: one round of keys where the block would take two) in these
-# dtypes. On the H200, fp32, head_dim 64 (bench/results/decode_attention.json, build w16):
-# 257 keys 5.34 against 6.21 us at batch 1 and 6.23 against 7.00 at batch 8, 1024 keys at
-# batch 8 13.90 against 18.63; in fp16 twice the warps were slower at most sizes.
+# dtypes. On the H200, fp32, head_dim 64 (bench/results/decode_attention.json, against its
+# variant no_wide): 257 keys 5.27 against 6.15 us at batch 1 and 6.09 against 6.91 at batch
+# 8, 1024 keys at batch 8 14.61 against 17.04; in fp16 a build of 16 warps was slower at most
+# sizes (decode_attention.4f9ad6e.json, variant w16).
 WIDE_DECODE_DTYPES = ("float32",)
 SPLIT_BLOCKS = 128  # about the H200's 132 SMs: a split's combine costs more than a wave
 SPLIT_ROWS = SPLIT_BLOCKS // 2  # the most rows that split (in two, at least)

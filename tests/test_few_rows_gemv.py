@@ -10,6 +10,7 @@ import tvm
 from tvm import tirx
 from tvm.script import ir as I
 from tvm.script import relax as R
+from tvm.script import tirx as T
 from tvm_ffi.structural import structural_walk
 
 import grape_tvm
@@ -309,3 +310,36 @@ def test_an_erf_gelu_after_a_library_matmul_is_no_kernel_of_its_own():
     assert not [g for g in lowered.get_global_vars() if g.name_hint.startswith("gelu")]
     # the GEMV kernel of each of the 4 buckets and the kernel after cuBLASLt's compute it
     assert lowered[fused].script().count("T.erf(") == 5
+
+
+@T.prim_func(private=True, s_tir=True)
+def _double(var_x: T.handle):
+    T.func_attr({"tirx.noalias": True})
+    n = T.int64()
+    x = T.match_buffer(var_x, (n, T.int64(64)), "float32")
+    for i, j in T.grid(n, T.int64(64)):
+        with T.sblock("double"):
+            vi, vj = T.axis.remap("SS", [i, j])
+            x[vi, vj] = x[vi, vj] * T.float32(2)
+
+
+def test_a_fused_activation_leaves_the_matmul_where_it_was():
+    """x doubled in place between the matmul and its GELU: the fused matmul still reads x
+    before the doubling (a review found it emitted at the GELU, after it)."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    n = tirx.Var("n", "int64")
+    x_type = relax.TensorType((n, 64), "float32")
+    x, w = relax.Var("x", x_type), relax.Var("w", relax.TensorType((128, 64), "float32"))
+    bb = relax.BlockBuilder()
+    double = bb.add_func(_double, "double")
+    with bb.function("main", [x, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.matmul(x, relax.op.permute_dims(w)))
+            doubled = bb.emit_output(relax.call_tir_inplace(double, [x], 0, x_type))
+            h = bb.emit_output(relax.op.nn.gelu(y))
+        bb.emit_func_output(relax.Tuple([h, doubled]))
+    with CUDA:
+        out = GemvForFewRows()(relax.transform.LegalizeOps()(OffloadMatmul()(bb.get())))
+    called = [b.value.args[0].name_hint for b in out["main"].body.blocks[0].bindings]
+    assert called == ["matmul_nt_gelu_gemv", "double"], called

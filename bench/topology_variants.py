@@ -19,9 +19,9 @@ per region, so after the first launch the patch kernel has nothing to change):
 - ``clustered_*``: cuBLASLt's algorithms as its heuristic gives them, in thread-block
   clusters where it chooses them (the runtime's ``CublasLt._without_clusters`` turned off).
 
-``bench/results/topology_variants.b111ffc.json`` and ``topology_variants.json`` were written by
-this script's first form: their ``cluster1_*`` variants had the script ask for 1x1x1
-clusters, where these turn the runtime's asking off.
+``bench/results/topology_variants.b111ffc.json`` and ``topology_variants.e4b8a95.json`` were
+written by this script's first form: their ``cluster1_*`` variants had the script ask for
+1x1x1 clusters, where these turn the runtime's asking off.
 
 Prints a table of microseconds per call and writes ``topology_variants.json``.
 """

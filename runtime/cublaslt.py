@@ -28,7 +28,7 @@ four fp16 (128, 768) x (768, 3072) products went from 17 to 88 us a launch, a no
 kernel was unaffected, and setting the nodes again from the host restored them
 (bench/results/device_updatable.json). With 1x1x1 clusters GPT-2's fp16 prefill at 128
 tokens takes 500.5 us a call in a topology graph against 489.2 in a per-shape graph
-(bench/results/topology_variants.json), and a per-shape graph about as long as with
+(bench/results/topology_variants.e4b8a95.json), and a per-shape graph about as long as with
 cuBLASLt's clusters (491.7 against 500.2 us; the MLP of the GPU tests 14.3 against 13.4:
 topology_variants.b111ffc.json).
 

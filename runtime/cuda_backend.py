@@ -322,7 +322,9 @@ class CudaGraphBackend:
             pointer_map = [(s.node, s.param, s.arg, s.delta) for s in slots]
             topology_graph = TopologyGraph(
                 graph, nodes, [n.layout for n in nodes], pointer_map,
-                region.groups.tables[placed.table], len(capture.region_args), patch, self.stream)
+                region.groups.tables[placed.table], len(capture.region_args), patch, self.stream,
+                captured=[a.data_ptr() if hasattr(a, "data_ptr") else 0
+                          for a in capture.region_args])
             region.graphs.append(topology_graph)
             self.graphs_instantiated += 1
             self.cluster_kernel_nodes += sum(cluster_blocks(n.node) > 1 for n in nodes)
@@ -364,7 +366,8 @@ class CudaGraphBackend:
         check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
 
     def describe(self) -> dict:
-        regions = {name: [dict(g, graph_table_device_bytes=r.graphs[i].device_bytes())
+        regions = {name: [dict(g, graph_table_device_bytes=r.graphs[i].device_bytes(),
+                               device_updatable_nodes=len(r.graphs[i].updatable))
                           for i, g in enumerate(r.groups.describe())]
                    for name, r in self._regions.items()}
         return {"backend": self.name, "mode": self.mode, "fallback_reason": self.fallback_reason,

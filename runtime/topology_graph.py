@@ -2,9 +2,9 @@
 
 ``TopologyGraph`` owns, for one group of shapes that launch the same kernels with the same
 block dims: the graph captured at the group's first shape, its instantiation, and the device
-buffers of its argument table. Its kernel nodes are device-updatable; a ``PatchKernel`` node
-at the head applies the current shape's row (grid dims, scalar parameters) and the current
-call's argument addresses. A call that changes the row, moves an argument or changes its
+buffers of its argument table. A ``PatchKernel`` node at the head applies the current shape's
+row (grid dims, scalar parameters) and the current call's argument addresses to the kernel
+nodes that need them, which alone are device-updatable (the attribute slows a node's launch). A call that changes the row, moves an argument or changes its
 guards writes its launch record (row index, argument addresses, guards) with one
 stream-ordered copy, and launches: no capture, no instantiation, no host-side node update.
 The patch kernel applies only what differs from the launch before.
@@ -206,11 +206,12 @@ def encode_pointers(pointer_map: Sequence[tuple[int, int, int, int]],
     return data, _spans([p[0] for p in ordered])
 
 
-def encode_spans(num_nodes: int, columns: dict[int, tuple[int, int]],
+def encode_spans(nodes: Sequence[int], columns: dict[int, tuple[int, int]],
                  pointers: dict[int, tuple[int, int]]) -> bytes:
-    """``spans[n]`` = (first column, columns, first pointer, pointers) of node n."""
+    """``spans[i]`` = (first column, columns, first pointer, pointers) of node ``nodes[i]``:
+    the patch kernel's i-th node (it updates only the device-updatable ones)."""
     return b"".join(struct.pack("<4I", *columns.get(n, (0, 0)), *pointers.get(n, (0, 0)))
-                    for n in range(num_nodes))
+                    for n in nodes)
 
 
 def _spans(nodes_in_order: Sequence[int]) -> dict[int, tuple[int, int]]:
@@ -283,7 +284,7 @@ class LaunchRecord:
     reads them there, with no bytes object made per call.
     """
 
-    def __init__(self, num_args: int):
+    def __init__(self, num_args: int, addresses: Sequence[int] = ()):
         # The kernel finds the guards after max(num_args, 1) slots too: keep them agreeing.
         self.guards_at = ARGS_AT + 8 * max(num_args, 1)
         self.capacity = self.guards_at + GUARD.size * MAX_GUARDS  # bytes the device needs
@@ -297,7 +298,14 @@ class LaunchRecord:
         self.num_guards = 0
         self.generation = NO_GENERATION
         self._row = 0
+        # ``addresses``: where the arguments were when the graph was captured (what its
+        # nodes hold); a position in ``watched`` that moves from there is kept in ``moved``
         self._args = [0] * max(num_args, 1)
+        for i, address in enumerate(addresses):
+            self._args[i] = address
+            _U64.pack_into(self.data, ARGS_AT + 8 * i, address)
+        self.watched: frozenset = frozenset()
+        self.moved: list[int] = []
         self._guards: tuple = ()
         self._changed = True  # the device holds nothing yet
 
@@ -323,6 +331,8 @@ class LaunchRecord:
                 held[i] = address
                 _U64.pack_into(data, ARGS_AT + 8 * i, address)
                 self._changed = True
+                if i in self.watched:
+                    self.moved.append(i)
         return self.take()
 
     def set_guards(self, guards: Sequence[tuple[Any, Any]]) -> None:
@@ -368,11 +378,20 @@ class LaunchRecord:
 
 
 class TopologyGraph(OwnedGraph):
-    """The one graph of a topology group, with its argument table on the device."""
+    """The one graph of a topology group, with its argument table on the device.
+
+    Only the kernel nodes the patch kernel must update are device-updatable: the attribute
+    cost the 24-block model 10.2 us a launch over 72 nodes on the H200 (bench/README.md,
+    fifth session of 2026-12-02; bench/results/topology_variants.json: none now at one
+    shape). Those are the nodes with a column in the table, the nodes that
+    hold the address of an argument that has moved since the capture, and every node once
+    a launch is guarded (a failed guard disables them all). A node joins them when that
+    first happens: the graph is instantiated again, once per such change.
+    """
 
     def __init__(self, graph, nodes, layouts: list[list[tuple[int, int]]],
                  pointer_map: list[tuple[int, int, int, int]], table: ArgumentTable,
-                 num_args: int, patch: PatchKernel, stream):
+                 num_args: int, patch: PatchKernel, stream, captured: Sequence[int] = ()):
         self.graph = graph
         self.table = table
         self.layouts = layouts
@@ -380,16 +399,20 @@ class TopologyGraph(OwnedGraph):
         self.patch = patch
         self.num_args = num_args
         self._last_caller: Any = None
-        self.dev_nodes = [make_device_updatable(n.node) for n in nodes]
+        self._graph_nodes = [n.node for n in nodes]
+        self._pointer_map = pointer_map
+        # node index -> its device handle, for the device-updatable nodes, and their order
+        # in the patch kernel's ``nodes``
+        self._device_nodes: dict[int, int] = {}
+        self.updatable: list[int] = []
         # The launch record: its host copy, which knows what the device holds (the last copy
         # queued), so that a call queues a copy only if the record changed. Its device buffer
         # has room for every guard from the start: the patch node holds its address, and a
         # call's copy (``replay``) writes as many guards as the call has, unchecked.
-        self._launch = LaunchRecord(num_args)
+        self._launch = LaunchRecord(num_args, captured)
         self.buffers = {name: DeviceBuffer(self._launch.capacity if name == "launch" else 16)
                         for name in ("columns", "rows", "pointers", "spans", "launch", "applied",
                                      "state", "nodes")}
-        self.buffers["nodes"].write(struct.pack(f"<{len(self.dev_nodes)}Q", *self.dev_nodes))
         self.buffers["launch"].write(self._launch.pending())
         # The launch buffer is allocated once and never moves. Its CUdeviceptr as it is:
         # cuda-python would make a new one from an int on every call.
@@ -398,17 +421,47 @@ class TopologyGraph(OwnedGraph):
         self.buffers["pointers"].write(pointers)
         self.num_pointers = len(pointer_map)
         self.stage, self.staged_bytes = patch_staging(num_args, self.num_pointers)
+        self._choose_updatable(self._column_nodes())
         self._encode_table()
         self.patch_node = self._add_patch_node(graph)
         self.instantiate(stream)
 
     # -- building ----------------------------------------------------------------------
+    def _column_nodes(self) -> set[int]:
+        return {node for node, _ in self.table.columns}
+
+    def _choose_updatable(self, nodes) -> None:
+        """Make ``nodes`` device-updatable too (the graph must not be instantiated), and
+        watch the arguments that the other nodes hold."""
+        for n in set(nodes) - self._device_nodes.keys():
+            self._device_nodes[n] = make_device_updatable(self._graph_nodes[n])
+        self.updatable = sorted(self._device_nodes)
+        self.buffers["nodes"].write(
+            struct.pack(f"<{len(self.updatable)}Q", *(self._device_nodes[n] for n in self.updatable)))
+        self._launch.watched = frozenset(arg for node, _, arg, _ in self._pointer_map
+                                         if node not in self._device_nodes)
+
+    def _make_updatable(self, nodes) -> None:
+        """Make ``nodes`` device-updatable in the instantiated graph: instantiated again,
+        after the launches in flight, with the table encoded for the new node list."""
+        if set(nodes) <= self._device_nodes.keys():
+            return
+        check(driver.cuStreamSynchronize(self.stream), "cuStreamSynchronize")
+        check(driver.cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+        self.exec = None
+        self._choose_updatable(nodes)
+        self._encode_table()
+        storage = self._patch_params()
+        check(driver.cuGraphKernelNodeSetParams(self.patch_node, self._patch_node_params(storage)),
+              "cuGraphKernelNodeSetParams(patch)")
+        self.instantiate(self.stream)
+
     def _patch_params(self):
         b = self.buffers
         return kernel_params([
             ("u64", b["columns"].address), ("u64", b["rows"].address), ("u32", self._row_bytes),
             ("u64", b["pointers"].address), ("u64", b["spans"].address),
-            ("u32", len(self.dev_nodes)), ("u64", b["launch"].address),
+            ("u32", len(self.updatable)), ("u64", b["launch"].address),
             ("u64", b["applied"].address), ("u32", self.num_args),
             ("u64", b["state"].address), ("u64", b["nodes"].address),
             ("u32", self.num_pointers), ("u32", self.stage)])
@@ -416,7 +469,7 @@ class TopologyGraph(OwnedGraph):
     def _patch_node_params(self, storage):
         # A thread per node (bench/results/patch_variants.json: one thread making every
         # update costs about 1 us per update; a thread per node hides it).
-        threads = min(256, max(32, (len(self.dev_nodes) + 31) // 32 * 32))
+        threads = min(256, max(32, (len(self.updatable) + 31) // 32 * 32))
         return kernel_node_params(self.patch.function, 1, threads, self.staged_bytes, storage)
 
     def _add_patch_node(self, graph):
@@ -429,7 +482,7 @@ class TopologyGraph(OwnedGraph):
         columns, rows, self._row_bytes, column_spans = encode_table(self.table, self.layouts)
         moved = self.buffers["columns"].write(columns)
         moved |= self.buffers["spans"].write(
-            encode_spans(len(self.dev_nodes), column_spans, self._pointer_spans))
+            encode_spans(self.updatable, column_spans, self._pointer_spans))
         room = max(len(rows), 64 * self._row_bytes)
         if self.buffers["rows"].nbytes < room:
             self.buffers["rows"].close()
@@ -461,7 +514,8 @@ class TopologyGraph(OwnedGraph):
 
     def refresh(self, rewritten: int | None = None) -> None:
         """The table gained rows (append them), had row ``rewritten`` given to another
-        shape (write it), or gained columns (write it all again)."""
+        shape (write it), or gained columns (write it all again; nodes that gained their
+        first column become device-updatable)."""
         columns, rows = self._encoded
         if columns == self.table.columns and rows == len(self.table) and rewritten is None:
             return
@@ -476,6 +530,9 @@ class TopologyGraph(OwnedGraph):
                 # The patch kernel skips the columns whose value equals the row it applied
                 # last; that row's bytes may be the ones just rewritten: apply everything.
                 self._reset_patch_state()
+            return
+        if not self._column_nodes() <= self._device_nodes.keys():
+            self._make_updatable(self._column_nodes())  # encodes the table too
             return
         self._encode_table()
         storage = self._patch_params()
@@ -499,10 +556,17 @@ class TopologyGraph(OwnedGraph):
         """
         record = self._launch
         record.set_guards(guards)  # first: guards it refuses leave the record as it was
+        if guards and len(self.updatable) < len(self._graph_nodes):
+            self._make_updatable(range(len(self._graph_nodes)))  # a failed guard disables all
         same_caller = caller is not None and caller == self._last_caller
         self._last_caller = caller
-        return record.point(row, region_args, moving if same_caller else
-                            range(min(len(region_args), self.num_args)))
+        nbytes = record.point(row, region_args, moving if same_caller else
+                              range(min(len(region_args), self.num_args)))
+        if record.moved:  # an argument that nodes not device-updatable hold has moved
+            self._make_updatable({node for node, _, arg, _ in self._pointer_map
+                                  if arg in record.moved})
+            record.moved.clear()
+        return nbytes
 
     def launch(self, nbytes: int, stream) -> None:
         """Queue the copy of the record's first ``nbytes`` (if any) and the graph's launch.

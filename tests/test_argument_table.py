@@ -125,7 +125,7 @@ def test_the_patch_kernel_encoding_rebuilds_every_shape_from_the_base():
     assert row_bytes == 48 and len(packed) == row_bytes * len(table)  # 3 grids, 3 int32
     # Node 1's second pointer is a region argument (an input): it follows the call's address.
     pointers, pointer_spans = encode_pointers([(1, 1, 0, 64)], [LAYOUT] * 3)
-    spans = encode_spans(3, column_spans, pointer_spans)
+    spans = encode_spans(range(3), column_spans, pointer_spans)
     base = records(1)
     params = [bytearray(b"".join(r.fields[1:])) for r in base]
     grids = [list(r.fields[0]) for r in base]
@@ -190,7 +190,7 @@ def test_columns_found_late_are_grouped_with_their_node():
     assert spans == {0: (0, 1), 1: (1, 1)}
     params, grids = [bytearray(4), bytearray(4)], [[1, 1, 1], [1, 1, 1]]
     state = [NO_ROW, 0, 0, 0]
-    apply_patch(columns, rows, row_bytes, b"", encode_spans(2, spans, {}), 2, [], [], state,
+    apply_patch(columns, rows, row_bytes, b"", encode_spans(range(2), spans, {}), 2, [], [], state,
                 params, grids)
     assert params == [bytearray(struct.pack("<i", 7)), bytearray(struct.pack("<i", 5))]
 
@@ -259,7 +259,83 @@ def test_the_patch_nodes_parameters_live_until_the_node_is_added(monkeypatch):
     monkeypatch.setattr(topology_graph, "kernel_node_params", remembered)
     monkeypatch.setattr(topology_graph, "add_head_node", add_head_node)
     graph = SimpleNamespace(_patch_params=lambda: kernel_params([("u64", 1), ("u32", 2)]),
-                            dev_nodes=[None] * 40, staged_bytes=0,
+                            updatable=list(range(40)), staged_bytes=0,
                             patch=SimpleNamespace(function=None))
     graph._patch_node_params = topology_graph.TopologyGraph._patch_node_params.__get__(graph)
     assert topology_graph.TopologyGraph._add_patch_node(graph, None) == "node"
+
+
+class _FakeDriver:
+    """The driver calls ``TopologyGraph`` makes, recorded; each succeeds."""
+
+    class CUDA_KERNEL_NODE_PARAMS:  # pylint: disable=invalid-name
+        pass
+
+    def __init__(self):
+        self.calls: list[str] = []
+        self.instantiated = 0
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls.append(name)
+            if name == "cuGraphInstantiate":
+                self.instantiated += 1
+                return f"exec{self.instantiated}"
+            return 1 if name == "cuMemAlloc" else None
+        return call
+
+
+def _topology_graph(monkeypatch, table, pointer_map, captured):
+    """A ``TopologyGraph`` over three nodes on a fake driver; which nodes it made
+    device-updatable, and when, is what it decided on its own."""
+    from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.runtime import cuda_graph, topology_graph
+
+    fake = _FakeDriver()
+    made = []
+    for module in (topology_graph, cuda_graph):
+        monkeypatch.setattr(module, "driver", fake)
+        monkeypatch.setattr(module, "check", lambda result, what: result)
+    monkeypatch.setattr(topology_graph, "make_device_updatable",
+                        lambda node: made.append(node) or 0xD000 + node)
+    monkeypatch.setattr(topology_graph, "add_head_node", lambda graph, params, what: "patch")
+    nodes = [SimpleNamespace(node=n) for n in range(3)]
+    graph = topology_graph.TopologyGraph(
+        "graph", nodes, [LAYOUT] * 3, pointer_map, table, 2,
+        SimpleNamespace(function="grape_patch"), "stream", captured=captured)
+    return graph, fake, made
+
+
+def test_only_nodes_the_patch_kernel_updates_are_device_updatable(monkeypatch):
+    """A kernel node is device-updatable (about 0.14 us a launch on the H200) only once the
+    patch kernel must update it: a column of the table, an argument moved since the capture
+    (node 1 holds argument 0, node 2 argument 1), or a guarded launch (all of them). Each
+    such change instantiates the graph again; a launch that changes none does not."""
+    from grape_tvm.runtime.call_plan import Address  # pylint: disable=import-outside-toplevel
+
+    table = ArgumentTable(records(1))
+    graph, fake, made = _topology_graph(monkeypatch, table, [(1, 1, 0, 64), (2, 0, 1, 0)],
+                                        captured=[0x1000, 0x2000])
+    assert graph.updatable == [] and fake.instantiated == 1
+    graph.launch_record(0, [Address(0x1000), Address(0x2000)])  # as captured
+    assert graph.updatable == [] and fake.instantiated == 1
+    graph.launch_record(0, [Address(0x1000), Address(0x3000)])  # argument 1 moved
+    assert graph.updatable == [2] and fake.instantiated == 2
+    assert fake.calls.count("cuGraphExecDestroy") == 1
+    graph.launch_record(0, [Address(0x1000), Address(0x2000)])  # node 2 follows it now
+    assert graph.updatable == [2] and fake.instantiated == 2
+    table.add(records(300))  # every node gains columns (grid x, the int32 n)
+    graph.refresh()
+    assert graph.updatable == [0, 1, 2] and made.count(0) == 1 and fake.instantiated == 3
+
+
+def test_a_guarded_launch_makes_every_node_device_updatable(monkeypatch):
+    from grape_tvm.runtime.call_plan import Address  # pylint: disable=import-outside-toplevel
+
+    graph, fake, _ = _topology_graph(monkeypatch, ArgumentTable(records(1)), [],
+                                     captured=[0x1000, 0x2000])
+    graph.launch_record(0, [Address(0x1000), Address(0x2000)], guards=[(0x4000, 1)])
+    assert graph.updatable == [0, 1, 2] and fake.instantiated == 2
+    graph.launch_record(0, [Address(0x1000), Address(0x2000)], guards=[(0x4000, 0)])
+    assert fake.instantiated == 2

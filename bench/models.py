@@ -554,12 +554,14 @@ def reductions_numpy(x: np.ndarray, threshold: float) -> dict[str, np.ndarray]:
 LIBRARY_SHAPE = {"k": 768, "n": 3072}  # GPT-2's MLP: (K, N) of its up projection
 
 
-def library_layer(dtype: str = "float32", gelu: str = "tanh"):
+def library_layer(dtype: str = "float32", gelu: str = "tanh", norm: bool = False):
     """A GPT-2 MLP with its matmuls as cuBLASLt calls on CUDA (``OffloadMatmul``):
     ``h = gelu_tanh(x @ w_up + b_up)`` (bias and GELU in cuBLASLt's epilogue), ``y = h @
     w_down_t^T + x`` (a weight stored [N, K]; the residual added by cuBLASLt as its C).
     x: (n, 768). ``gelu="erf"``: ``nn.gelu`` instead, which cuBLASLt's epilogue lacks
-    (grape's GEMV kernels fuse it; ``passes/few_rows_gemv.py``)."""
+    (grape's GEMV kernels fuse it; ``passes/few_rows_gemv.py``). ``norm``: each matmul reads
+    a layer norm of its input (``ln_up`` of x, ``ln_down`` of h), which grape's GEMV kernels
+    compute themselves."""
     from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
 
     k, n_up = LIBRARY_SHAPE["k"], LIBRARY_SHAPE["n"]
@@ -568,37 +570,63 @@ def library_layer(dtype: str = "float32", gelu: str = "tanh"):
     w_up = relax.Var("w_up", relax.TensorType((k, n_up), dtype))
     b_up = relax.Var("b_up", relax.TensorType((n_up,), dtype))
     w_down_t = relax.Var("w_down_t", relax.TensorType((k, n_up), dtype))
+    norms = {f"{name}_{p}": relax.Var(f"{name}_{p}", relax.TensorType((width,), dtype))
+             for name, width in (("ln_up", k), ("ln_down", n_up)) for p in ("g", "b")
+             if norm}
     op = relax.op
+
     bb = relax.BlockBuilder()
-    with bb.function("main", [x, w_up, b_up, w_down_t]):
+
+    def normed(v, name):
+        if not norm:
+            return v
+        return bb.emit(op.nn.layer_norm(v, norms[f"{name}_g"], norms[f"{name}_b"], axes=[-1],
+                                        epsilon=1e-5))
+
+    with bb.function("main", [x, w_up, b_up, w_down_t, *norms.values()]):
         with bb.dataflow():
             activation = {"tanh": op.nn.gelu_tanh, "erf": op.nn.gelu}[gelu]
-            h = bb.emit(activation(op.add(op.matmul(x, w_up), b_up)))
-            y = bb.emit_output(op.add(op.matmul(h, op.permute_dims(w_down_t)), x))
+            h = bb.emit(activation(op.add(op.matmul(normed(x, "ln_up"), w_up), b_up)))
+            y = bb.emit_output(op.add(op.matmul(normed(h, "ln_down"), op.permute_dims(w_down_t)),
+                                      x))
             h = bb.emit_output(h)
         bb.emit_func_output(relax.Tuple([y, h]))
     return bb.get()
 
 
-def library_weights(dtype: str = "float32", seed: int = 0) -> dict[str, np.ndarray]:
+def library_weights(dtype: str = "float32", seed: int = 0,
+                    norm: bool = False) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     k, n_up = LIBRARY_SHAPE["k"], LIBRARY_SHAPE["n"]
-    return {"w_up": (rng.standard_normal((k, n_up)) / np.sqrt(k)).astype(dtype),
-            "b_up": (0.1 * rng.standard_normal(n_up)).astype(dtype),
-            "w_down_t": (rng.standard_normal((k, n_up)) / np.sqrt(n_up)).astype(dtype)}
+    weights = {"w_up": (rng.standard_normal((k, n_up)) / np.sqrt(k)).astype(dtype),
+               "b_up": (0.1 * rng.standard_normal(n_up)).astype(dtype),
+               "w_down_t": (rng.standard_normal((k, n_up)) / np.sqrt(n_up)).astype(dtype)}
+    for name, width in (("ln_up", k), ("ln_down", n_up)) if norm else ():
+        weights[f"{name}_g"] = (1 + 0.1 * rng.standard_normal(width)).astype(dtype)
+        weights[f"{name}_b"] = (0.1 * rng.standard_normal(width)).astype(dtype)
+    return weights
 
 
 def library_numpy(x: np.ndarray, weights: dict[str, np.ndarray],
                   gelu: str = "tanh") -> tuple[np.ndarray, np.ndarray]:
-    """``library_layer`` in float64: (y, h)."""
+    """``library_layer`` in float64: (y, h); with its layer norms where ``weights`` has
+    them."""
     w = {k: v.astype(np.float64) for k, v in weights.items()}
     x64 = x.astype(np.float64)
-    pre = x64 @ w["w_up"] + w["b_up"]
+
+    def normed(v, name):
+        if f"{name}_g" not in w:
+            return v
+        centered = v - v.mean(axis=-1, keepdims=True)
+        scale = 1 / np.sqrt((centered ** 2).mean(axis=-1, keepdims=True) + 1e-5)
+        return centered * scale * w[f"{name}_g"] + w[f"{name}_b"]
+
+    pre = normed(x64, "ln_up") @ w["w_up"] + w["b_up"]
     if gelu == "erf":
         h = 0.5 * pre * (1 + np.frompyfunc(math.erf, 1, 1)(pre / np.sqrt(2)).astype(np.float64))
     else:
         h = 0.5 * pre * (1 + np.tanh(np.sqrt(2 / np.pi) * (pre + 0.044715 * pre ** 3)))
-    return h @ w["w_down_t"].T + x64, h
+    return normed(h, "ln_down") @ w["w_down_t"].T + x64, h
 
 
 ATTENTION_HEADS, ATTENTION_HEAD_DIM = 12, 64  # GPT-2's

@@ -153,9 +153,10 @@ class GrapePipeline:
             if is_gpu(target):
                 # TVM's GPU legalization, with schedule rules that pass a kernel on when
                 # they fail on it (passes/gpu_schedules.py).
-                passes += gpu_legalize_passes(numerics, decode_gemv)
-                if matmul == "auto":  # few rows: grape's GEMV kernels, not the library's
-                    passes.append(GemvForFewRows())
+                # Few rows: grape's GEMV kernels, not the library's, with a row norm before
+                # them and an activation after them fused (both still as legalized).
+                few_rows = (GemvForFewRows(),) if matmul == "auto" else ()
+                passes += gpu_legalize_passes(numerics, decode_gemv, few_rows)
                 passes.append(CheckDeviceKernels())
                 # 32-bit index arithmetic where the declared ranges allow it: kernels over
                 # symbolic dims spend their instructions on 64-bit indices otherwise.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import tvm
@@ -15,7 +16,8 @@ from tvm_ffi.structural import structural_map, structural_walk
 
 from grape_tvm.runtime.cublaslt import MATMUL_FUNCTIONS, MatmulFunction
 
-from .gemv_schedule import gemv_by_rows, match_gemv
+from .gemv_schedule import (dispatch_on_rows, gemv_by_rows, gemv_config, lowers_to_static_kernels,
+                            match_gemv, schedule_gemv)
 from .if_to_select import same_dims
 from .var_reads import emit_as, read_counts
 
@@ -161,29 +163,169 @@ def _in_place(activation, out: tirx.Var, threads: int = 256) -> tirx.Stmt:
 
 
 def few_rows_gemv(function: MatmulFunction, func: tirx.PrimFunc,
-                  target: tvm.target.Target, activation=None) -> tirx.PrimFunc | None:
+                  target: tvm.target.Target, activation=None,
+                  norm: tirx.PrimFunc | None = None) -> tirx.PrimFunc | None:
     """``func`` (``matmul_prim_func``) as GEMV kernels for the rows of ``GEMV_ROWS`` and a
     call of the library function above them (and at M = 0: it launches nothing, where a
     kernel of 0 blocks would fail), chosen on the host; None where the GEMV rule does not
     take it. Static rows within the buckets: one GEMV kernel, no library. ``activation``
-    (``func``'s, applied after its epilogue): a kernel of its own after the library's."""
+    (``func``'s, applied after its epilogue): a kernel of its own after the library's.
+    ``norm``: a row norm before it (``_after_norm``)."""
     shape = match_gemv(func)
     if shape is None:
         return None
-    buckets = GEMV_ROWS[shape.layout]
-    # the parameters are buffers: passed to the packed function as DLTensors
-    library = func.with_body(tirx.Evaluate(tirx.call_packed(function.name, *func.params)))
-    above = library if activation is None else library.with_body(
-        tirx.SeqStmt([library.body, _in_place(activation, func.params[-1])]))
-    scheduled = gemv_by_rows(func, shape, buckets, target, default=above,
-                             before=((0, library),))
+    if norm is not None:
+        scheduled = _after_norm(function, func, shape, norm, target, activation)
+    else:
+        # the parameters are buffers: passed to the packed function as DLTensors
+        library = func.with_body(tirx.Evaluate(tirx.call_packed(function.name, *func.params)))
+        above = library if activation is None else library.with_body(
+            tirx.SeqStmt([library.body, _in_place(activation, func.params[-1])]))
+        scheduled = gemv_by_rows(func, shape, GEMV_ROWS[shape.layout], target, default=above,
+                                 before=((0, library),))
     if scheduled is None:
         return None
     attrs = {"tirx.is_scheduled": True}
     if shape.symbolic:
-        attrs.update({LIBRARY_FUNCTION_ATTR: function.name, GEMV_ROWS_ATTR: list(buckets)})
+        attrs.update({LIBRARY_FUNCTION_ATTR: function.name,
+                      GEMV_ROWS_ATTR: list(GEMV_ROWS[shape.layout])})
     # its name comes from the module it joins (AttachGlobalSymbol), not te's "main"
     return scheduled.without_attr("global_symbol").with_attrs(attrs)
+
+
+def _after_norm(function: MatmulFunction, func: tirx.PrimFunc, shape, norm: tirx.PrimFunc,
+                target: tvm.target.Target, activation) -> tirx.PrimFunc | None:
+    """``few_rows_gemv`` of ``func`` whose x is ``norm``'s output (a ``row_norm``), as one
+    PrimFunc taking the norm's inputs, ``func``'s but x, then the norm's output (written
+    where the library or a GEMV kernel of several rows reads it) and ``func``'s.
+
+    One row: a GEMV kernel that normalizes its row itself (``schedule_gemv``'s prologue).
+    2 to 8 rows: the norm's kernel, then the GEMV kernel (on the H200 the prologue cost a
+    kernel of 8 rows more than the norm's kernel: bench/README.md, 2026-12-03). Above: the
+    norm's kernel, then the library. None where the prologue does not fit the norm."""
+    try:
+        return _norm_then_gemv(function, func, shape, norm, target, activation)
+    except (ValueError, s_tir.ScheduleError, tvm.error.InternalError):
+        return None  # a norm the prologue cannot take: it stays a kernel of its own
+
+
+def _norm_then_gemv(function: MatmulFunction, func: tirx.PrimFunc, shape,
+                        norm: tirx.PrimFunc, target: tvm.target.Target, activation):
+    composed = compose_after(norm, func)
+    inputs = composed.params[:len(norm.params) - 1]
+    rest = composed.params[len(norm.params) - 1:]  # func's but x: w, bias, residual, out
+    out = rest[-1]  # its rows are the composed function's dims (FuseTIR's)
+    rows = dict(zip(func.params[-1].shape, out.shape)).get(shape.rows, shape.rows)
+    normed = tirx.decl_buffer([*out.shape[:-1], func.params[0].shape[-1]],
+                              func.params[0].dtype, "normed")
+    signature = tirx.PrimFunc([*inputs, *rest[:-1], normed, out], tirx.Evaluate(0),
+                              attrs=composed.attrs)
+    normalize = scheduled_alone(norm, target)
+    if normalize is None:
+        return None
+
+    def norm_kernel() -> tirx.Stmt:  # a copy of its own each time: one definition a buffer
+        fresh = s_tir.renew_defs(normalize)
+        return _with_params(fresh, dict(zip(fresh.params, [*inputs, normed])))
+
+    library = tirx.Evaluate(tirx.call_packed(function.name, normed, *rest))
+    above = [norm_kernel(), library] + ([] if activation is None else [_in_place(activation, out)])
+
+    def bucket(size: int) -> tirx.Stmt:
+        if size == 1:
+            one_row = dataclasses.replace(shape, rows=rows)
+            return schedule_gemv(composed, one_row, gemv_config(shape, 1), prologue=True).mod["main"].body
+        kernel = schedule_gemv(func, shape, gemv_config(shape, size)).mod["main"]
+        return tirx.SeqStmt([norm_kernel(),
+                             _with_params(kernel, dict(zip(kernel.params, [normed, *rest])))])
+
+    buckets = GEMV_ROWS[shape.layout]
+    if not shape.symbolic:
+        if not 1 <= int(shape.rows) <= buckets[-1]:
+            return None
+        scheduled = signature.with_body(bucket(next(b for b in buckets if b >= int(shape.rows))))
+    else:
+        kernels = [(b, signature.with_body(bucket(b))) for b in buckets]
+        scheduled = dispatch_on_rows(signature, rows, [(0, signature.with_body(library)), *kernels],
+                                     signature.with_body(tirx.SeqStmt(above)))
+    return scheduled if lowers_to_static_kernels(scheduled, target) else None
+
+
+def row_norm(func: tirx.PrimFunc) -> bool:
+    """Whether ``func`` normalizes rows: its output [rows.., K] written by an element-wise
+    block from its inputs and reductions of them over K per row (a layer norm or an RMS
+    norm, as TVM legalizes them: sums, then the output)."""
+    if len(func.params) < 2 or not all(isinstance(p.ty, tirx.BufferType) for p in func.params):
+        return False  # a dim passed as a scalar too (``tir_vars``): not a plain kernel of tensors
+    if len(func.params[-1].shape) < 1:
+        return False  # a 0-d output: no rows
+    try:
+        sch = s_tir.Schedule(func)
+        infos = normalize_prim_func(sch)
+        if not infos or not infos[-1].is_injective():
+            return False
+        if not sch.get(infos[-1].block_rv).writes[0].source.same_as(func.params[-1]):
+            return False
+        stats = try_inline_contiguous_spatial(sch, infos[:-1])
+    except (s_tir.ScheduleError, tvm.error.InternalError):
+        return False
+    width = func.params[-1].shape[-1]
+    return bool(stats) and all(
+        "".join(i.kind for i in info.iters[:-1]) == "S" * (len(info.iters) - 1)
+        and info.iters[-1].kind == "R" and same_dims([info.iters[-1].dom], [width])
+        for info in stats)
+
+
+def compose_after(first: tirx.PrimFunc, then: tirx.PrimFunc) -> tirx.PrimFunc:
+    """One PrimFunc: ``first`` (its output the last parameter), then ``then`` reading that
+    output as its first parameter, an internal buffer between them (TVM's FuseTIR). Its
+    parameters: ``first``'s inputs, then ``then``'s but the first."""
+    builder = relax.BlockBuilder()
+    first_gvar, then_gvar = builder.add_func(first, "first"), builder.add_func(then, "then")
+    # one set of dims: ``then``'s as ``first``'s output has them (FuseTIR binds a PrimFunc's
+    # dims from its arguments' types)
+    dims = {a: b for a, b in zip(then.params[0].shape, first.params[-1].shape)
+            if isinstance(a, tirx.Var)}
+
+    def ty(buffer):
+        shape = [structural_map(d, (tirx.Var, lambda v: dims.get(v, v))) for d in buffer.shape]
+        return relax.TensorType(shape, buffer.dtype)
+
+    inputs = [relax.Var(p.name, ty(p)) for p in first.params[:-1]]
+    rest = [relax.Var(p.name, ty(p)) for p in then.params[1:-1]]
+    with builder.function("fused", [*inputs, *rest], attrs={"Primitive": True}, private=True):
+        with builder.dataflow():
+            mid = builder.emit(relax.call_tir(first_gvar, inputs, ty(first.params[-1])))
+            out = builder.emit_output(relax.call_tir(then_gvar, [mid, *rest], ty(then.params[-1])))
+        builder.emit_func_output(out)
+    fused = builder.get().get_global_var("fused")
+    outer = [relax.Var(p.name, p.ty) for p in [*inputs, *rest]]
+    with builder.function("main", outer):
+        builder.emit_func_output(builder.emit(relax.Call(fused, outer)))
+    return relax.transform.FuseTIR()(builder.get())["fused"]
+
+
+def scheduled_alone(func: tirx.PrimFunc, target: tvm.target.Target) -> tirx.PrimFunc | None:
+    """``func`` scheduled by the GPU rules, as the pipeline would have (None where none
+    takes it)."""
+    from .gpu_schedules import default_gpu_rules  # pylint: disable=import-outside-toplevel
+
+    mod = tvm.IRModule({"main": func})
+    with target:
+        mod = s_tir.dlight.ApplyDefaultSchedule(*default_gpu_rules(False))(mod)
+    scheduled = mod["main"]
+    return scheduled if scheduled.attrs and scheduled.attrs.get("tirx.is_scheduled") else None
+
+
+def _with_params(func: tirx.PrimFunc, params: dict) -> tirx.Stmt:
+    """``func``'s body with its parameters (buffers) and the dims of their shapes replaced
+    by those ``params`` maps them to."""
+    mapping = dict(params)
+    for old, new in params.items():
+        for a, b in zip(old.shape, new.shape):
+            if isinstance(a, tirx.Var):
+                mapping[a] = b
+    return structural_map(func.body, (tirx.Var, lambda v: mapping.get(v, v)))
 
 
 @module_pass(opt_level=0, name="GemvForFewRows")
@@ -194,15 +336,22 @@ class GemvForFewRows:
     stream being captured. cuBLASLt's kernels at M = 1 to 8 read the weight at a fraction of
     the bandwidth grape's reach (``GEMV_ROWS`` says how much), and decode is all such rows.
 
-    CUDA only, after the GPU schedule rules (the PrimFunc is scheduled). A matmul whose rows
-    are static and above the buckets, an expression of dims, or more than one symbolic dim
-    (``DecodeGemv`` takes one) stays the library's alone; M = 0 is the library's (which
-    launches nothing).
+    CUDA only, after FuseTIR and before the GPU schedule rules (the PrimFuncs it makes are
+    scheduled; those it reads are still as legalized). A matmul whose rows are static and
+    above the buckets, an expression of dims, or more than one symbolic dim (``DecodeGemv``
+    takes one) stays the library's alone; M = 0 is the library's (which launches nothing).
 
     An element-wise kernel of one input that alone reads the call's result (an erf GELU,
     which cuBLASLt's epilogues lack; ``unary_elementwise``) joins it: the GEMV kernels apply
     it in their epilogue, and above the buckets it runs as a kernel after the library's,
     in the same PrimFunc. The decode-loop benchmark's decoder had a GELU kernel a layer.
+
+    A row norm whose output only the call reads as x (a layer norm; ``row_norm``; through
+    a reshape that keeps the rows' width, as Hugging Face's Conv1D), with no in-place write
+    between the two, joins it too (``_after_norm``): the one-row GEMV kernel computes the
+    row's statistics and normalizes x as it reads it (``schedule_gemv``'s prologue); for
+    more rows the norm's kernel writes its output to a second output of the call, which
+    the GEMV kernel or the library reads. GPT-2's decode step had 25 layer-norm kernels.
 
     Before::
 
@@ -224,6 +373,12 @@ class GemvForFewRows:
     and ``z = R.call_tir(gelu, (y,), ...)`` after it (``y`` read there alone) becomes
     ``z = R.call_tir(matmul_bias_nt_gelu_gemv, (x, w, b), ...)``: the GELU in each GEMV
     kernel's epilogue, and after the library call a kernel applying it to ``out`` in place.
+    With ``x = R.call_tir(layer_norm, (h, g, beta), ...)`` before it (``x`` read there
+    alone)::
+
+        both = R.call_tir(matmul_bias_nt_layer_norm_gemv, (h, g, beta, w, b),
+                          out_ty=[R.Tensor((m, 768)), R.Tensor((m, 3072))])
+        y = both[1]
     """
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
@@ -260,19 +415,25 @@ class _OnGemv(relax.PyExprMutator):
         super().__init__(mod)
         self.mod = mod
         self.target = target
-        # (function, rows, K, N, dtype, activation's kernel) -> its GlobalVar, or None
+        # (function, rows, K, N, dtype, activation's kernel, norm's) -> its GlobalVar, or None
         self.made: dict = {}
         # a library call's variable -> (its one reader's variable, the element-wise kernel
         # that reader calls, that kernel's scalar function)
         self.activated: dict = {}
         self.fused: dict = {}  # such a reader's variable -> the fused call's, bound already
-        self.activated_kernels: list = []  # the kernels fused into a matmul's
+        self.activated_kernels: list = []  # the kernels fused into a matmul's (norms too)
+        # a library call's variable -> the binding of the row norm it alone reads (x)
+        self.normalized: dict = {}
+        self.held_vars: set = set()  # the norms' variables
+        self.held: dict = {}  # a norm's variable -> its binding, not emitted (yet)
 
     def find_activations(self, func: relax.Function) -> None:
         """The library calls whose one reader applies an element-wise kernel of one input
-        to them (``unary_elementwise``: an erf GELU, which cuBLASLt's epilogues lack)."""
+        to them (``unary_elementwise``: an erf GELU, which cuBLASLt's epilogues lack), and
+        those whose x is a row norm's output that they alone read (``row_norm``: a layer
+        norm), with no in-place write between the two."""
         reads = read_counts(func)
-        self.activated, self.fused = {}, {}
+        self.activated, self.fused, self.normalized, self.held = {}, {}, {}, {}
         bound = relax.analysis.get_var2val(func)
         for var, value in bound.items():
             if not (isinstance(value, relax.Call) and value.op == _CALL_TIR and
@@ -287,6 +448,33 @@ class _OnGemv(relax.PyExprMutator):
             scalar = unary_elementwise(kernel)
             if scalar is not None:
                 self.activated[source] = (var, value.args[0], scalar)
+        for block in func.body.blocks if isinstance(func.body, relax.SeqExpr) else ():
+            self._find_norms(block.bindings, reads)
+        self.held_vars = {b.var for chain in self.normalized.values() for b in chain}
+
+    def _find_norms(self, bindings, reads) -> None:
+        # a norm's variable, or that of a reshape of it keeping its rows' width (Hugging
+        # Face's Conv1D flattens the batch dims), read once -> the indices of their bindings
+        where: dict = {}
+        for i, binding in enumerate(bindings):
+            value = binding.value
+            if _library_call(value) is not None and isinstance(value.args[1], relax.Tuple):
+                x = value.args[1].fields[0]
+                if x in where and reads.get(x) == 1 and not any(
+                        _writes_in_place(b.value) for b in bindings[where[x][0] + 1:i]):
+                    self.normalized[binding.var] = [bindings[j] for j in where[x]]
+            if not (isinstance(binding.var, relax.DataflowVar) and isinstance(value, relax.Call)
+                    and value.op == _CALL_TIR and len(value.args) == 2  # no scalar dims
+                    and isinstance(value.args[0], relax.GlobalVar)):
+                continue
+            kernel = self.mod[value.args[0]]
+            if not isinstance(kernel, tirx.PrimFunc):
+                continue
+            source = value.args[1].fields[0] if len(value.args[1].fields) == 1 else None
+            if row_norm(kernel):
+                where[binding.var] = [i]
+            elif source in where and reads.get(source) == 1 and _row_reshape(kernel):
+                where[binding.var] = [*where[source], i]
 
     def visit_call_(self, call: relax.Call) -> relax.Expr:  # pylint: disable=arguments-renamed
         call = super().visit_call_(call)
@@ -301,37 +489,95 @@ class _OnGemv(relax.PyExprMutator):
         if binding.var in self.fused:  # the activation's reader: bound with the matmul
             self.set_var_remap(binding.var, self.fused.pop(binding.var))
             return
-        if binding.var in self.activated:
-            # The matmul with its reader's activation fused, where the matmul was: it reads
-            # its operands where the model did.
-            reader, kernel, scalar = self.activated[binding.var]
+        if binding.var in self.held_vars:
+            self.held[binding.var] = binding  # emitted with its matmul, or fused into it
+            return
+        if binding.var in self.activated or binding.var in self.normalized:
+            # The matmul with its norm and its reader's activation fused, where the matmul
+            # was: it reads its operands where the model did (no in-place write since the
+            # norm's binding, ``_find_norms``).
+            reader, kernel, scalar = self.activated.get(binding.var, (binding.var, None, None))
+            norm = self.normalized.get(binding.var)
             library = self.builder_.normalize(relax.op.call_dps_packed(
                 value.args[0], self.visit_expr(value.args[1]), value.ty))
-            gvar = self._gemv(_library_call(value), library, kernel, scalar)
+            function = _library_call(value)
+            gvar = None
+            if norm is not None:
+                gvar = self._gemv(function, library, kernel, scalar, [b.value for b in norm])
+                if gvar is None:  # not fused: the norm (and reshape) where its matmul is
+                    for held in norm:
+                        super().visit_var_binding_(self.held.pop(held.var))
+                    norm = None
+            if gvar is None and kernel is not None:
+                gvar = self._gemv(function, library, kernel, scalar)
             if gvar is not None:
-                self.fused[reader] = emit_as(self.builder_, reader, relax.call_tir(
-                    gvar, library.args[1], reader.ty))
-                self.activated_kernels.append(kernel)
+                self._emit_fused(binding.var, gvar, library, norm, reader, kernel)
                 return
         super().visit_var_binding_(binding)
 
-    def _gemv(self, function: MatmulFunction, call: relax.Call, activation=None, scalar=None):
+    def _emit_fused(self, var, gvar, library, norm, reader, kernel) -> None:
+        """Bind the fused GEMV call ``gvar`` in place of the matmul ``var`` (of the
+        activation's ``reader`` where ``kernel`` is fused too; ``norm``: the bindings of the
+        norm and a reshape of it, fused too)."""
+        args = list(library.args[1].fields)
+        if norm is not None:
+            norm_args = [self.visit_expr(a) for a in norm[0].value.args[1].fields]
+            both = self.builder_.emit(relax.call_tir(gvar, [*norm_args, *args[1:]],
+                                                     [norm[-1].var.ty, reader.ty]))
+            result = relax.TupleGetItem(both, 1)
+            for held in norm:
+                self.held.pop(held.var)
+                self.activated_kernels.append(held.value.args[0])
+        else:
+            result = relax.call_tir(gvar, args, reader.ty)
+        if kernel is not None:
+            self.fused[reader] = emit_as(self.builder_, reader, result)
+            self.activated_kernels.append(kernel)
+        else:
+            self.set_var_remap(var, emit_as(self.builder_, var, result))
+
+    def _gemv(self, function: MatmulFunction, call: relax.Call, activation=None, scalar=None,
+              norm: list | None = None):
         """The GlobalVar of the GEMV PrimFunc of ``call`` (``activation``: the kernel whose
-        ``scalar`` function it applies after), made once; None where there is none."""
+        ``scalar`` function it applies after; ``norm``: the calls of the row norm, and of a
+        reshape of its output, that give its x), made once; None where there is none."""
         out_ty = call.ty
-        rows = _fresh_dims(out_ty.shape.values[:-1])
-        if rows is None:
-            return None
+        norm_func = None
+        if norm is not None:
+            norm_func = self.mod[norm[0].args[0]]
+            for reshape in norm[1:]:
+                norm_func = compose_after(norm_func, self.mod[reshape.args[0]])
+        rows = (_fresh_dims(out_ty.shape.values[:-1]) if norm_func is None
+                else list(norm_func.params[-1].shape[:-1]))
+        if rows is None or not all(isinstance(r, (int, tirx.Var, tirx.IntImm)) for r in rows):
+            return None  # an expression of dims: no single row count to dispatch on
         if not isinstance(call.args[1], relax.Tuple):
             return None
         x_ty = call.args[1].fields[0].ty
         k, n, dtype = int(x_ty.shape.values[-1]), int(out_ty.shape.values[-1]), str(out_ty.dtype)
         key = (function.name, tuple(str(r) for r in rows), k, n, dtype,
-               None if activation is None else activation.name_hint)
+               None if activation is None else activation.name_hint,
+               None if norm is None else tuple(c.args[0].name_hint for c in norm))
         if key not in self.made:
             func = few_rows_gemv(function, matmul_prim_func(function, rows, k, n, dtype, scalar),
-                                 self.target, scalar)
+                                 self.target, scalar, norm_func)
             name = function.name.rsplit(".", 1)[-1] + \
+                ("" if norm is None else "_" + norm[0].args[0].name_hint) + \
                 ("" if activation is None else "_" + activation.name_hint) + "_gemv"
             self.made[key] = None if func is None else self.builder_.add_func(func, name)
         return self.made[key]
+
+
+def _row_reshape(func: tirx.PrimFunc) -> bool:
+    """Whether ``func`` only reshapes its one input, keeping the last dim (rows merged or
+    split, each row as it was)."""
+    if len(func.params) != 2 or not relax.analysis.has_reshape_pattern(func):
+        return False
+    source, out = func.params
+    return (isinstance(source.shape[-1], tirx.IntImm) and isinstance(out.shape[-1], tirx.IntImm)
+            and int(source.shape[-1]) == int(out.shape[-1]))
+
+
+def _writes_in_place(value: relax.Expr) -> bool:
+    """Whether a binding's value writes a tensor it reads (``call_tir_inplace``)."""
+    return isinstance(value, relax.Call) and value.op == Op.get("relax.call_tir_inplace")

@@ -302,15 +302,17 @@ def gemv_config(shape: GemvShape, rows: int) -> GemvConfig:
 
 
 
-def _matmul_block(sch: s_tir.Schedule, name: str):
+def _matmul_block(sch: s_tir.Schedule, name: str, keep: tuple[str, ...] = ()):
     """The matmul block (normalized, epilogue inlined into one block) with the loops of its
-    iters, and its operands."""
-    infos = try_inline_contiguous_spatial(sch, normalize_prim_func(sch))
+    iters, and its operands; the spatial blocks named in ``keep`` are not inlined."""
+    infos = [i for i in normalize_prim_func(sch) if sch.get(i.block_rv).name_hint not in keep]
+    infos = try_inline_contiguous_spatial(sch, infos)
     info = next(i for i in infos if sch.get(i.block_rv).name_hint == name)
     return info, _operands(sch.get(info.block_rv), [i.kind for i in info.iters])
 
 
-def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig) -> s_tir.Schedule:
+def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig,
+                  prologue: bool = False) -> s_tir.Schedule:
     """Schedule ``func`` (matched by ``match_gemv``, fp32 sums) as one GEMV kernel.
 
     Loop nest for "kn" (w[k, n]); "nk" (w[n, k]) loads 16 bytes along k, x's chunk too,
@@ -332,9 +334,22 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig) -> 
     extents) and no split leaves a remainder: rows beyond M and columns beyond N are summed
     on zeros (``pad_einsum``) and never stored, so no block has a predicate that
     ``reverse_compute_at`` would not see.
+
+    ``prologue`` (one row a block): ``func`` computes x first, a row norm's output
+    (``few_rows_gemv``'s ``compose_after``): its reductions over the row run in every block,
+    before phase 1 (``_row_stats_in_block``), and x is normalized as it is read::
+
+        stats = sum_k f(x[m, k], stats before)          shared; every thread a share of k
+        ... x_reg[k..] = norm(x[m, k..], stats, gamma[k..], beta[k..])
     """
     sch = s_tir.Schedule(func)
-    info, found = _matmul_block(sch, shape.block)
+    # a row norm before the matmul: its output block, kept until x's registers (or padding
+    # block) exist, then inlined into them
+    normed = sch.get_producers(sch.get_sblock(shape.block)) if prologue else []
+    if prologue and (len(normed) != 1 or config.rows != 1):
+        raise ValueError("a prologue is one block writing x, for one row a GEMV block")
+    keep = tuple(sch.get(b).name_hint for b in normed)
+    info, found = _matmul_block(sch, shape.block, keep)
     c = config
     iters = sch.get(info.block_rv).iter_vars
     n_extent = int(iters[found.n].dom.extent)
@@ -420,10 +435,18 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig) -> 
             index = next(i for i, r in enumerate(sch.get(partial).reads) if r.source.same_as(buffer))
             reg = sch.cache_read(partial, index, "local")
         sch.compute_at(reg, loop, preserve_unit_loops=True)
-        sch.vectorize(sch.get_loops(reg)[-1])
+        lanes = sch.get_loops(reg)[-1]
+        if prologue and operand == "x" and c.vec > 4:
+            # x normalized in fp32 as it is read: TVM's CUDA codegen has no 8-lane fp32
+            # vectors (16-bit x, 16-byte loads), so 4 lanes at a time
+            outer, lanes = sch.split(lanes, [None, 4])
+            sch.unroll(outer)
+        sch.vectorize(lanes)
     sch.decompose_reduction(partial, ko)
     for loop in inner:
         sch.unroll(loop)
+    if prologue:
+        _row_stats_in_block(sch, keep[0], bx, ty_extent, tx_extent)
     # phase 2: output o of the tile is summed by the `group` threads of threadIdx.y == o
     # (each sums threads_k / group partials, then a cross-thread sum over threadIdx.x)
     sch.reverse_compute_at(mm, bx, preserve_unit_loops=True)
@@ -448,6 +471,34 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig) -> 
     # the epilogue: each output once, by the thread row that summed it
     sch.reverse_compute_at(epilogue, o_thread, preserve_unit_loops=True)
     return sch
+
+
+def _row_stats_in_block(sch: s_tir.Schedule, normed: str, bx, ty_extent: int,
+                        tx_extent: int) -> None:
+    """A row norm's output block inlined into the matmul's reads of x, and its row
+    reductions computed by each GEMV block for its one row: every thread takes a strided
+    share of the row, summed across the block (TVM's cross-thread reduction), into shared
+    memory."""
+    block = sch.get_sblock(normed)
+    stats = [b for b in sch.get_producers(block) if sch.get(b).name_hint != normed]
+    sch.compute_inline(block)
+    order = []
+    while stats:  # the last reduction first: compute_at needs its consumers placed
+        last = next(b for b in stats if not any(
+            sch.get(c).name_hint in {sch.get(s).name_hint for s in stats}
+            for c in sch.get_consumers(b)))
+        stats = [b for b in stats if not b.same_as(last)]
+        order.append(last)
+    for stat in order:
+        sch.compute_at(stat, bx, preserve_unit_loops=True)
+        *_, k = sch.get_loops(stat)
+        _, ty, tx = sch.split(k, [None, ty_extent, tx_extent])
+        sch.bind(ty, "threadIdx.y")
+        sch.bind(tx, "threadIdx.x")
+        sch.set_scope(stat, 0, "shared")
+        # one value: the block's row (its predicate, row < M, would size it by M otherwise)
+        sch.transform_layout(stat, ("write", 0), lambda *row: [tirx.IntImm("int64", 0)],
+                             assume_injective_transform=True)
 
 
 def dispatch_on_rows(func: tirx.PrimFunc, rows: tirx.Expr,

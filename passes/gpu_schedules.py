@@ -92,10 +92,12 @@ def default_gpu_rules(decode_gemv: bool = True) -> list[ScheduleRule]:
 
 
 def gpu_legalize_passes(legalize_map: dict | None = None,
-                        decode_gemv: bool = True) -> list[tvm.transform.Pass]:
+                        decode_gemv: bool = True,
+                        before_schedule: tuple = ()) -> list[tvm.transform.Pass]:
     """``tvm.relax.backend.cuda.pipeline.legalize_passes`` with tolerant schedule rules;
     ``legalize_map``: more legalizations of grape's (``numerics_legalize_map``);
-    ``decode_gemv``: with grape's GEMV rule (``default_gpu_rules``)."""
+    ``decode_gemv``: with grape's GEMV rule (``default_gpu_rules``); ``before_schedule``:
+    passes between FuseTIR and the rules (they see kernels as legalized and fused)."""
     from .name_derived_dims import keep_renaming_reshape  # pylint: disable=import-outside-toplevel
 
     t = relax.transform
@@ -106,4 +108,4 @@ def gpu_legalize_passes(legalize_map: dict | None = None,
     # in-place write the slices and reshapes it writes from (a static cache's new rows).
     return [t.LegalizeOps(legalize), t.AnnotateTIROpPattern(), FuseIntoRowReductions(),
             FuseIntoConcatenations(), FuseIntoInplaceWrites(), t.FoldConstant(), t.FuseOps(),
-            t.FuseTIR(), dl.ApplyDefaultSchedule(*default_gpu_rules(decode_gemv))]
+            t.FuseTIR(), *before_schedule, dl.ApplyDefaultSchedule(*default_gpu_rules(decode_gemv))]

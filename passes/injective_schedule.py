@@ -31,7 +31,7 @@ class RowsOfStaticWidth(GPUScheduleRule):
     by dividing by the product of the extents inside it: with a symbolic row count those
     are 64-bit divisions by a runtime value, per element. GPT-2's KV-cache concatenate, a
     copy of (b, 12, past + 1, 64), ran at 0.4 TB/s that way on the H200
-    (bench/results/gpt2_step_kernels.json). Here the width is ``threadIdx.x``, rows are
+    (bench/README.md, "Where the GPT-2 decode step's GPU time went"). Here the width is ``threadIdx.x``, rows are
     split over ``blockIdx.x`` and ``threadIdx.y``, and the loops above are fused into
     ``blockIdx.y``: its index is divided only by the static extents below the outermost.
 

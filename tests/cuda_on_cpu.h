@@ -22,6 +22,10 @@
 #define __shared__ static
 #define uint unsigned int
 
+using std::max;
+using std::min;
+static inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
+
 typedef _Float16 half;
 typedef _Float16 __half;
 struct dim3_ { unsigned x, y, z; };

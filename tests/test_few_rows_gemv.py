@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import tvm
-from tvm import tirx
+from tvm import te, tirx
 from tvm.script import ir as I
 from tvm.script import relax as R
 from tvm.script import tirx as T
@@ -343,3 +343,141 @@ def test_a_fused_activation_leaves_the_matmul_where_it_was():
         out = GemvForFewRows()(relax.transform.LegalizeOps()(OffloadMatmul()(bb.get())))
     called = [b.value.args[0].name_hint for b in out["main"].body.blocks[0].bindings]
     assert called == ["matmul_nt_gelu_gemv", "double"], called
+
+
+def _norm_layer(width: int = 256, both: bool = False, written: bool = False):
+    """``y = layer_norm(x) @ w^T`` (w stored [N, K]); ``both``: the norm's output is an
+    output too; ``written``: x's first row written in place between the norm and the
+    matmul."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    n = tirx.Var("n", "int64")
+    x_type = relax.TensorType((n, width), "float32")
+    x = relax.Var("x", x_type)
+    g, b = (relax.Var(name, relax.TensorType((width,), "float32")) for name in ("g", "b"))
+    w = relax.Var("w", relax.TensorType((128, width), "float32"))
+    bb = relax.BlockBuilder()
+    write_row = bb.add_func(_row_write(width), "write_row")
+    with bb.function("main", [x, g, b, w]):
+        with bb.dataflow():
+            normed = bb.emit(relax.op.nn.layer_norm(x, g, b, axes=[-1], epsilon=1e-5))
+            outputs = [normed] if both else []
+            if written:
+                outputs.append(bb.emit(relax.call_tir_inplace(write_row, [x, b], 0, x_type)))
+            y = bb.emit(relax.op.matmul(normed, relax.op.permute_dims(w)))
+            out = bb.emit_output(relax.Tuple([y, *outputs]) if outputs else y)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _row_write(width: int):
+    @T.prim_func(private=True, s_tir=True)
+    def write_row(var_x: T.handle, row: T.Buffer((T.int64(width),), "float32")):
+        T.func_attr({"tirx.noalias": True})
+        n = T.int64()
+        x = T.match_buffer(var_x, (n, T.int64(width)), "float32")
+        for j in range(T.int64(width)):
+            with T.sblock("write"):
+                vj = T.axis.remap("S", [j])
+                x[T.int64(0), vj] = row[vj]
+
+    return write_row
+
+
+def _kernel_names(mod) -> list[str]:
+    return [g.name_hint for g, f in mod.functions_items() if isinstance(f, tirx.PrimFunc)]
+
+
+@pytest.mark.parametrize("width", [256, 96])
+def test_a_layer_norm_before_a_library_matmul_is_no_kernel_of_its_own(width):
+    """Built for CUDA: the norm joins the matmul's kernel function, whose one-row GEMV
+    kernel computes its statistics and normalizes x as it reads it (a row of 96: fewer
+    elements than the block's threads), and which for more rows runs the norm's kernel
+    into a second output that a GEMV kernel or cuBLASLt reads."""
+    from grape_tvm.compiler import _lower  # pylint: disable=import-outside-toplevel
+
+    mod = _norm_layer(width)
+    module = grape_tvm.build(mod, {"n": (1, 64)}, CUDA, output_names=["y"],
+                             prebuild_cubin=False)
+    assert [k for r in module.plan["regions"] for k in r["kernels"]] == \
+        ["grape.cublaslt.matmul_nt"]
+    lowered = _lower(mod, CUDA, {"n": (1, 64)})
+    assert "layer_norm" not in _kernel_names(lowered)
+    (fused,) = [name for name in _kernel_names(lowered) if name.endswith("_gemv")]
+    assert fused == "matmul_nt_layer_norm_gemv"
+    func = lowered[fused]
+    assert _bounds(func) == [0, *GEMV_ROWS["nk"]]
+    assert func.script().count('T.call_packed("grape.cublaslt.matmul_nt"') == 2
+    # x, g, b, w, then the call's two outputs: the norm's and y
+    names = [p.name for p in func.params]
+    assert len(names) == 6 and names[4] == "normed", names
+
+
+@pytest.mark.parametrize("case", ["read_twice", "written_between"])
+def test_a_layer_norm_stays_a_kernel_where_it_cannot_join(case):
+    """Its output read besides the matmul; its input written in place between the two (the
+    matmul's kernel would read it late): the norm keeps its kernel, and the matmul still
+    gets its GEMV kernels."""
+    from grape_tvm.compiler import _lower  # pylint: disable=import-outside-toplevel
+
+    mod = _norm_layer(both=case == "read_twice", written=case == "written_between")
+    names = _kernel_names(_lower(mod, CUDA, {"n": (1, 64)}))
+    assert "layer_norm" in names and "matmul_nt_gemv" in names, names
+
+
+def test_a_norm_then_the_matmul_as_one_function_equals_numpy():
+    """``compose_after`` (what a GEMV kernel with the norm's prologue is a schedule of),
+    the layer norm as TVM legalizes it then ``matmul_prim_func``, built for the CPU, against
+    numpy in float64; ``row_norm`` takes the norm and refuses a matmul or a GELU."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.passes.few_rows_gemv import compose_after, row_norm
+
+    legalized = relax.transform.LegalizeOps()(_norm_layer())
+    norm = next(f for g, f in legalized.functions_items() if g.name_hint == "layer_norm")
+    assert row_norm(norm)
+    function = MATMUL_FUNCTIONS["grape.cublaslt.matmul_bias_nt"]
+    plain = matmul_prim_func(function, list(norm.params[-1].shape[:-1]), 256, 40, "float32")
+    assert not row_norm(plain)
+    x = te.placeholder((8, 16), "float32", "x")
+    k = te.reduce_axis((0, 16), "k")
+    total = te.compute((), lambda: te.sum(x[0, k], axis=k), name="total")
+    assert not row_norm(te.create_prim_func([x, total]))  # a 0-d output: no rows
+    composed = compose_after(norm, plain).with_attr("global_symbol", "main")
+    lib = tvm.compile(tvm.IRModule({"main": composed}), target="llvm")
+    rng = np.random.default_rng(3)
+    for rows in (1, 5, 33):
+        x = rng.standard_normal((rows, 256)).astype(np.float32) + 3
+        g, b = (rng.standard_normal(256).astype(np.float32) for _ in range(2))
+        w, bias = rng.standard_normal((40, 256)).astype(np.float32), rng.standard_normal(40).astype(np.float32)
+        out = tvm.runtime.tensor(np.zeros((rows, 40), np.float32))
+        lib["main"](*(tvm.runtime.tensor(a) for a in (x, g, b, w, bias)), out)
+        x64 = x.astype(np.float64)
+        centered = x64 - x64.mean(axis=1, keepdims=True)
+        normed = centered / np.sqrt((centered ** 2).mean(axis=1, keepdims=True) + 1e-5) * g + b
+        np.testing.assert_allclose(out.numpy(), normed @ w.T.astype(np.float64) + bias,
+                                   rtol=1e-4, atol=1e-4)
+
+
+def test_a_norm_over_rows_that_are_an_expression_of_dims_is_left_alone():
+    """x (n, s, K) reshaped to (n * s, K) before its layer norm: the norm's kernel takes n
+    and s as scalars besides its tensors, and its rows are n * s, no one row count to
+    dispatch on. The build succeeds with the norm a kernel of its own (a review found it
+    raising AttributeError)."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.compiler import _lower  # pylint: disable=import-outside-toplevel
+
+    n, s = tirx.Var("n", "int64"), tirx.Var("s", "int64")
+    x = relax.Var("x", relax.TensorType((n, s, 256), "float32"))
+    g, b = (relax.Var(name, relax.TensorType((256,), "float32")) for name in ("g", "b"))
+    w = relax.Var("w", relax.TensorType((128, 256), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g, b, w]):
+        with bb.dataflow():
+            rows = bb.emit(relax.op.reshape(x, (n * s, 256)))
+            normed = bb.emit(relax.op.nn.layer_norm(rows, g, b, axes=[-1], epsilon=1e-5))
+            y = bb.emit_output(relax.op.matmul(normed, relax.op.permute_dims(w)))
+        bb.emit_func_output(y)
+    names = _kernel_names(_lower(bb.get(), CUDA, {"n": (1, 8), "s": (1, 8)}))
+    assert not [name for name in names if "layer_norm" in name and name.endswith("_gemv")], names

@@ -211,3 +211,74 @@ def test_static_rows_one_kernel_equals_numpy(rows, tmp_path_factory):
     assert kernels.launch(rows, {"x": x, "w": w, "b": b}, out) == "main_kernel"
     want = _gelu(x.astype(np.float64) @ w.astype(np.float64) + b)
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+
+
+def _normed_matmul(kind: str, k: int, n: int, dtype: str, layout: str):
+    """``y = norm(x) @ w`` with x: (m, k) (w stored [N, K] for "nk", as given for "kn"):
+    ``kind`` "layer" (``nn.layer_norm``) or "rms" (x * rsqrt(mean(x * x, keepdims) + eps)
+    * g, as a decoder writes it out), lowered by grape's pipeline for CUDA."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.compiler import _lower  # pylint: disable=import-outside-toplevel
+
+    op = relax.op
+    m = tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType((m, k), dtype))
+    g, b = (relax.Var(name, relax.TensorType((k,), dtype)) for name in ("g", "b"))
+    w = relax.Var("w", relax.TensorType((n, k) if layout == "nk" else (k, n), dtype))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g, b, w]):
+        with bb.dataflow():
+            if kind == "layer":
+                normed = bb.emit(op.nn.layer_norm(x, g, b, axes=[-1], epsilon=1e-5))
+            else:
+                mean = op.mean(op.multiply(x, x), axis=[-1], keepdims=True)
+                eps = relax.const(1e-5, dtype)
+                normed = bb.emit(op.multiply(op.divide(x, op.sqrt(op.add(mean, eps))), g))
+            weight = op.permute_dims(w) if layout == "nk" else w
+            y = bb.emit_output(op.matmul(normed, weight))
+        bb.emit_func_output(y)
+    lowered = _lower(bb.get(), CUDA, {"m": (1, 64)})
+    (name,) = [g.name_hint for g, f in lowered.functions_items()
+               if isinstance(f, tirx.PrimFunc) and g.name_hint.endswith("_gemv")]
+    return name, lowered[name]
+
+
+@pytest.mark.parametrize("kind,k,n,dtype,layout", [
+    ("layer", 256, 128, "float32", "nk"), ("layer", 96, 128, "float32", "nk"),
+    ("layer", 768, 768, "float32", "kn"), ("layer", 256, 128, "float16", "nk"),
+    ("rms", 256, 128, "float32", "nk")])
+def test_a_norm_computed_by_the_one_row_gemv_kernel_equals_numpy(kind, k, n, dtype, layout,
+                                                                  tmp_path_factory):
+    """The one-row GEMV kernel with a row norm's prologue (``passes/few_rows_gemv.py``): its
+    statistics summed across the block (96 wide: fewer elements than threads; 768 with
+    512 threads: a remainder), x normalized as it is read; a layer norm and an RMS norm
+    whose statistic keeps its unit dim, fp32 and fp16, against numpy in float64."""
+    name, func = _normed_matmul(kind, k, n, dtype, layout)
+    assert ("layer_norm" if kind == "layer" else "mean") in name, name
+    kernels = CpuKernels(func, tmp_path_factory.getbasetemp())
+    rng = np.random.default_rng(k)
+    x = (2 * rng.standard_normal((1, k)) + 1).astype(dtype)
+    g = (1 + 0.3 * rng.standard_normal(k)).astype(dtype)
+    b = (0.3 * rng.standard_normal(k)).astype(dtype)
+    w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dtype)
+    x64 = x.astype(np.float64)
+    if kind == "layer":
+        centered = x64 - x64.mean(axis=1, keepdims=True)
+        normed = centered / np.sqrt((centered ** 2).mean(axis=1, keepdims=True) + 1e-5) * g + b
+    else:
+        normed = x64 / np.sqrt((x64 ** 2).mean(axis=1, keepdims=True) + 1e-5) * g
+    want = normed @ w.astype(np.float64)
+    # the RMS norm's kernel takes x * x too (TVM's FuseOps leaves the square to a kernel
+    # before the mean)
+    inputs = {"x": x, "g": g, "b": b, "lv": x * x,
+              "w": w if layout == "kn" else np.ascontiguousarray(w.T)}
+    outs = []
+    for reverse in (False, True):
+        out = np.full((1, n), np.nan, dtype)
+        launched = kernels.launch(1, inputs, out, reverse)
+        outs.append(out.astype(np.float64))
+    assert np.array_equal(outs[0], outs[1], equal_nan=True)
+    tol = 1e-4 if dtype == "float32" else 1e-2
+    np.testing.assert_allclose(outs[0], want, rtol=tol, atol=tol * np.abs(want).max(),
+                               err_msg=launched)

@@ -938,6 +938,21 @@ def test_an_erf_gelu_fused_on_gemv_kernels_and_after_cublaslt_equals_numpy(dtype
         assert any(key.startswith("grape.cublaslt.matmul_bias/") for key in chosen), chosen
 
 
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_layer_norms_computed_by_the_gemv_kernels_and_before_cublaslt_equal_numpy(dtype):
+    """``library_layer`` with a layer norm before each matmul (and an erf GELU after the
+    first): at one row the GEMV kernel normalizes its row itself, for more the norm's
+    kernel writes its output and a GEMV kernel or cuBLASLt reads it, in one kernel function
+    (``passes/few_rows_gemv.py``). No norm runs as a call of its own; every n on both sides
+    of the buckets, first seen and replayed, equals numpy (float64)."""
+    sizes = [1, 2, 3, 4, 5, 8, 9, 17, 300, 1024]
+    with _library_executor(dtype, "auto", gelu="erf", norm=True) as run:
+        worst, executor = run(sizes, rounds=2)
+        calls = [k for r in executor.manifest["plan"]["regions"] for k in r["kernels"]]
+        print(f"{dtype}: worst relative error {worst:.2e}; kernels {calls}")
+        assert calls == ["grape.cublaslt.matmul_bias", "grape.cublaslt.matmul_residual_nt"]
+
+
 @pytest.mark.timeout(240, method="thread")
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_convs_as_windows_and_cublaslt_matmuls_equal_numpy(dtype):
@@ -977,8 +992,10 @@ def test_convs_as_windows_and_cublaslt_matmuls_equal_numpy(dtype):
         executor.close()
 
 
-def _library_artifact(dtype: str, matmul: str, gelu: str = "tanh") -> Path:
+def _library_artifact(dtype: str, matmul: str, gelu: str = "tanh", norm: bool = False) -> Path:
     """``models.library_layer`` built with ``matmul`` (bench/gpu/build_artifacts.py)."""
+    if norm:
+        return _artifact(f"library_{matmul}_norm_{dtype}.cuda.grape")
     if gelu == "erf":
         return _artifact(f"library_{matmul}_erf_{dtype}.cuda.grape")
     return _artifact(f"library_{dtype}.cuda.grape" if matmul == "cublaslt"
@@ -986,7 +1003,8 @@ def _library_artifact(dtype: str, matmul: str, gelu: str = "tanh") -> Path:
 
 
 @contextlib.contextmanager
-def _library_executor(dtype: str, matmul: str = "cublaslt", gelu: str = "tanh"):
+def _library_executor(dtype: str, matmul: str = "cublaslt", gelu: str = "tanh",
+                      norm: bool = False):
     """``models.library_layer`` (built with ``matmul``: ``library_{dtype}`` is cuBLASLt's
     alone, ``library_auto_{dtype}`` the default; ``gelu``: its GELU) loaded with its
     weights bound; yields ``run(sizes, rounds)``,
@@ -1001,8 +1019,8 @@ def _library_executor(dtype: str, matmul: str = "cublaslt", gelu: str = "tanh"):
     sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
     from models import library_numpy, library_weights  # pylint: disable=import-outside-toplevel
 
-    executor = load(_library_artifact(dtype, matmul, gelu), "cuda")
-    weights = library_weights(dtype)
+    executor = load(_library_artifact(dtype, matmul, gelu, norm), "cuda")
+    weights = library_weights(dtype, norm=norm)
     executor.bind_inputs({k: tvm.runtime.tensor(v, executor.device) for k, v in weights.items()})
     tolerance = 1e-4 if dtype == "float32" else 2e-2
     rng = np.random.default_rng(10)

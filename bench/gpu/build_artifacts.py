@@ -428,7 +428,7 @@ def build_attention(out: Path) -> None:
 def build_library(out: Path) -> None:
     """``models.library_layer`` and ``models.attention_products`` in fp32 and fp16: matmuls
     as cuBLASLt calls, and (``library_auto_*``) by default, grape's GEMV kernels for few
-    rows (``library_auto_erf_*``: with an erf GELU); ``models.wide_head`` in fp16, cuBLASLt's split calls; ``models.attention_products``
+    rows (``library_auto_erf_*``: with an erf GELU; ``library_auto_norm_*``: and layer norms); ``models.wide_head`` in fp16, cuBLASLt's split calls; ``models.attention_products``
     with a mask on grape's decode attention kernel (``decode_attention_*``);
     ``models.causal_attention`` in fp16, grape's fused attention (tests)."""
     for dtype in ("float32", "float16"):
@@ -437,11 +437,14 @@ def build_library(out: Path) -> None:
             module = _timed(name, lambda d=dtype, m=matmul: grape_tvm.build(
                 library_layer(d), {"n": (1, 1024)}, CUDA, output_names=["y", "h"], matmul=m))
             module.export(out / f"{name}.cuda.grape")
-        # an erf GELU: fused into the GEMV kernels, a kernel after cuBLASLt's above them
-        name = f"library_auto_erf_{dtype}"
-        module = _timed(name, lambda d=dtype: grape_tvm.build(
-            library_layer(d, gelu="erf"), {"n": (1, 1024)}, CUDA, output_names=["y", "h"]))
-        module.export(out / f"{name}.cuda.grape")
+        # an erf GELU: fused into the GEMV kernels, a kernel after cuBLASLt's above them;
+        # with layer norms too: computed by the GEMV kernels, before cuBLASLt above them
+        for name, norm in ((f"library_auto_erf_{dtype}", False),
+                           (f"library_auto_norm_{dtype}", True)):
+            module = _timed(name, lambda d=dtype, norm=norm: grape_tvm.build(
+                library_layer(d, gelu="erf", norm=norm), {"n": (1, 1024)}, CUDA,
+                output_names=["y", "h"]))
+            module.export(out / f"{name}.cuda.grape")
         if dtype == "float16":  # rows of odd width: cuBLASLt's split calls
             module = _timed("wide_head_float16", lambda: grape_tvm.build(
                 wide_head("float16"), {"n": (1, 1024)}, CUDA, output_names=["y", "z"],

@@ -51,7 +51,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   batched over its groups, for ``OffloadMatmul`` to give to cuBLASLt (CUDA).
 - ``GemvForFewRows``: a cuBLASLt matmul (``OffloadMatmul``) whose rows are few runs on
   ``DecodeGemv``'s kernels, cuBLASLt above, one PrimFunc choosing on the host (CUDA); an
-  element-wise kernel of one input after it (an erf GELU) joins that PrimFunc.
+  element-wise kernel of one input after it (an erf GELU) and a row norm before it (a
+  layer norm, computed by the one-row kernel itself) join that PrimFunc.
 - ``NameDerivedDims``: a dimension computed with a division gets its own variable (GPU).
 - ``numerics_legalize_map``: legalizations that keep NaN through relu, clip, maximum,
   minimum and sign, and give empty max/min/mean reductions onnxruntime's values;

@@ -220,16 +220,17 @@ def _norm_then_gemv(function: MatmulFunction, func: tirx.PrimFunc, shape,
                               func.params[0].dtype, "normed")
     signature = tirx.PrimFunc([*inputs, *rest[:-1], normed, out], tirx.Evaluate(0),
                               attrs=composed.attrs)
-    normalize = scheduled_alone(norm, target)
-    if normalize is None:
-        return None
+    alone: list = []  # the norm's own schedule, made where a branch needs it
 
     def norm_kernel() -> tirx.Stmt:  # a copy of its own each time: one definition a buffer
-        fresh = s_tir.renew_defs(normalize)
+        if not alone:
+            alone.append(scheduled_alone(norm, target))
+        if alone[0] is None:
+            raise ValueError("no GPU rule schedules the norm's kernel")
+        fresh = s_tir.renew_defs(alone[0])
         return _with_params(fresh, dict(zip(fresh.params, [*inputs, normed])))
 
     library = tirx.Evaluate(tirx.call_packed(function.name, normed, *rest))
-    above = [norm_kernel(), library] + ([] if activation is None else [_in_place(activation, out)])
 
     def bucket(size: int) -> tirx.Stmt:
         if size == 1:
@@ -246,6 +247,8 @@ def _norm_then_gemv(function: MatmulFunction, func: tirx.PrimFunc, shape,
         scheduled = signature.with_body(bucket(next(b for b in buckets if b >= int(shape.rows))))
     else:
         kernels = [(b, signature.with_body(bucket(b))) for b in buckets]
+        above = [norm_kernel(), library] + ([] if activation is None else
+                                            [_in_place(activation, out)])
         scheduled = dispatch_on_rows(signature, rows, [(0, signature.with_body(library)), *kernels],
                                      signature.with_body(tirx.SeqStmt(above)))
     return scheduled if lowers_to_static_kernels(scheduled, target) else None

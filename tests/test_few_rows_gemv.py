@@ -481,3 +481,27 @@ def test_a_norm_over_rows_that_are_an_expression_of_dims_is_left_alone():
         bb.emit_func_output(y)
     names = _kernel_names(_lower(bb.get(), CUDA, {"n": (1, 8), "s": (1, 8)}))
     assert not [name for name in names if "layer_norm" in name and name.endswith("_gemv")], names
+
+
+def test_a_norm_before_a_matmul_of_one_static_row_is_one_kernel():
+    """x: (1, K), a decode step of batch 1 with static shapes: the norm and the matmul are
+    one GEMV kernel, no dispatch, no library call, no kernel of the norm's own."""
+    from tvm import relax  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.compiler import _lower  # pylint: disable=import-outside-toplevel
+
+    x = relax.Var("x", relax.TensorType((1, 256), "float32"))
+    g, b = (relax.Var(name, relax.TensorType((256,), "float32")) for name in ("g", "b"))
+    w = relax.Var("w", relax.TensorType((128, 256), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, g, b, w]):
+        with bb.dataflow():
+            normed = bb.emit(relax.op.nn.layer_norm(x, g, b, axes=[-1], epsilon=1e-5))
+            y = bb.emit_output(relax.op.matmul(normed, relax.op.permute_dims(w)))
+        bb.emit_func_output(y)
+    lowered = _lower(bb.get(), CUDA, {})
+    (fused,) = [name for name in _kernel_names(lowered) if name.endswith("_gemv")]
+    assert "layer_norm" in fused and "layer_norm" not in _kernel_names(lowered)
+    script = lowered[fused].script()
+    assert _bounds(lowered[fused]) == [] and "call_packed" not in script
+    assert script.count("T.thread_binding") and script.count('thread="blockIdx.x"') == 1

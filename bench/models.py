@@ -63,13 +63,17 @@ def gelu_numpy(v: np.ndarray) -> np.ndarray:
     return 0.5 * v * (1 + np.vectorize(erf)(v / sqrt(2)))
 
 
+def layer_norm_numpy(v: np.ndarray, g: np.ndarray, b: np.ndarray, eps: float = 1e-5) -> np.ndarray:
+    """``nn.layer_norm`` over the last axis, in the dtype of ``v`` (float64 to check)."""
+    mu, var = v.mean(-1, keepdims=True), v.var(-1, keepdims=True)
+    return (v - mu) / np.sqrt(var + eps) * g + b
+
+
 def blocks_numpy(x: np.ndarray, weights: dict[str, np.ndarray], depth: int) -> np.ndarray:
     """The same blocks in numpy (float64 accumulate), for checking small cases on CPU."""
     h = x.astype(np.float64)
     for i in range(depth):
-        mu = h.mean(-1, keepdims=True)
-        var = h.var(-1, keepdims=True)
-        ln = (h - mu) / np.sqrt(var + 1e-5) * weights[f"ln_g{i}"] + weights[f"ln_b{i}"]
+        ln = layer_norm_numpy(h, weights[f"ln_g{i}"], weights[f"ln_b{i}"])
         mm = ln @ weights[f"w{i}"] + weights[f"b{i}"]
         h = h + gelu_numpy(mm)
     return h.astype(np.float32)
@@ -203,17 +207,13 @@ def gpt2_qkv_by_ranks(weights: dict[str, np.ndarray], heads: int, ranks: int) ->
 def gpt2_numpy(x, caches, weights, heads: int, layers: int):
     """The same step in numpy: (y, presents), for checking on the CPU."""
 
-    def ln(v, g, b):
-        mu, var = v.mean(-1, keepdims=True), v.var(-1, keepdims=True)
-        return (v - mu) / np.sqrt(var + 1e-5) * g + b
-
     h = x.astype(np.float64)
     hidden = h.shape[-1]
     d = hidden // heads
     presents = []
     for i in range(layers):
         w = {kind: weights[f"{kind}{i}"] for kind in GPT2_LAYER}
-        qkv = ln(h, w["ln1_g"], w["ln1_b"]) @ w["w_qkv"] + w["b_qkv"]
+        qkv = layer_norm_numpy(h, w["ln1_g"], w["ln1_b"]) @ w["w_qkv"] + w["b_qkv"]
         q, k, v = [qkv[:, j * hidden:(j + 1) * hidden].reshape(1, heads, d).transpose(1, 0, 2)
                    for j in range(3)]
         pk = np.concatenate([caches[2 * i], k], axis=1)
@@ -224,10 +224,10 @@ def gpt2_numpy(x, caches, weights, heads: int, layers: int):
         p /= p.sum(-1, keepdims=True)
         a = (p @ pv).transpose(1, 0, 2).reshape(1, hidden)
         h = h + a @ w["w_o"] + w["b_o"]
-        f = ln(h, w["ln2_g"], w["ln2_b"]) @ w["w_fc"] + w["b_fc"]
+        f = layer_norm_numpy(h, w["ln2_g"], w["ln2_b"]) @ w["w_fc"] + w["b_fc"]
         f = gelu_numpy(f)
         h = h + f @ w["w_proj"] + w["b_proj"]
-    y = ln(h, weights["lnf_g"], weights["lnf_b"])
+    y = layer_norm_numpy(h, weights["lnf_g"], weights["lnf_b"])
     return y.astype(np.float32), presents
 
 
@@ -615,11 +615,7 @@ def library_numpy(x: np.ndarray, weights: dict[str, np.ndarray],
     x64 = x.astype(np.float64)
 
     def normed(v, name):
-        if f"{name}_g" not in w:
-            return v
-        centered = v - v.mean(axis=-1, keepdims=True)
-        scale = 1 / np.sqrt((centered ** 2).mean(axis=-1, keepdims=True) + 1e-5)
-        return centered * scale * w[f"{name}_g"] + w[f"{name}_b"]
+        return layer_norm_numpy(v, w[f"{name}_g"], w[f"{name}_b"]) if f"{name}_g" in w else v
 
     pre = normed(x64, "ln_up") @ w["w_up"] + w["b_up"]
     if gelu == "erf":

@@ -16,8 +16,7 @@ from tvm_ffi.structural import structural_map, structural_walk
 
 from grape_tvm.runtime.cublaslt import MATMUL_FUNCTIONS, MatmulFunction
 
-from .gemv_schedule import (dispatch_on_rows, gemv_by_rows, gemv_config, lowers_to_static_kernels,
-                            match_gemv, schedule_gemv)
+from .gemv_schedule import gemv_by_rows, gemv_config, match_gemv, schedule_gemv
 from .if_to_select import same_dims
 from .var_reads import emit_as, read_counts
 
@@ -35,6 +34,7 @@ GEMV_ROWS_ATTR = "grape.gemv_rows"
 
 _CALL_DPS_PACKED = Op.get("relax.call_dps_packed")
 _CALL_TIR = Op.get("relax.call_tir")
+_CALL_TIR_INPLACE = Op.get("relax.call_tir_inplace")
 _GELU_SCALE = math.sqrt(2 / math.pi)
 
 
@@ -210,7 +210,7 @@ def _after_norm(function: MatmulFunction, func: tirx.PrimFunc, shape, norm: tirx
 
 
 def _norm_then_gemv(function: MatmulFunction, func: tirx.PrimFunc, shape,
-                        norm: tirx.PrimFunc, target: tvm.target.Target, activation):
+                    norm: tirx.PrimFunc, target: tvm.target.Target, activation):
     composed = compose_after(norm, func)
     inputs = composed.params[:len(norm.params) - 1]
     rest = composed.params[len(norm.params) - 1:]  # func's but x: w, bias, residual, out
@@ -220,38 +220,28 @@ def _norm_then_gemv(function: MatmulFunction, func: tirx.PrimFunc, shape,
                               func.params[0].dtype, "normed")
     signature = tirx.PrimFunc([*inputs, *rest[:-1], normed, out], tirx.Evaluate(0),
                               attrs=composed.attrs)
-    alone: list = []  # the norm's own schedule, made where a branch needs it
+    alone = scheduled_alone(norm, target)
+    if alone is None:
+        return None
 
     def norm_kernel() -> tirx.Stmt:  # a copy of its own each time: one definition a buffer
-        if not alone:
-            alone.append(scheduled_alone(norm, target))
-        if alone[0] is None:
-            raise ValueError("no GPU rule schedules the norm's kernel")
-        fresh = s_tir.renew_defs(alone[0])
+        fresh = s_tir.renew_defs(alone)
         return _with_params(fresh, dict(zip(fresh.params, [*inputs, normed])))
 
-    library = tirx.Evaluate(tirx.call_packed(function.name, normed, *rest))
-
-    def bucket(size: int) -> tirx.Stmt:
+    def bucket(size: int) -> tirx.PrimFunc:
         if size == 1:
             one_row = dataclasses.replace(shape, rows=rows)
-            return schedule_gemv(composed, one_row, gemv_config(shape, 1), prologue=True).mod["main"].body
+            body = schedule_gemv(composed, one_row, gemv_config(shape, 1), prologue=True)
+            return signature.with_body(body.mod["main"].body)
         kernel = schedule_gemv(func, shape, gemv_config(shape, size)).mod["main"]
-        return tirx.SeqStmt([norm_kernel(),
-                             _with_params(kernel, dict(zip(kernel.params, [normed, *rest])))])
+        return signature.with_body(tirx.SeqStmt([
+            norm_kernel(), _with_params(kernel, dict(zip(kernel.params, [normed, *rest])))]))
 
-    buckets = GEMV_ROWS[shape.layout]
-    if not shape.symbolic:
-        if not 1 <= int(shape.rows) <= buckets[-1]:
-            return None
-        scheduled = signature.with_body(bucket(next(b for b in buckets if b >= int(shape.rows))))
-    else:
-        kernels = [(b, signature.with_body(bucket(b))) for b in buckets]
-        above = [norm_kernel(), library] + ([] if activation is None else
-                                            [_in_place(activation, out)])
-        scheduled = dispatch_on_rows(signature, rows, [(0, signature.with_body(library)), *kernels],
-                                     signature.with_body(tirx.SeqStmt(above)))
-    return scheduled if lowers_to_static_kernels(scheduled, target) else None
+    library = tirx.Evaluate(tirx.call_packed(function.name, normed, *rest))
+    above = [norm_kernel(), library] + ([] if activation is None else [_in_place(activation, out)])
+    return gemv_by_rows(signature, dataclasses.replace(shape, rows=rows), GEMV_ROWS[shape.layout],
+                        target, default=signature.with_body(tirx.SeqStmt(above)),
+                        before=((0, signature.with_body(library)),), kernel=bucket)
 
 
 def row_norm(func: tirx.PrimFunc) -> bool:
@@ -395,7 +385,7 @@ class GemvForFewRows:
                 rewrite.builder_.update_func(gvar, rewrite.visit_expr(func))
         if not any(rewrite.made.values()):
             return mod
-        return _without_unread(rewrite.builder_.get(), set(rewrite.activated_kernels))
+        return _without_unread(rewrite.builder_.get(), set(rewrite.fused_kernels))
 
 
 def _without_unread(mod: IRModule, kernels: set) -> IRModule:
@@ -424,11 +414,12 @@ class _OnGemv(relax.PyExprMutator):
         # that reader calls, that kernel's scalar function)
         self.activated: dict = {}
         self.fused: dict = {}  # such a reader's variable -> the fused call's, bound already
-        self.activated_kernels: list = []  # the kernels fused into a matmul's (norms too)
+        self.fused_kernels: list = []  # the activations and norms fused into a matmul's
         # a library call's variable -> the binding of the row norm it alone reads (x)
         self.normalized: dict = {}
         self.held_vars: set = set()  # the norms' variables
         self.held: dict = {}  # a norm's variable -> its binding, not emitted (yet)
+        self.is_norm: dict = {}  # a kernel's GlobalVar -> ``row_norm`` of it
 
     def find_activations(self, func: relax.Function) -> None:
         """The library calls whose one reader applies an element-wise kernel of one input
@@ -474,7 +465,10 @@ class _OnGemv(relax.PyExprMutator):
             if not isinstance(kernel, tirx.PrimFunc):
                 continue
             source = value.args[1].fields[0] if len(value.args[1].fields) == 1 else None
-            if row_norm(kernel):
+            gvar = value.args[0]
+            if gvar not in self.is_norm:
+                self.is_norm[gvar] = row_norm(kernel)
+            if self.is_norm[gvar]:
                 where[binding.var] = [i]
             elif source in where and reads.get(source) == 1 and _row_reshape(kernel):
                 where[binding.var] = [*where[source], i]
@@ -530,12 +524,12 @@ class _OnGemv(relax.PyExprMutator):
             result = relax.TupleGetItem(both, 1)
             for held in norm:
                 self.held.pop(held.var)
-                self.activated_kernels.append(held.value.args[0])
+                self.fused_kernels.append(held.value.args[0])
         else:
             result = relax.call_tir(gvar, args, reader.ty)
         if kernel is not None:
             self.fused[reader] = emit_as(self.builder_, reader, result)
-            self.activated_kernels.append(kernel)
+            self.fused_kernels.append(kernel)
         else:
             self.set_var_remap(var, emit_as(self.builder_, var, result))
 
@@ -545,15 +539,9 @@ class _OnGemv(relax.PyExprMutator):
         ``scalar`` function it applies after; ``norm``: the calls of the row norm, and of a
         reshape of its output, that give its x), made once; None where there is none."""
         out_ty = call.ty
-        norm_func = None
-        if norm is not None:
-            norm_func = self.mod[norm[0].args[0]]
-            for reshape in norm[1:]:
-                norm_func = compose_after(norm_func, self.mod[reshape.args[0]])
-        rows = (_fresh_dims(out_ty.shape.values[:-1]) if norm_func is None
-                else list(norm_func.params[-1].shape[:-1]))
-        if rows is None or not all(isinstance(r, (int, tirx.Var, tirx.IntImm)) for r in rows):
-            return None  # an expression of dims: no single row count to dispatch on
+        rows = _fresh_dims(out_ty.shape.values[:-1])
+        if rows is None:
+            return None
         if not isinstance(call.args[1], relax.Tuple):
             return None
         x_ty = call.args[1].fields[0].ty
@@ -562,6 +550,12 @@ class _OnGemv(relax.PyExprMutator):
                None if activation is None else activation.name_hint,
                None if norm is None else tuple(c.args[0].name_hint for c in norm))
         if key not in self.made:
+            norm_func = None
+            if norm is not None:  # the norm, then each reshape; the matmul takes its dims
+                norm_func = self.mod[norm[0].args[0]]
+                for reshape in norm[1:]:
+                    norm_func = compose_after(norm_func, self.mod[reshape.args[0]])
+                rows = list(norm_func.params[-1].shape[:-1])
             func = few_rows_gemv(function, matmul_prim_func(function, rows, k, n, dtype, scalar),
                                  self.target, scalar, norm_func)
             name = function.name.rsplit(".", 1)[-1] + \
@@ -583,4 +577,4 @@ def _row_reshape(func: tirx.PrimFunc) -> bool:
 
 def _writes_in_place(value: relax.Expr) -> bool:
     """Whether a binding's value writes a tensor it reads (``call_tir_inplace``)."""
-    return isinstance(value, relax.Call) and value.op == Op.get("relax.call_tir_inplace")
+    return isinstance(value, relax.Call) and value.op == _CALL_TIR_INPLACE

@@ -543,7 +543,7 @@ def lowers_to_static_kernels(func: tirx.PrimFunc, target: tvm.target.Target) -> 
 
 def gemv_by_rows(func: tirx.PrimFunc, shape: GemvShape, buckets: tuple[int, ...],
                  target: tvm.target.Target, default: tirx.PrimFunc | None = None,
-                 before: tuple = ()) -> tirx.PrimFunc | None:
+                 before: tuple = (), kernel=None) -> tirx.PrimFunc | None:
     """``func`` (matched as ``shape``, summing in fp32) as GEMV kernels by buckets of M.
 
     M static: the kernel of its bucket (None where M is 0 or above the last bucket). M
@@ -551,17 +551,20 @@ def gemv_by_rows(func: tirx.PrimFunc, shape: GemvShape, buckets: tuple[int, ...]
     first), one kernel per bucket, and ``default`` above the last; where ``default`` is None
     the last bucket's kernel takes every M above it (it is correct for any M, one
     blockIdx.y per tile of rows). None where TVM's lowering would leave a buffer of
-    symbolic size in a kernel (CUDA codegen refuses it).
+    symbolic size in a kernel (CUDA codegen refuses it). ``kernel(bucket)``: the PrimFunc a
+    bucket launches, with ``func``'s parameters (by default ``schedule_gemv`` of ``func``).
     """
+    if kernel is None:
+        def kernel(bucket: int) -> tirx.PrimFunc:
+            return schedule_gemv(func, shape, gemv_config(shape, bucket)).mod["main"]
+
     if not shape.symbolic:
         rows = int(shape.rows)
         if not 1 <= rows <= buckets[-1]:
             return None
-        bucket = next(b for b in buckets if b >= rows)
-        scheduled = schedule_gemv(func, shape, gemv_config(shape, bucket)).mod["main"]
+        scheduled = kernel(next(b for b in buckets if b >= rows))
     else:
-        kernels = [(b, schedule_gemv(func, shape, gemv_config(shape, b)).mod["main"])
-                   for b in buckets]
+        kernels = [(b, kernel(b)) for b in buckets]
         if default is None:
             kernels, default = kernels[:-1], kernels[-1][1]
         scheduled = dispatch_on_rows(func, shape.rows, [*before, *kernels], default)

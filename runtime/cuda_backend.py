@@ -323,8 +323,7 @@ class CudaGraphBackend:
             topology_graph = TopologyGraph(
                 graph, nodes, [n.layout for n in nodes], pointer_map,
                 region.groups.tables[placed.table], len(capture.region_args), patch, self.stream,
-                captured=[a.data_ptr() if hasattr(a, "data_ptr") else 0
-                          for a in capture.region_args])
+                captured_args=capture.region_args)
             region.graphs.append(topology_graph)
             self.graphs_instantiated += 1
             self.cluster_kernel_nodes += sum(cluster_blocks(n.node) > 1 for n in nodes)

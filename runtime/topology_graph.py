@@ -4,8 +4,8 @@
 block dims: the graph captured at the group's first shape, its instantiation, and the device
 buffers of its argument table. A ``PatchKernel`` node at the head applies the current shape's
 row (grid dims, scalar parameters) and the current call's argument addresses to the kernel
-nodes that need them, which alone are device-updatable (the attribute slows a node's launch). A call that changes the row, moves an argument or changes its
-guards writes its launch record (row index, argument addresses, guards) with one
+nodes that need them, which alone are device-updatable (the attribute slows a node's
+launch). A call that changes the row, moves an argument or changes its guards writes its launch record (row index, argument addresses, guards) with one
 stream-ordered copy, and launches: no capture, no instantiation, no host-side node update.
 The patch kernel applies only what differs from the launch before.
 
@@ -268,6 +268,12 @@ _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
 
+def address_of(arg: Any) -> int:
+    """A region argument's device address: an executor buffer's ``Address`` is its own
+    value, a tensor's is its ``data_ptr()``, a dim passed by value has none (0)."""
+    return arg.data_ptr() if hasattr(arg, "data_ptr") else 0
+
+
 class LaunchRecord:
     """The host copy of the patch kernel's launch record (layout in kernels/patch.cu):
     ``{u32 shape_row, u32 num_guards, u32 generation, u32 pad, u64 args[max(num_args, 1)],
@@ -284,7 +290,7 @@ class LaunchRecord:
     reads them there, with no bytes object made per call.
     """
 
-    def __init__(self, num_args: int, addresses: Sequence[int] = ()):
+    def __init__(self, num_args: int, captured_args: Sequence[Any] = ()):
         # The kernel finds the guards after max(num_args, 1) slots too: keep them agreeing.
         self.guards_at = ARGS_AT + 8 * max(num_args, 1)
         self.capacity = self.guards_at + GUARD.size * MAX_GUARDS  # bytes the device needs
@@ -298,12 +304,13 @@ class LaunchRecord:
         self.num_guards = 0
         self.generation = NO_GENERATION
         self._row = 0
-        # ``addresses``: where the arguments were when the graph was captured (what its
-        # nodes hold); a position in ``watched`` that moves from there is kept in ``moved``
+        # ``captured_args``: the arguments the graph was captured with (their addresses are
+        # what its nodes hold); a position in ``watched`` that moves from there is kept in
+        # ``moved``
         self._args = [0] * max(num_args, 1)
-        for i, address in enumerate(addresses):
-            self._args[i] = address
-            _U64.pack_into(self.data, ARGS_AT + 8 * i, address)
+        for i, arg in enumerate(captured_args[:len(self._args)]):
+            self._args[i] = address_of(arg)
+            _U64.pack_into(self.data, ARGS_AT + 8 * i, self._args[i])
         self.watched: frozenset = frozenset()
         self.moved: list[int] = []
         self._guards: tuple = ()
@@ -326,7 +333,7 @@ class LaunchRecord:
             elif kind is Tensor:
                 address = arg.data_ptr()
             else:
-                address = arg.data_ptr() if hasattr(arg, "data_ptr") else 0
+                address = address_of(arg)
             if address != held[i]:
                 held[i] = address
                 _U64.pack_into(data, ARGS_AT + 8 * i, address)
@@ -380,18 +387,18 @@ class LaunchRecord:
 class TopologyGraph(OwnedGraph):
     """The one graph of a topology group, with its argument table on the device.
 
-    Only the kernel nodes the patch kernel must update are device-updatable: the attribute
-    cost the 24-block model 10.2 us a launch over 72 nodes on the H200 (bench/README.md,
-    fifth session of 2026-12-02; bench/results/topology_variants.json: none now at one
-    shape). Those are the nodes with a column in the table, the nodes that
-    hold the address of an argument that has moved since the capture, and every node once
-    a launch is guarded (a failed guard disables them all). A node joins them when that
-    first happens: the graph is instantiated again, once per such change.
+    Only the kernel nodes the patch kernel must update are device-updatable: on every node
+    the attribute cost the 24-block model 10.2 us a launch over 72 nodes on the H200
+    (bench/README.md, fifth session of 2026-12-02). Those are the nodes with a column in
+    the table, the nodes that hold the address of an argument that has moved since the
+    capture, and every node once a launch is guarded (a failed guard disables them all). A
+    node joins them when that first happens: the graph is instantiated again, once per
+    such change.
     """
 
     def __init__(self, graph, nodes, layouts: list[list[tuple[int, int]]],
                  pointer_map: list[tuple[int, int, int, int]], table: ArgumentTable,
-                 num_args: int, patch: PatchKernel, stream, captured: Sequence[int] = ()):
+                 num_args: int, patch: PatchKernel, stream, captured_args: Sequence[Any] = ()):
         self.graph = graph
         self.table = table
         self.layouts = layouts
@@ -401,15 +408,13 @@ class TopologyGraph(OwnedGraph):
         self._last_caller: Any = None
         self._graph_nodes = [n.node for n in nodes]
         self._pointer_map = pointer_map
-        # node index -> its device handle, for the device-updatable nodes, and their order
-        # in the patch kernel's ``nodes``
+        # node index -> its device handle, for the device-updatable nodes
         self._device_nodes: dict[int, int] = {}
-        self.updatable: list[int] = []
         # The launch record: its host copy, which knows what the device holds (the last copy
         # queued), so that a call queues a copy only if the record changed. Its device buffer
         # has room for every guard from the start: the patch node holds its address, and a
         # call's copy (``replay``) writes as many guards as the call has, unchecked.
-        self._launch = LaunchRecord(num_args, captured)
+        self._launch = LaunchRecord(num_args, captured_args)
         self.buffers = {name: DeviceBuffer(self._launch.capacity if name == "launch" else 16)
                         for name in ("columns", "rows", "pointers", "spans", "launch", "applied",
                                      "state", "nodes")}
@@ -426,6 +431,11 @@ class TopologyGraph(OwnedGraph):
         self.patch_node = self._add_patch_node(graph)
         self.instantiate(stream)
 
+    @property
+    def updatable(self) -> list[int]:
+        """The device-updatable nodes, in the order of the patch kernel's ``nodes``."""
+        return sorted(self._device_nodes)
+
     # -- building ----------------------------------------------------------------------
     def _column_nodes(self) -> set[int]:
         return {node for node, _ in self.table.columns}
@@ -435,9 +445,8 @@ class TopologyGraph(OwnedGraph):
         watch the arguments that the other nodes hold."""
         for n in set(nodes) - self._device_nodes.keys():
             self._device_nodes[n] = make_device_updatable(self._graph_nodes[n])
-        self.updatable = sorted(self._device_nodes)
-        self.buffers["nodes"].write(
-            struct.pack(f"<{len(self.updatable)}Q", *(self._device_nodes[n] for n in self.updatable)))
+        handles = [self._device_nodes[n] for n in self.updatable]
+        self.buffers["nodes"].write(struct.pack(f"<{len(handles)}Q", *handles))
         self._launch.watched = frozenset(arg for node, _, arg, _ in self._pointer_map
                                          if node not in self._device_nodes)
 

@@ -286,11 +286,13 @@ class _FakeDriver:
 
 
 def _topology_graph(monkeypatch, table, pointer_map, captured):
-    """A ``TopologyGraph`` over three nodes on a fake driver; which nodes it made
-    device-updatable, and when, is what it decided on its own."""
+    """A ``TopologyGraph`` over three nodes on a fake driver, captured with its arguments at
+    the addresses ``captured``; which nodes it made device-updatable, and when, is what it
+    decided on its own."""
     from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
 
     from grape_tvm.runtime import cuda_graph, topology_graph
+    from grape_tvm.runtime.call_plan import Address  # pylint: disable=import-outside-toplevel
 
     fake = _FakeDriver()
     made = []
@@ -303,7 +305,8 @@ def _topology_graph(monkeypatch, table, pointer_map, captured):
     nodes = [SimpleNamespace(node=n) for n in range(3)]
     graph = topology_graph.TopologyGraph(
         "graph", nodes, [LAYOUT] * 3, pointer_map, table, 2,
-        SimpleNamespace(function="grape_patch"), "stream", captured=captured)
+        SimpleNamespace(function="grape_patch"), "stream",
+        captured_args=[Address(a) for a in captured])
     return graph, fake, made
 
 

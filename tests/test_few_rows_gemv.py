@@ -4,6 +4,9 @@ on the GPU (tests/test_gpu.py, ``test_few_rows_on_gemv_kernels_and_cublaslt_abov
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import tvm
@@ -433,6 +436,9 @@ def test_a_norm_then_the_matmul_as_one_function_equals_numpy():
 
     from grape_tvm.passes.few_rows_gemv import compose_after, row_norm
 
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import layer_norm_numpy  # pylint: disable=import-outside-toplevel
+
     legalized = relax.transform.LegalizeOps()(_norm_layer())
     norm = next(f for g, f in legalized.functions_items() if g.name_hint == "layer_norm")
     assert row_norm(norm)
@@ -452,9 +458,7 @@ def test_a_norm_then_the_matmul_as_one_function_equals_numpy():
         w, bias = rng.standard_normal((40, 256)).astype(np.float32), rng.standard_normal(40).astype(np.float32)
         out = tvm.runtime.tensor(np.zeros((rows, 40), np.float32))
         lib["main"](*(tvm.runtime.tensor(a) for a in (x, g, b, w, bias)), out)
-        x64 = x.astype(np.float64)
-        centered = x64 - x64.mean(axis=1, keepdims=True)
-        normed = centered / np.sqrt((centered ** 2).mean(axis=1, keepdims=True) + 1e-5) * g + b
+        normed = layer_norm_numpy(x.astype(np.float64), g, b)
         np.testing.assert_allclose(out.numpy(), normed @ w.T.astype(np.float64) + bias,
                                    rtol=1e-4, atol=1e-4)
 
@@ -504,4 +508,4 @@ def test_a_norm_before_a_matmul_of_one_static_row_is_one_kernel():
     assert "layer_norm" in fused and "layer_norm" not in _kernel_names(lowered)
     script = lowered[fused].script()
     assert _bounds(lowered[fused]) == [] and "call_packed" not in script
-    assert script.count("T.thread_binding") and script.count('thread="blockIdx.x"') == 1
+    assert script.count('thread="blockIdx.x"') == 1  # one kernel

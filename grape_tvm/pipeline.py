@@ -13,7 +13,8 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               CheckDeviceKernels, CollectivesAsLibraryCalls,
                               CopyPassThroughBranches,
                               DescribeCallProgram, DescribeConditionals, FoldShapeTensors,
-                              FuseAttention, FuseIntoConcatenations, FuseIntoInplaceWrites,
+                              FuseAttention, FuseGathers, FuseIntoConcatenations,
+                              FuseIntoInplaceWrites,
                               FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
                               IfToSelect,
@@ -166,7 +167,8 @@ class GrapePipeline:
                     passes.append(relax.transform.LegalizeOps(numerics)
                                   if p.info.name == "LegalizeOps" else p)
                     if p.info.name == "AnnotateTIROpPattern":  # as gpu_legalize_passes
-                        passes += [FuseIntoConcatenations(), FuseIntoInplaceWrites()]
+                        passes += [FuseGathers(), FuseIntoConcatenations(),
+                                   FuseIntoInplaceWrites()]
                 # An empty reduction's output gets its identity (passes/reduction_init.py;
                 # dlight schedules GPU reductions itself).
                 passes.append(HoistReductionInit())

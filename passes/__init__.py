@@ -24,7 +24,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   kernels over a symbolic number of rows (no per-element division by a symbolic extent);
   before fusion, ``FuseIntoRowReductions`` lets a softmax or layer norm take its
   element-wise producers (attention's scale and mask), ``FuseIntoConcatenations`` a
-  concatenation its injective ones (a decode step's new key and value rows);
+  concatenation its injective ones (a decode step's new key and value rows),
+  ``FuseGathers`` a gather (``take``: an embedding lookup) its element-wise neighbours;
   ``FuseIntoInplaceWrites`` an in-place write (``call_tir_inplace``) the slices and
   reshapes it writes from (a static cache's new rows).
 - ``DecodeGemv``: a schedule rule for matmuls with few rows (decode): GEMV kernels with
@@ -75,6 +76,7 @@ from .branch_fusion import InlineBranches, OutlineBranches
 from .branch_regions import BranchesToConditionalRegions, DescribeConditionals
 from .branch_storage import HoistBranchStorage, after_memory_planning
 from .concat_fusion import FuseIntoConcatenations
+from .gather_fusion import FuseGathers
 from .inplace_fusion import FuseIntoInplaceWrites
 from .conv_matmul import Conv1dAsMatmul
 from .conv_slice import SliceIntoConvPadding
@@ -114,6 +116,7 @@ __all__ = [
     "DescribeConditionals",
     "FoldShapeTensors",
     "FullReduction",
+    "FuseGathers",
     "FuseIntoConcatenations",
     "FuseIntoInplaceWrites",
     "FuseIntoRowReductions",

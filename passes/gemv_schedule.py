@@ -41,7 +41,7 @@ from tvm.s_tir.dlight.base import ScheduleRule, try_inline_contiguous_spatial
 from tvm_ffi.structural import structural_map, structural_walk
 
 BUCKETS = (1, 2, 4, 8)
-GEMV_MARK = "grape_gemv_rows"  # block annotation: the partial sums of a GEMV kernel of this many rows
+GEMV_MARK = "grape_gemv_rows"  # block annotation: a GEMV kernel's partial sums, rows of M a block
 
 
 @dataclass(frozen=True)
@@ -269,6 +269,27 @@ class GemvConfig:
 # kernel (about two per SM on a 132-SM H200) and the shared memory the partial sums may use.
 TARGET_BLOCKS = 256
 PARTIALS_BYTES = 32 * 1024
+SPLIT_ROWS_ABOVE = 4  # buckets of more rows may spread them over blocks (rows_per_block)
+
+
+def rows_per_block(rows: int, column_blocks: int) -> int:
+    """Rows of M a block of an fp32 [N, K]-weight kernel takes for a bucket of ``rows``, with
+    ``column_blocks`` blocks along N: above ``SPLIT_ROWS_ABOVE`` rows, halved (to 2 at least)
+    while the grid is short of ``TARGET_BLOCKS``.
+
+    Each weight load of a block serves its rows, each row a load of x: at 8 rows the x loads
+    outnumber the weight loads 8 to 1. On the H200 (bench/results/gemv_configs.json, fp32,
+    M = 8, in a CUDA graph), K = 1024, N = 256 took 2.30 us at 2 rows a block against 3.27
+    at 8, GPT-2's K = 3072, N = 768 5.71 at 4 against 6.30 (weights in the L2; 7.68 against
+    8.60 read from HBM), and shapes whose grid was full already were as fast or faster at 8.
+    At 4 rows and fewer, halving was as often slower as faster.
+    """
+    if rows <= SPLIT_ROWS_ABOVE:
+        return rows
+    per_block = rows
+    while per_block > 2 and column_blocks * (rows // per_block) < TARGET_BLOCKS:
+        per_block //= 2
+    return per_block
 
 
 def _largest_dividing(n: int, options) -> int:
@@ -276,7 +297,8 @@ def _largest_dividing(n: int, options) -> int:
 
 
 def gemv_config(shape: GemvShape, rows: int) -> GemvConfig:
-    """The tiling for ``shape`` with ``rows`` rows of M per block."""
+    """The tiling for ``shape`` at up to ``rows`` rows of M (a bucket): ``rows`` rows per
+    block, or fewer where the grid would be short (``rows_per_block``)."""
     size = tvm.DataType(shape.dtype).bits // 8
     full = 16 // size
     if shape.layout == "kn":  # w[k, n]: vectors along n, threads_n lanes side by side
@@ -294,6 +316,8 @@ def gemv_config(shape: GemvShape, rows: int) -> GemvConfig:
         threads_k = _largest_dividing(shape.k // vec, (64, 32, 16, 8, 4, 2, 1))
         threads_n = max(1, 256 // threads_k)
         per_thread_n = next((r for r in (4, 2) if -(-shape.n // (threads_n * r)) >= TARGET_BLOCKS), 1)
+        if shape.dtype == "float32":  # measured in fp32 only (rows_per_block)
+            rows = rows_per_block(rows, -(-shape.n // (threads_n * per_thread_n)))
     while threads_k > 1 and threads_k * rows * threads_n * per_thread_n * 4 > PARTIALS_BYTES:
         threads_k //= 2
     steps = shape.k // (threads_k * (vec if shape.layout == "nk" else 1))

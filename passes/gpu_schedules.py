@@ -12,6 +12,7 @@ from .injective_schedule import RowsOfStaticWidth
 from .reduction_schedules import FullReduction
 from .row_reduction import RowReductionPerWarp
 from .concat_fusion import FuseIntoConcatenations
+from .gather_fusion import FuseGathers
 from .inplace_fusion import FuseIntoInplaceWrites
 from .row_reduction_fusion import FuseIntoRowReductions
 from .symbolic_width_schedule import RowsOfSymbolicWidth
@@ -103,9 +104,12 @@ def gpu_legalize_passes(legalize_map: dict | None = None,
     t = relax.transform
     # A reshape that only names a derived dim (NameDerivedDims) stays a view.
     legalize = {**(legalize_map or {}), "relax.reshape": keep_renaming_reshape}
-    # A softmax or layer norm takes its element-wise producers (attention's scale and mask),
-    # a concatenation its injective ones (a decode step's new key and value rows), an
-    # in-place write the slices and reshapes it writes from (a static cache's new rows).
-    return [t.LegalizeOps(legalize), t.AnnotateTIROpPattern(), FuseIntoRowReductions(),
-            FuseIntoConcatenations(), FuseIntoInplaceWrites(), t.FoldConstant(), t.FuseOps(),
-            t.FuseTIR(), *before_schedule, dl.ApplyDefaultSchedule(*default_gpu_rules(decode_gemv))]
+    # A gather fuses with its element-wise neighbours (an embedding lookup and the add
+    # after it), a softmax or layer norm takes its element-wise producers (attention's scale
+    # and mask), a concatenation its injective ones (a decode step's new key and value
+    # rows), an in-place write the slices and reshapes it writes from (a static cache's new
+    # rows).
+    return [t.LegalizeOps(legalize), t.AnnotateTIROpPattern(), FuseGathers(),
+            FuseIntoRowReductions(), FuseIntoConcatenations(), FuseIntoInplaceWrites(),
+            t.FoldConstant(), t.FuseOps(), t.FuseTIR(), *before_schedule,
+            dl.ApplyDefaultSchedule(*default_gpu_rules(decode_gemv))]

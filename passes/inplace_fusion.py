@@ -9,13 +9,11 @@ from tvm.ir import Op
 from tvm.ir.expr import TensorLoad
 from tvm.ir.transform import PassContext, module_pass
 
-from .concat_fusion import single_spatial_store
+from .concat_fusion import INJECTIVE, single_spatial_store
 from .var_reads import emit_as, read_counts
 
 _CALL_TIR = Op.get("relax.call_tir")
 _CALL_TIR_INPLACE = Op.get("relax.call_tir_inplace")
-# TVM's OpPatternKind (include/tvm/relax/op_attr_types.h): element-wise to injective.
-_INJECTIVE = 2
 
 
 def moves_data(func: tirx.PrimFunc) -> bool:
@@ -24,7 +22,7 @@ def moves_data(func: tirx.PrimFunc) -> bool:
     TVM calls a reshape over a symbolic dim opaque (its index wraps by the dim), hence the
     second test."""
     pattern = func.attrs.get("op_pattern") if func.attrs is not None else None
-    if pattern is not None and int(pattern) <= _INJECTIVE:
+    if pattern is not None and int(pattern) <= INJECTIVE:
         return True
     store = single_spatial_store(func)
     return store is not None and isinstance(store.value, TensorLoad) and \

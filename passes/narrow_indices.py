@@ -19,8 +19,10 @@ INT32_ELEMENTS = 2 ** 31 - 1  # the largest element offset a 32-bit index holds
 
 
 def _buffers(func: tirx.PrimFunc) -> list[tirx.Buffer]:
-    """Every buffer ``func`` allocates, reads or writes."""
-    found: dict[int, tirx.Buffer] = {}
+    """Every buffer ``func`` takes, allocates, reads or writes (a parameter it never reads
+    counts: ForceNarrowIndexToInt32 refuses a 64-bit one all the same)."""
+    found: dict[int, tirx.Buffer] = {id(p): p for p in func.params
+                                     if isinstance(p.ty, tirx.BufferType)}
 
     def on_block(block):
         for buffer in block.alloc_buffers:

@@ -204,6 +204,23 @@ def test_gemv_kernels_are_bound_vectorized_and_static(layout, dtype, kn):
         assert config.threads_k * rows * config.cols * 4 <= 48 * 1024
 
 
+@pytest.mark.parametrize("k,n,rows,per_block", [
+    (1024, 256, 8, 2), (256, 256, 8, 2), (256, 768, 8, 4), (3072, 768, 8, 4), (768, 768, 8, 4),
+    (256, 1024, 8, 8), (768, 2304, 8, 8), (768, 3072, 8, 8), (1024, 256, 4, 4),
+    (1024, 256, 2, 2), (1024, 256, 1, 1)])
+def test_a_short_grid_spreads_the_eight_row_bucket_over_blocks(k, n, rows, per_block):
+    """Weights [N, K], fp32: the 8-row bucket takes 2 or 4 rows a block where its grid along
+    N is short of TARGET_BLOCKS (the shapes measured in bench/results/gemv_configs.json: the
+    decode-loop decoder's and GPT-2's); buckets of 4 rows and fewer keep theirs, and so do
+    fp16's (not measured)."""
+    shape = GemvShape("matmul", tirx.Var("m", "int64"), k, n, "nk", "float32", "float32")
+    assert gemv_config(shape, rows).rows == per_block
+    assert gemv_config(GemvShape("matmul", tirx.Var("m", "int64"), k, n, "nk", "float16",
+                                 "float32"), rows).rows == rows
+    assert gemv_config(GemvShape("matmul", tirx.Var("m", "int64"), k, n, "kn", "float32",
+                                 "float32"), rows).rows == rows  # not measured: unchanged
+
+
 def test_a_symbolic_local_buffer_is_refused():
     """``lowers_to_static_kernels`` catches a schedule CUDA codegen would refuse (a rule's
     mistake then leaves the kernel to the next rule instead of failing the build)."""

@@ -27,6 +27,7 @@ from tvm import tirx
 from tvm_ffi.structural import structural_walk
 
 from grape_tvm.passes import DecodeGemv
+from grape_tvm.passes.gemv_schedule import gemv_config, match_gemv
 from test_gemv import CUDA, _lowered, _matmul, _the_kernel
 
 HEADER = Path(__file__).with_name("cuda_on_cpu.h")
@@ -122,6 +123,10 @@ class CpuKernels:
                    for i, p in enumerate(launch_params)}
         return str(call.args[0].value), args, extents
 
+    def launch_extents(self, m: int) -> dict[str, int]:
+        """The launch extents (blockIdx.x, threadIdx.y, ...) of the kernel run at M = m."""
+        return self._launch_at(m)[2]
+
     def launch(self, m: int, buffers: dict[str, np.ndarray], output: np.ndarray,
                reverse: bool = False) -> str:
         name, args, extents = self._launch_at(m)
@@ -195,6 +200,32 @@ def test_generated_cuda_equals_numpy(layout, dtype, k, n, gemv_above, tmp_path_f
         assert not np.isnan(got).any(), f"outputs left unwritten at m={m}"
         np.testing.assert_allclose(got, want, rtol=tol, atol=tol * np.abs(want).max(),
                                    err_msg=f"{name} at m={m}")
+
+
+def test_the_eight_row_kernel_spread_over_blocks_equals_numpy(tmp_path_factory):
+    """A short grid (K = 1024, N = 256, weights [N, K]: the decode-loop decoder's MLP down
+    projection) spreads the 8-row bucket over blocks of 2 rows (``rows_per_block``): M = 5
+    to 8 launch ceil(M / 2) blocks along y, the last one padded at odd M."""
+    k, n = 1024, 256
+    func = _the_kernel(_matmul(k=k, n=n, layout="nk", epilogue="bias"))
+    assert gemv_config(match_gemv(func), 8).rows == 2
+    kernels = CpuKernels(DecodeGemv().apply(func, CUDA, False).mod["main"],
+                         tmp_path_factory.getbasetemp())
+    for m in (5, 6, 7, 8):
+        rng = np.random.default_rng(m)
+        x = rng.standard_normal((m, k)).astype("float32")
+        w = (rng.standard_normal((n, k)) / np.sqrt(k)).astype("float32")
+        b = (0.1 * rng.standard_normal(n)).astype("float32")
+        assert kernels.launch_extents(m)["blockIdx.y"] == -(-m // 2)
+        outs = []
+        for reverse in (False, True):
+            out = np.full((m, n), np.nan, "float32")
+            assert kernels.launch(m, {"x": x, "w": w, "b": b}, out, reverse) == "main_kernel_3"
+            outs.append(out)
+        assert np.array_equal(outs[0], outs[1]), f"block order matters at m={m}"
+        want = x.astype(np.float64) @ w.T.astype(np.float64) + b
+        np.testing.assert_allclose(outs[0], want, rtol=1e-5, atol=1e-5 * np.abs(want).max(),
+                                   err_msg=f"m={m}")
 
 
 @pytest.mark.parametrize("rows", [1, 3])

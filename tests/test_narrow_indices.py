@@ -9,10 +9,14 @@ import pytest
 import tvm
 from tvm import relax, tirx
 
+import grape_tvm
+
 from grape_tvm.passes import NarrowIndices
 from grape_tvm.passes.narrow_indices import largest_offset, narrows
 from test_passes import fused_kernel_of
 from test_row_reduction import attention_probabilities, masked_softmax_equals_numpy
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
 
 def _softmax_of_scores(dtype: str = "float32") -> tirx.PrimFunc:
@@ -49,6 +53,27 @@ def test_a_kernel_of_64_bit_data_keeps_its_indices():
     func = fused_kernel_of(lambda x: relax.op.add(x, relax.const(1, "int64")),
                            relax.TensorType((1, s), "int64"))
     assert not narrows(func, {"s": 1024})
+
+
+def test_a_kernel_taking_64_bit_data_it_never_reads_keeps_its_indices():
+    """A gather of a table broadcast from one row, fused with the broadcast
+    (``FuseGathers``): every row is the same, so the kernel never reads its int64 indices,
+    a parameter still. TVM's rewrite refuses the parameter all the same (it failed the CUDA
+    build before)."""
+    b = tirx.Var("b", "int64")
+    row = relax.Var("row", relax.TensorType((6,), "float32"))
+    index = relax.Var("index", relax.TensorType((b,), "int64"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [row, index]):
+        with bb.dataflow():
+            table = relax.op.broadcast_to(row, (10, 6))
+            y = bb.emit_output(relax.op.add(relax.op.take(table, index, axis=0),
+                                            relax.const(1.0, "float32")))
+        bb.emit_func_output(y)
+    module = grape_tvm.build(bb.get(), {"b": (1, 8)}, CUDA, output_names=["y"],
+                             prebuild_cubin=False)
+    (kernel,) = [k for r in module.plan["regions"] for k in r["kernels"]]
+    assert "take" in kernel and "broadcast_to" in kernel, kernel
 
 
 def _module(func: tirx.PrimFunc, upper: dict[str, int]) -> tvm.IRModule:

@@ -601,6 +601,14 @@ def build_decode_attention_cubins(out: Path) -> None:
         (out / f"decode_attention{suffix}.cubin").write_bytes(compile_cubin(code, "sm_90"))
 
 
+def build_gemv_configs(out: Path) -> None:
+    """``gemv_configs/``: grape's GEMV kernels under every tiling ``bench/gemv_configs.py``
+    compares, one cubin."""
+    import gemv_configs  # pylint: disable=import-outside-toplevel
+
+    gemv_configs.build(out / "gemv_configs")
+
+
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.
 STEPS = {
     "tests": (build_example, build_attention, build_decode_tiny, build_loop_tiny,
@@ -631,6 +639,7 @@ STEPS = {
     "ncu_patch": (build_bench,),
     "read_floor": (build_probe_cubins,),
     "decode_attention": (build_decode_attention_cubins,),
+    "gemv_configs": (build_gemv_configs,),
     "topology_blocks": (build_bench,),
     "loop_kernels": (build_loop,),
     "ncu_loop": (build_loop,),

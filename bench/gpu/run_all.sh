@@ -41,6 +41,8 @@ want ncu_gemv && { "$ncu_bin" --graph-profiling node --metrics gpu__time_duratio
 # grape's decode attention kernel against PyTorch's unfused attention and SDPA (one query row,
 # GPT-2's heads), with other split policies and a build of 4 warps a block beside.
 want decode_attention && { python3 -P bench/decode_attention.py --cubin build/gpu/decode_attention.cubin --variant w4=build/gpu/decode_attention_w4.cubin --out "$out" || status=1; }
+# grape's GEMV kernels under every tiling of bench/gemv_configs.py, against F.linear, M = 1 to 8.
+want gemv_configs && { python3 -P bench/gemv_configs.py run --dir build/gpu/gemv_configs --out "$out" || status=1; }
 # The same bytes read by a plain read kernel (the fastest of a sweep of grids) and by cuBLAS's
 # GEMV (F.linear at M = 1), under ncu as ncu_gemv: the floor under grape's GEMVs, by size.
 want read_floor && { "$ncu_bin" --metrics gpu__time_duration.sum,dram__bytes_read.sum --cache-control all --clock-control none --csv --log-file "$out/read_floor_ncu.csv" python3 -P bench/read_floor.py launch --cubin build/gpu/read_floor.cubin --out "$out" && python3 -P bench/read_floor.py summary --ncu "$out/read_floor_ncu.csv" --gemv "$out/gemv_ncu.json" --copy-tbps 4.27 --out "$out" || status=1; }

@@ -5,8 +5,9 @@ block dims: the graph captured at the group's first shape, its instantiation, an
 buffers of its argument table. A ``PatchKernel`` node at the head applies the current shape's
 row (grid dims, scalar parameters) and the current call's argument addresses to the kernel
 nodes that need them, which alone are device-updatable (the attribute slows a node's
-launch). A call that changes the row, moves an argument or changes its guards writes its launch record (row index, argument addresses, guards) with one
-stream-ordered copy, and launches: no capture, no instantiation, no host-side node update.
+launch). A call that changes the row, moves an argument or changes its guards writes its
+launch record (row index, argument addresses, guards) with one stream-ordered copy, and
+launches: no capture, no instantiation, no host-side node update.
 The patch kernel applies only what differs from the launch before.
 
 A launch may carry guards (predication): device-resident 1-byte conditions and the values

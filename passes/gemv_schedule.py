@@ -296,9 +296,10 @@ def _largest_dividing(n: int, options) -> int:
     return next((o for o in options if n % o == 0), 1)
 
 
-def gemv_config(shape: GemvShape, rows: int) -> GemvConfig:
-    """The tiling for ``shape`` at up to ``rows`` rows of M (a bucket): ``rows`` rows per
-    block, or fewer where the grid would be short (``rows_per_block``)."""
+def gemv_config(shape: GemvShape, bucket: int) -> GemvConfig:
+    """The tiling for ``shape`` in the bucket of up to ``bucket`` rows of M: that many rows
+    per block, or fewer where the grid would be short (``rows_per_block``)."""
+    rows = bucket  # per block
     size = tvm.DataType(shape.dtype).bits // 8
     full = 16 // size
     if shape.layout == "kn":  # w[k, n]: vectors along n, threads_n lanes side by side
@@ -317,7 +318,7 @@ def gemv_config(shape: GemvShape, rows: int) -> GemvConfig:
         threads_n = max(1, 256 // threads_k)
         per_thread_n = next((r for r in (4, 2) if -(-shape.n // (threads_n * r)) >= TARGET_BLOCKS), 1)
         if shape.dtype == "float32":  # measured in fp32 only (rows_per_block)
-            rows = rows_per_block(rows, -(-shape.n // (threads_n * per_thread_n)))
+            rows = rows_per_block(bucket, -(-shape.n // (threads_n * per_thread_n)))
     while threads_k > 1 and threads_k * rows * threads_n * per_thread_n * 4 > PARTIALS_BYTES:
         threads_k //= 2
     steps = shape.k // (threads_k * (vec if shape.layout == "nk" else 1))

@@ -22,11 +22,13 @@ its algorithm chosen per bucket of M, N and the batch count.
 
 Algorithms run without thread-block clusters (``CUBLASLT_CLUSTER_SHAPE_1x1x1`` set on
 cuBLASLt's choice wherever ``cublasLtMatmulAlgoCheck`` accepts it). On the H200 a kernel node
-launched in clusters, once updated from the device (as the patch kernel does on a graph's
-first launch and when a shape or an address changes), runs slower on every later launch:
-four fp16 (128, 768) x (768, 3072) products went from 17 to 88 us a launch, a non-cluster
-kernel was unaffected, and setting the nodes again from the host restored them
-(bench/results/device_updatable.json). With 1x1x1 clusters GPT-2's fp16 prefill at 128
+launched in clusters, once its grid is updated from the device (as the patch kernel does
+when a shape changes it), runs slower on every later launch: four fp16 (128, 768) x (768,
+3072) products went from 17 to 88 us a launch, a non-cluster kernel was unaffected, and
+setting the nodes again from the host restored them (bench/results/device_updatable.json).
+A clustered decode attention kernel of grape's also computed wrong results after such an
+update (device_updatable.clusters.json), so a clustered node's grid is part of its topology
+(``cuda_graph.node_records``); with 1x1x1 clusters the topologies of a region stay fewer. With 1x1x1 clusters GPT-2's fp16 prefill at 128
 tokens takes 500.5 us a call in a topology graph against 489.2 in a per-shape graph
 (bench/results/topology_variants.e4b8a95.json), and a per-shape graph about as long as with
 cuBLASLt's clusters (491.7 against 500.2 us; the MLP of the GPU tests 14.3 against 13.4:

@@ -37,7 +37,7 @@ from .cublaslt import CublasLt, register_functions
 from .cuda_compile import CubinStore
 from .cuda_driver import check, driver
 from .cuda_graph import (Capture, CapturedGraph, CapturedNodes, OwnedGraph, UnkeptGraph,
-                         check_memsets, cluster_blocks, find_pointer_slots, node_records,
+                         check_memsets, find_pointer_slots, node_records,
                          read_nodes)
 from .topology_graph import PatchKernel, TopologyGraph, guard_address, memsets_as_kernels
 
@@ -131,8 +131,9 @@ class CudaGraphBackend:
         self.synchronizing_guards = 0  # guards read on the host (per-shape mode): each a sync
         self.graphs_not_kept = 0  # captures run once and dropped (``UnkeptGraph``)
         self.memsets_as_kernels = 0  # memset nodes of topology-mode captures made grape_fill
-        # Kernel nodes of topology graphs launched in clusters of several blocks: a device-side
-        # update slows such a node for good (runtime/cublaslt.py), so there should be none.
+        # Kernel nodes of topology graphs launched in clusters of several blocks (a cuBLAS
+        # kernel that keeps its clusters): a device-side grid update slows and breaks such a
+        # node, so its grid is part of the topology (cuda_graph.node_records).
         self.cluster_kernel_nodes = 0
         self.not_kept_reason: str | None = None
         self._evicted_graphs = 0
@@ -326,7 +327,7 @@ class CudaGraphBackend:
                 captured_args=capture.region_args)
             region.graphs.append(topology_graph)
             self.graphs_instantiated += 1
-            self.cluster_kernel_nodes += sum(cluster_blocks(n.node) > 1 for n in nodes)
+            self.cluster_kernel_nodes += sum(n.cluster_blocks > 1 for n in nodes)
         else:
             driver.cuGraphDestroy(graph)  # the group's graph serves this shape too
             topology_graph = region.graphs[placed.table]

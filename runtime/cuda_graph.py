@@ -30,6 +30,13 @@ from .argument_table import NodeRecord
 from .cuda_driver import check, driver
 from .signature import nbytes
 
+
+def address_of(arg: Any) -> int:
+    """A region argument's device address: an executor buffer's ``Address`` is its own
+    value, a tensor's is its ``data_ptr()``, a dim passed by value has none (0)."""
+    return arg.data_ptr() if hasattr(arg, "data_ptr") else 0
+
+
 # A parameter wider than this is taken apart into 8-byte words: library kernels (cuBLAS)
 # take one struct of hundreds of bytes with the operands' addresses and sizes inside it,
 # and the patch kernel writes at most 16 bytes at a time (bench/results/probe_cublaslt.json).
@@ -46,6 +53,7 @@ class KernelNode:
     params: Any  # CUDA_KERNEL_NODE_PARAMS as captured
     layout: list[tuple[int, int]]  # (offset, size) of each field (``fields_of``)
     values: list[bytes]  # raw bytes of each field
+    cluster_blocks: int = 1  # blocks per thread-block cluster (``cluster_blocks``)
 
 
 @dataclass(frozen=True)
@@ -189,7 +197,8 @@ def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
         buffer = parameter_buffer(params, parameters)
         fields = fields_of(parameters)
         kernels.append(KernelNode(node, params, fields,
-                                  [buffer[offset:offset + size] for offset, size in fields]))
+                                  [buffer[offset:offset + size] for offset, size in fields],
+                                  cluster_blocks(node)))
     return CapturedNodes(kernels, memsets, memset_nodes)
 
 
@@ -277,8 +286,8 @@ class CapturedGraph(OwnedGraph):
         self.instantiate(stream)
 
     @staticmethod
-    def _addresses(region_args: Sequence[Any]) -> list[int | None]:
-        return [a.data_ptr() if hasattr(a, "data_ptr") else None for a in region_args]
+    def _addresses(region_args: Sequence[Any]) -> list[int]:
+        return [address_of(a) for a in region_args]
 
     def replay(self, region_args: Sequence[Any], stream) -> None:
         addresses = self._addresses(region_args)
@@ -286,7 +295,7 @@ class CapturedGraph(OwnedGraph):
             self._repoint(addresses)
         check(driver.cuGraphLaunch(self.exec, stream), "cuGraphLaunch")
 
-    def _repoint(self, addresses: list[int | None]) -> None:
+    def _repoint(self, addresses: list[int]) -> None:
         changed: dict[int, list[bytes]] = {}
         for s in self.slots:
             if addresses[s.arg] != self._bound[s.arg]:
@@ -339,7 +348,11 @@ def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> l
 
     Parameters that point into a region argument are part of the topology (which argument,
     at which offset); their field is zeros of their size (counted in a full table, never a
-    column): their value is the call's, not the shape's.
+    column): their value is the call's, not the shape's. So is the grid of a node launched in
+    clusters: on the H200 a device-side grid update of such a node (even to the grid it has)
+    leaves it launching slower and computing wrong results, while parameter updates leave it
+    right (``bench/results/device_updatable.clusters.json``: a clustered decode attention
+    kernel, tried on branch experiments/decode-attention-clusters).
     """
     by_node: dict[int, dict[int, PointerSlot]] = {}
     for s in slots:
@@ -348,10 +361,13 @@ def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> l
     for n, node in enumerate(nodes):
         p = node.params
         pointers = by_node.get(n, {})
+        grid = (p.gridDimX, p.gridDimY, p.gridDimZ)
         fixed = ((p.blockDimX, p.blockDimY, p.blockDimZ), p.sharedMemBytes,
                  tuple(size for _, size in node.layout),
                  tuple(sorted((i, s.arg, s.delta) for i, s in pointers.items())))
-        fields = ((p.gridDimX, p.gridDimY, p.gridDimZ),) + tuple(
+        if node.cluster_blocks > 1:
+            fixed += (grid,)
+        fields = (grid,) + tuple(
             bytes(len(v)) if i in pointers else v for i, v in enumerate(node.values))
         records.append(NodeRecord(int(p.func), fixed, fields))
     return records

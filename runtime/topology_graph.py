@@ -32,7 +32,7 @@ from .call_plan import Address
 from .call_program import MAX_GUARDS  # guards per launch: how deep a region may nest in ifs
 from .cuda_compile import CubinStore, RuntimeKernel, kernel_params
 from .cuda_driver import SUCCESS, check, driver
-from .cuda_graph import OwnedGraph, add_head_node
+from .cuda_graph import OwnedGraph, add_head_node, address_of
 
 MAX_PARAM_BYTES = 16  # the widest kernel parameter a column may patch
 # Dynamic shared memory the patch kernel stages into, at most: 48 KiB a block without an
@@ -259,20 +259,14 @@ def kernel_node_params(function, blocks: int, threads: int, shared_bytes: int, s
 
 def guard_address(where: Any) -> int:
     """The device address of a guard: a tensor's ``data_ptr()``, or an ``int`` address."""
-    address = where.data_ptr() if hasattr(where, "data_ptr") else where
-    if not isinstance(address, int) or address == 0:
+    address = where if isinstance(where, int) else address_of(where)
+    if address == 0:
         raise ValueError(f"a guard is a tensor or a nonzero device address, got {where!r}")
     return address
 
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
-
-
-def address_of(arg: Any) -> int:
-    """A region argument's device address: an executor buffer's ``Address`` is its own
-    value, a tensor's is its ``data_ptr()``, a dim passed by value has none (0)."""
-    return arg.data_ptr() if hasattr(arg, "data_ptr") else 0
 
 
 class LaunchRecord:

@@ -216,6 +216,34 @@ def test_pointer_parameters_into_region_arguments_are_topology_not_values():
     assert record.fields == ((3, 1, 1), bytes(8), (5).to_bytes(8, "little"))
 
 
+def test_the_grid_of_a_clustered_node_is_topology_not_a_field():
+    """A node launched in thread-block clusters keeps its grid: two shapes whose grids differ
+    get graphs of their own (a device-side grid update breaks such a node on the H200),
+    while their parameters still vary in one table; a node without clusters shares its
+    graph and patches its grid."""
+    from types import SimpleNamespace
+
+    from grape_tvm.runtime.argument_table import ArgumentTable, topology_of
+    from grape_tvm.runtime.cuda_graph import KernelNode, node_records
+
+    def records(grid_x: int, keys: int, cluster_blocks: int):
+        params = SimpleNamespace(blockDimX=128, blockDimY=1, blockDimZ=1, sharedMemBytes=0,
+                                 gridDimX=grid_x, gridDimY=12, gridDimZ=1, func=7)
+        node = KernelNode(None, params, [(0, 4)], [keys.to_bytes(4, "little")], cluster_blocks)
+        return node_records([node], [])
+
+    for cluster_blocks, shared in ((8, False), (1, True)):
+        a, b, c = records(8, 257, cluster_blocks), records(16, 257, cluster_blocks), \
+            records(8, 300, cluster_blocks)
+        assert (topology_of(a) == topology_of(b)) == shared
+        table = ArgumentTable(a)
+        table.add(c)  # the same grid: one table, the keys a column
+        assert table.columns == [(0, 1)]
+        if shared:
+            table.add(b)
+            assert table.columns == [(0, 1), (0, 0)]  # the grid patched per shape
+
+
 def test_a_memset_into_a_region_argument_is_not_kept():
     """A memset's address is fixed in the graph: one into a region argument (which a later
     call may move) makes the graph unfit to keep; one into other memory is fine."""

@@ -789,9 +789,10 @@ def test_cublaslt_attention_products_equal_numpy(dtype):
 def test_decode_attention_equals_numpy(name):
     """A decode step's attention, ``softmax(q @ k^T / sqrt(d) + mask) @ v`` with one query
     row, on grape's decode attention kernel (``passes.FuseAttention``), at pasts p from 1 to
-    1024 (inside, at and past a warp's 32 keys and a block's 256) and batches 1 and 3, a
-    mask input with some keys at the dtype's lowest value, first seen and replayed at new
-    addresses in a random order: every output equals numpy's float64."""
+    1024 (inside, at and past a warp's 32 keys and a block's 256) and batches 1, 3 and 8
+    (12, 36 and 96 rows: split or not), a mask input with some keys at the dtype's lowest
+    value, first seen and replayed at new addresses in a random order: every output equals
+    numpy's float64."""
     import sys  # pylint: disable=import-outside-toplevel
 
     from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
@@ -804,7 +805,7 @@ def test_decode_attention_equals_numpy(name):
     assert "grape.decode_attention.fused_bias" in kernels, kernels
     dtype, head_dim = name.split("_")[2], int(name.split("_d")[-1])
     rng = np.random.default_rng(7)
-    shapes = [(b, p) for b in (1, 3) for p in (1, 2, 31, 33, 255, 256, 257, 1024)]
+    shapes = [(b, p) for b in (1, 3, 8) for p in (1, 2, 31, 33, 255, 256, 257, 1024)]
     tolerance = 1e-5 if dtype == "float32" else 1e-2
     worst = 0.0
     try:

@@ -459,7 +459,7 @@ def build_library(out: Path) -> None:
         for head_dim in (64, 128):
             name = f"decode_attention_{dtype}_d{head_dim}"
             module = _timed(name, lambda d=dtype, hd=head_dim: grape_tvm.build(
-                attention_products(d, head_dim=hd, mask=True), {"b": (1, 4), "p": (1, 1024)},
+                attention_products(d, head_dim=hd, mask=True), {"b": (1, 8), "p": (1, 1024)},
                 CUDA, output_names=["o"]))
             module.export(out / f"{name}.cuda.grape")
     # grape's fused attention kernel (passes.FuseAttention): causal and with a bias input,

@@ -198,16 +198,38 @@ def read_nodes(graph, layouts: dict | None = None) -> CapturedNodes:
         fields = fields_of(parameters)
         kernels.append(KernelNode(node, params, fields,
                                   [buffer[offset:offset + size] for offset, size in fields],
-                                  cluster_blocks(node)))
+                                  cluster_blocks(node, params)))
     return CapturedNodes(kernels, memsets, memset_nodes)
 
 
-def cluster_blocks(node) -> int:
-    """The blocks per thread-block cluster a kernel node is launched with (1: no clusters)."""
+# The most blocks a thread-block cluster may have (sm_90, non-portable sizes included).
+MAX_CLUSTER_BLOCKS = 16
+
+
+def cluster_blocks(node, params=None) -> int:
+    """The blocks per thread-block cluster a kernel node is launched with (1: no clusters).
+    ``params``: its CUDA_KERNEL_NODE_PARAMS, read where not given."""
     dim = check(driver.cuGraphKernelNodeGetAttribute(
         node, driver.CUkernelNodeAttrID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION),
         "cuGraphKernelNodeGetAttribute(cluster)").clusterDim
-    return max(dim.x, 1) * max(dim.y, 1) * max(dim.z, 1)
+    if params is None:
+        params = check(driver.cuGraphKernelNodeGetParams(node), "cuGraphKernelNodeGetParams")
+    return cluster_size((dim.x, dim.y, dim.z), (params.gridDimX, params.gridDimY,
+                                                params.gridDimZ))
+
+
+def cluster_size(dims: Sequence[int], grid: Sequence[int]) -> int:
+    """Blocks per cluster of cluster dims ``dims`` read from a node of grid ``grid``; 1 where
+    they are no cluster. The driver leaves the attribute of a node launched without one
+    unset, and reads back whatever it holds (on the H200, for one of PyTorch's kernels,
+    (100, 0, 843995743)): a cluster has every dim at least 1, dividing the grid's, and at
+    most ``MAX_CLUSTER_BLOCKS`` blocks."""
+    blocks = 1
+    for d, g in zip(dims, grid):
+        if d < 1 or g % d:
+            return 1
+        blocks *= d
+    return blocks if blocks <= MAX_CLUSTER_BLOCKS else 1
 
 
 def check_memsets(memsets: Sequence[MemsetNode], region_args: Sequence[Any]) -> None:

@@ -260,7 +260,7 @@ def kernel_node_params(function, blocks: int, threads: int, shared_bytes: int, s
 def guard_address(where: Any) -> int:
     """The device address of a guard: a tensor's ``data_ptr()``, or an ``int`` address."""
     address = where if isinstance(where, int) else address_of(where)
-    if address == 0:
+    if not isinstance(address, int) or address == 0:
         raise ValueError(f"a guard is a tensor or a nonzero device address, got {where!r}")
     return address
 

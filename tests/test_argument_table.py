@@ -244,6 +244,20 @@ def test_the_grid_of_a_clustered_node_is_topology_not_a_field():
             assert table.columns == [(0, 1), (0, 0)]  # the grid patched per shape
 
 
+def test_cluster_dims_read_back_are_a_cluster_only_where_they_can_be():
+    """``cluster_size``: dims that divide the grid, at least 1 and at most 16 blocks in all,
+    are a cluster; the unset attribute's leftovers (as read on the H200) are none."""
+    from grape_tvm.runtime.cuda_graph import cluster_size
+
+    assert cluster_size((8, 1, 1), (16, 12, 1)) == 8
+    assert cluster_size((2, 2, 1), (4, 6, 3)) == 4
+    assert cluster_size((1, 1, 1), (5, 1, 1)) == 1
+    assert cluster_size((0, 0, 0), (5, 1, 1)) == 1
+    assert cluster_size((100, 0, 843995743), (4096, 1, 1)) == 1
+    assert cluster_size((3, 1, 1), (8, 1, 1)) == 1  # not a divisor of the grid
+    assert cluster_size((32, 1, 1), (64, 1, 1)) == 1  # more blocks than a cluster holds
+
+
 def test_a_memset_into_a_region_argument_is_not_kept():
     """A memset's address is fixed in the graph: one into a region argument (which a later
     call may move) makes the graph unfit to keep; one into other memory is fine."""

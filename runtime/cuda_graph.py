@@ -374,7 +374,7 @@ def node_records(nodes: Sequence[KernelNode], slots: Sequence[PointerSlot]) -> l
     clusters: on the H200 a device-side grid update of such a node (even to the grid it has)
     leaves it launching slower and computing wrong results, while parameter updates leave it
     right (``bench/results/device_updatable.clusters.json``: a clustered decode attention
-    kernel, tried on branch experiments/decode-attention-clusters).
+    kernel, tried in bench/experiments/decode_attention_clusters.patch).
     """
     by_node: dict[int, dict[int, PointerSlot]] = {}
     for s in slots:

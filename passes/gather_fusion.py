@@ -7,7 +7,8 @@ from tvm.ir.expr import TensorLoad
 from tvm.ir.transform import PassContext, module_pass
 from tvm_ffi.structural import structural_walk
 
-from .concat_fusion import opaque_as_injective, single_spatial_store
+from .concat_fusion import single_spatial_store
+from .op_pattern import opaque_as_injective
 
 
 def is_gather(func: tirx.PrimFunc) -> bool:

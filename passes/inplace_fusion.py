@@ -9,7 +9,8 @@ from tvm.ir import Op
 from tvm.ir.expr import TensorLoad
 from tvm.ir.transform import PassContext, module_pass
 
-from .concat_fusion import INJECTIVE, single_spatial_store
+from .concat_fusion import single_spatial_store
+from .op_pattern import INJECTIVE
 from .var_reads import emit_as, read_counts
 
 _CALL_TIR = Op.get("relax.call_tir")

@@ -28,8 +28,9 @@ when a shape changes it), runs slower on every later launch: four fp16 (128, 768
 setting the nodes again from the host restored them (bench/results/device_updatable.json).
 A clustered decode attention kernel of grape's also computed wrong results after such an
 update (device_updatable.clusters.json), so a clustered node's grid is part of its topology
-(``cuda_graph.node_records``); with 1x1x1 clusters the topologies of a region stay fewer.
-With 1x1x1 clusters GPT-2's fp16 prefill at 128 tokens takes 500.5 us a call in a topology graph against 489.2 in a per-shape graph
+(``cuda_graph.node_records``): with cuBLASLt's clusters, a region would have a topology per
+grid. With 1x1x1 clusters GPT-2's fp16 prefill at 128 tokens takes 500.5 us a call in a
+topology graph against 489.2 in a per-shape graph
 (bench/results/topology_variants.e4b8a95.json), and a per-shape graph about as long as with
 cuBLASLt's clusters (491.7 against 500.2 us; the MLP of the GPU tests 14.3 against 13.4:
 topology_variants.b111ffc.json).

@@ -5,7 +5,9 @@ A GPT-2-style decoder with a static KV cache (``bench/models.py:decoder_step``,
 ``DECODER_BENCH``; weights from a seed, made here), batch 1 and 8, up to 256 new tokens.
 The host-driven loops read the stop flag back after every token, as a Python decode loop
 does; the device loop decides on the GPU. Each run starts from the same state, uploaded
-before the clock starts.
+before the clock starts. Where ``ARTIFACTS/sequential_launch/`` holds the decoder's loop
+built without programmatic dependent launch (``build_artifacts.py``'s ``sequential_launch``
+step), its two grape systems run beside the default build's in the same run.
 
     python3 bench/decode_loop.py --artifacts build/gpu --out OUT_DIR
 """
@@ -33,6 +35,10 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
 
 MODELS = {"decoder": DECODER_BENCH, "decoder_small": DECODER_SMALL}  # artifact name: config
 SYSTEMS = ("vm_loop", "grape_per_token", "grape_device_loop")
+# The same loops built without programmatic dependent launch (build_artifacts.py's
+# sequential_launch step), timed in the same run where that build exists.
+SEQUENTIAL_DIR = "sequential_launch"
+SEQUENTIAL_SYSTEMS = ("grape_per_token_sequential", "grape_device_loop_sequential")
 
 
 class Setup:
@@ -50,9 +56,17 @@ class Setup:
                                   config["max_len"], seed=0)
         bound = {"eos": np.array([eos], np.int32), **weights}
         path = artifacts / f"{name}.loop.cuda.grape"
-        self.device_loop = grape_tvm.load_loop(path, "cuda", mode="device")
-        self.host_loop = grape_tvm.load_loop(path, "cuda", mode="host")
-        for loop in (self.device_loop, self.host_loop):
+        sequential = artifacts / SEQUENTIAL_DIR / f"{name}.loop.cuda.grape"
+        # system -> the loop it runs
+        self.loops = {"grape_per_token": grape_tvm.load_loop(path, "cuda", mode="host"),
+                      "grape_device_loop": grape_tvm.load_loop(path, "cuda", mode="device")}
+        if sequential.exists():
+            self.loops["grape_per_token_sequential"] = grape_tvm.load_loop(
+                sequential, "cuda", mode="host")
+            self.loops["grape_device_loop_sequential"] = grape_tvm.load_loop(
+                sequential, "cuda", mode="device")
+        self.systems = SYSTEMS + tuple(s for s in SEQUENTIAL_SYSTEMS if s in self.loops)
+        for loop in self.loops.values():
             loop.bind_inputs(bound)
         library, _, self.dev = load_library(artifacts / f"{name}.tvm_vm.cuda.grape", "cuda")
         self.vm = VirtualMachine(library, self.dev)
@@ -60,7 +74,7 @@ class Setup:
 
     def set_eos(self, eos: int) -> None:
         value = np.array([eos], np.int32)
-        for loop in (self.device_loop, self.host_loop):
+        for loop in self.loops.values():
             loop.bind_inputs({"eos": value})
         self.fixed[0] = self.tvm.runtime.tensor(value, self.dev)
 
@@ -71,8 +85,8 @@ class Setup:
         return {k: self.tvm.runtime.tensor(v, self.dev) for k, v in state.items()}
 
     def close(self) -> None:
-        self.device_loop.close()
-        self.host_loop.close()
+        for loop in self.loops.values():
+            loop.close()
 
 
 def vm_loop(s: Setup, state: dict, max_steps: int) -> tuple[dict, int]:
@@ -89,8 +103,8 @@ def vm_loop(s: Setup, state: dict, max_steps: int) -> tuple[dict, int]:
 def run_system(s: Setup, system: str, batch: int, max_steps: int) -> dict:
     """One generation from the initial state: seconds, steps, tokens, host seconds."""
     state = s.initial(batch)
-    if system == "grape_device_loop":
-        loop = s.device_loop
+    if system.startswith("grape_device_loop"):
+        loop = s.loops[system]
         # The loop's own buffers, reset to the initial state before the clock starts: the
         # timed call finds the state where it already is.
         warm = loop.run(state, max_steps=1).state
@@ -107,7 +121,7 @@ def run_system(s: Setup, system: str, batch: int, max_steps: int) -> dict:
     if system == "vm_loop":
         final, steps = vm_loop(s, state, max_steps)
     else:
-        result = s.host_loop.run(state, max_steps)
+        result = s.loops[system].run(state, max_steps)
         final, steps = result.state, result.steps
     s.dev.sync()
     seconds = time.perf_counter() - t0
@@ -116,13 +130,13 @@ def run_system(s: Setup, system: str, batch: int, max_steps: int) -> dict:
 
 def measure(s: Setup, max_new_tokens: int, reps: int) -> dict:
     """Every system at batch 1 and 8: tokens/s, us per step, device-loop host time."""
-    tokens_per_s: dict[str, dict[str, float]] = {k: {} for k in SYSTEMS}
-    step_us: dict[str, dict[str, float]] = {k: {} for k in SYSTEMS}
+    tokens_per_s: dict[str, dict[str, float]] = {k: {} for k in s.systems}
+    step_us: dict[str, dict[str, float]] = {k: {} for k in s.systems}
     host_us_per_token: dict[str, float] = {}
     identical, steps_seen = True, {}
     for batch in (1, 8):
         reference = None
-        for system in SYSTEMS:
+        for system in s.systems:
             run_system(s, system, batch, max_new_tokens)  # warm: records, builds graphs
             runs = [run_system(s, system, batch, max_new_tokens) for _ in range(reps)]
             seconds = statistics.median(r["s"] for r in runs)
@@ -161,9 +175,9 @@ def main() -> None:
         found["config"] = config
         s.close()
         models[name] = found
-        print(f"{'tokens/s':18s} {'batch 1':>10s} {'batch 8':>10s}")
-        for system in SYSTEMS:
-            print(f"{system:18s} " + " ".join(f"{found['tokens_per_s'][system][b]:10.0f}"
+        print(f"{'tokens/s':28s} {'batch 1':>10s} {'batch 8':>10s}")
+        for system in s.systems:
+            print(f"{system:28s} " + " ".join(f"{found['tokens_per_s'][system][b]:10.0f}"
                                               for b in ("1", "8")))
         print("device loop / per-token launches:",
               {b: round(v, 2) for b, v in found["speedup"].items()},
@@ -180,6 +194,11 @@ def main() -> None:
         "step_us": main_model["step_us"],
         "host_us_per_token": {"grape_device_loop": main_model["host_us_per_token"]["1"]},
         "device_loop_speedup_over_per_token": main_model["speedup"],
+        # the device loop's step built without programmatic dependent launch over the default
+        "sequential_launch_over_default": {
+            b: main_model["step_us"]["grape_device_loop_sequential"][b]
+            / main_model["step_us"]["grape_device_loop"][b] for b in ("1", "8")}
+        if "grape_device_loop_sequential" in main_model["step_us"] else None,
         "tokens_identical": all(m["identical"] and m["early_stop"]["identical"]
                                 for m in models.values()),
         "models": models,
@@ -195,7 +214,7 @@ def early_stop_check(s: Setup) -> dict:
     free = run_system(s, "vm_loop", 1, 64)["tokens"]
     eos = int(free[0, 40])
     s.set_eos(eos)
-    runs = {system: run_system(s, system, 1, 256) for system in SYSTEMS}
+    runs = {system: run_system(s, system, 1, 256) for system in s.systems}
     steps = {k: r["steps"] for k, r in runs.items()}
     same = all(np.array_equal(r["tokens"], runs["vm_loop"]["tokens"]) for r in runs.values())
     out = {"eos": eos, "steps": steps, "identical": same and len(set(steps.values())) == 1}

@@ -7,6 +7,8 @@ artifacts are built on the CPU machine by ``bench/gpu/build_artifacts.py`` (``bu
 Systems:
 
 - ``grape``: grape-tvm (``load(..., "cuda")``, weights bound once, caches kept on the device)
+- ``grape_sequential_launch`` (decode step only, where ``ARTIFACTS/sequential_launch/`` holds
+  it): the same built without programmatic dependent launch
 - ``tvm_vm``: TVM's VM on TVM's own CUDA build of the same imported module
 - ``vm_grape_kernels``: TVM's VM on grape's library (grape's kernels, launched one by one)
 - ``tvm_cuda_graph``: the same with TVM's CUDA-graph option (``relax.backend.use_cuda_graph``)
@@ -51,8 +53,11 @@ from export_hf import (  # noqa: E402  pylint: disable=wrong-import-position
 
 PAST = [1, 64, 256, 512, 1024]
 PREFILL_LENGTHS = (16, 128, 512, 1024)  # prompt lengths the prefill is timed at
-STEP_SYSTEMS = ["grape", "vm_grape_kernels", "tvm_vm", "tvm_cuda_graph", "torch_eager",
-                "torch_graph_per_shape", "torch_compiled"]
+STEP_SYSTEMS = ["grape", "grape_sequential_launch", "vm_grape_kernels", "tvm_vm",
+                "tvm_cuda_graph", "torch_eager", "torch_graph_per_shape", "torch_compiled"]
+# The decode step built without programmatic dependent launch (build_artifacts.py's
+# sequential_launch step): timed as "grape_sequential_launch" where it exists.
+SEQUENTIAL_DIR = "sequential_launch"
 GEN_SYSTEMS = ["torch_eager", "torch_compiled", "tvm_vm", "tvm_cuda_graph", "vm_grape_kernels",
                "grape", "graph_per_shape"]
 AUDIO_SECONDS = [1, 2, 4, 8, 16]
@@ -268,7 +273,13 @@ class Gpt2Bench:
         self.grape = {m: env.load(m) for m in ("gpt2_prefill", "gpt2_decode")}
         self.dev = self.grape["gpt2_decode"].device
         self.weights = {k: tvm.runtime.tensor(v, self.dev) for k, v in weights_np.items()}
-        for ex in self.grape.values():
+        sequential = env.artifacts / SEQUENTIAL_DIR / env.path("gpt2_decode").name
+        self.sequential = None
+        if env.cuda and sequential.exists():
+            from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+            self.sequential = load(sequential, "cuda")
+        for ex in [*self.grape.values(), *([self.sequential] if self.sequential else [])]:
             ex.bind_inputs({k: self.weights[k] for k in self._input_names(ex) if k in self.weights})
         self.vms: dict[str, dict] = {}
         baselines = env.artifacts / "hf_baselines.json"
@@ -355,6 +366,11 @@ class Gpt2Bench:
                 self.grape_sync(ex)
 
             calls["grape"] = grape
+            if self.sequential is not None:
+                def sequential(ex=self.sequential):
+                    ex.run(feeds, return_numpy=False)
+                    self.grape_sync(ex)
+                calls["grape_sequential_launch"] = sequential
             for system, vms in self.vms.items():
                 def vm(v=vms["gpt2_decode"]):
                     v(feeds)
@@ -710,6 +726,8 @@ def run_gpt2(env: Env, args) -> dict:
     # few graphs can read 0 or less: a ratio is only meaningful above that granularity.
     if memory.get("grape", 0) > 0 and memory.get("graph_per_shape", 0) > 0:
         result["graph_memory_per_shape_over_grape"] = memory["graph_per_shape"] / memory["grape"]
+    if bench.sequential is not None:
+        bench.sequential.close()
     for ex in (*[e for pair in fresh.values() for e in pair], *bench.grape.values()):
         ex.close()
     return result

@@ -17,6 +17,7 @@ from tvm_ffi.structural import structural_equal
 import grape_tvm
 from grape_tvm.artifact import Artifact
 from grape_tvm.passes import HostFallbackError, graph_plan
+from grape_tvm.passes.dependent_launch import supports_dependent_launch
 from grape_tvm.passes.planned_memory import planned_bytes
 from grape_tvm.pipeline import grape_pipeline, is_gpu, matmul_implementation
 from grape_tvm.runtime.call_program import CallProgram
@@ -105,9 +106,11 @@ def _cuda_sources(executable) -> list[str]:
 
 
 def _lower(mod: tvm.IRModule, tgt, ranges, select_ops: int = 16, matmul: str | None = None,
-           device_branches: bool = True, weights: Sequence[int] = ()) -> tvm.IRModule:
+           device_branches: bool = True, weights: Sequence[int] = (),
+           dependent_launch: bool = True) -> tvm.IRModule:
     try:
-        return grape_pipeline(tgt, ranges, select_ops, device_branches, matmul, weights)(mod)
+        return grape_pipeline(tgt, ranges, select_ops, device_branches, matmul, weights,
+                              dependent_launch)(mod)
     except Exception as err:  # pylint: disable=broad-except
         # A Python pass's exception crosses TVM's FFI as a plain error carrying the text:
         # give the kernel check its own type back, so callers can catch it.
@@ -142,7 +145,8 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
           prebuild_cubin: bool = True, select_ops: int = 16,
           device_branches: bool = True, max_memory: int = DEFAULT_MAX_MEMORY,
           dim_names: Mapping[str, str] | None = None, matmul: str | None = None,
-          tensor_parallel: int = 1, weights: Sequence[str] = ()) -> GrapeModule:
+          tensor_parallel: int = 1, weights: Sequence[str] = (),
+          dependent_launch: bool = True) -> GrapeModule:
     """Compile a Relax module whose ``main`` takes tensors with symbolic dimensions.
 
     ``dims`` maps each symbolic dimension to its declared range ``(lo, hi)``; memory is
@@ -176,7 +180,11 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     weights); the build may take one in another layout, which the executor makes once as
     it binds it (a [K, N] matmul weight is read [N, K]: ``StoreWeightsTransposed``;
     ``plan["transposed_inputs"]`` names them), and such an input must then be bound, not
-    passed to ``run``.
+    passed to ``run``; a GEMV kernel may also load such a weight before the kernel it
+    depends on has finished (``dependent_launch``). ``dependent_launch`` (CUDA, sm_90 and
+    up): every kernel is launched while the one before it ends (programmatic dependent
+    launch, ``passes.ProgrammaticDependentLaunch``); ``plan["dependent_launch"]`` says
+    whether the build did.
     """
     tgt = parse_target(target)
     parallel = output_axes = None
@@ -196,7 +204,8 @@ def build(mod: tvm.IRModule, dims: Mapping[str, Any] | None = None, target: Any 
     executable, plan = _compile_with_fallbacks(
         mod, tgt, ranges, select_ops, device_branches, matmul,
         lambda lowered: _check_planned_memory(lowered, ranges, max_memory, dim_names),
-        tuple(i for i, spec in enumerate(signature.inputs) if spec.name in named))
+        tuple(i for i, spec in enumerate(signature.inputs) if spec.name in named),
+        dependent_launch)
     plan["transposed_inputs"] = [signature.inputs[i].name for i in plan["transposed_inputs"]]
     for region in plan["regions"]:
         region["symbolic_vars"] = [dim_names.get(v, v) for v in region["symbolic_vars"]]
@@ -304,7 +313,7 @@ def _mode_name(select_ops: int, device_branches: bool) -> str:
 
 def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
                             device_branches: bool, matmul: str, check_lowered,
-                            weights: Sequence[int] = ()):
+                            weights: Sequence[int] = (), dependent_launch: bool = True):
     """Lower and compile ``mod``: TVM's executable and grape's plan. A failure of a module
     with an ``if`` may be one of grape's rewrites of it (a select, a conditional region)
     that lowering or codegen cannot take: the build then tries again without them, warns,
@@ -316,11 +325,12 @@ def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
     notes, first = [], None
     for i, (ops, on_device) in enumerate(modes):
         try:
-            lowered = _lower(mod, tgt, ranges, ops, matmul, on_device, weights)
+            lowered = _lower(mod, tgt, ranges, ops, matmul, on_device, weights, dependent_launch)
             check_lowered(lowered)
             plan = graph_plan(lowered).to_json()
             plan["notes"] += notes
             plan["matmul"] = matmul
+            plan["dependent_launch"] = dependent_launch and supports_dependent_launch(tgt)
             return tvm.compile(lowered, target=tgt, relax_pipeline=None), plan
         except (HostFallbackError, PlannedMemoryError):
             raise

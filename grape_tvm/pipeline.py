@@ -20,6 +20,7 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, NarrowIndices,
+                              ProgrammaticDependentLaunch,
                               SliceIntoConvPadding,
                               SplitAsSlices, StoreWeightsTransposed, gpu_legalize_passes,
                               numerics_legalize_map)
@@ -90,8 +91,10 @@ class GrapePipeline:
     def __init__(self, target: tvm.target.Target | None = None,
                  dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
                  select_ops: int = 16, device_branches: bool = True,
-                 matmul: str | None = None, weights: Sequence[int] = ()):
+                 matmul: str | None = None, weights: Sequence[int] = (),
+                 dependent_launch: bool = True):
         self.target = target
+        self.dependent_launch = dependent_launch
         self.dims = dict(dims or {})
         self.select_ops = select_ops
         self.device_branches = device_branches
@@ -173,7 +176,18 @@ class GrapePipeline:
                 # dlight schedules GPU reductions itself).
                 passes.append(HoistReductionInit())
             passes.append(InlineBranches())
-            passes += lowering.dataflow_lower_passes(target) + _finalize_passes(self.device_branches)
+            lower = lowering.dataflow_lower_passes(target)
+            if is_gpu(target) and self.dependent_launch:
+                # Each kernel launched while the one before it ends (sm_90 and up); after
+                # RewriteDataflowReshape, which finds reshapes by their PrimFuncs' bodies
+                # (a view then, not a kernel).
+                names = [p.info.name for p in lower]
+                if "RewriteDataflowReshape" not in names:
+                    raise RuntimeError("TVM's dataflow lowering has no RewriteDataflowReshape: "
+                                       "ProgrammaticDependentLaunch must follow it")
+                lower.insert(names.index("RewriteDataflowReshape") + 1,
+                             ProgrammaticDependentLaunch(target, self.weights))
+            passes += lower + _finalize_passes(self.device_branches)
             # A fused function taking a scalar and a shape: its scalars as dims, else TVM's
             # FuseTIR fails on it (passes/fused_scalars.py).
             return tvm.transform.Sequential(before_fuse_tir(passes))(mod)
@@ -198,7 +212,8 @@ def matmul_implementation(target: tvm.target.Target, asked: str | None) -> str:
 def grape_pipeline(target: tvm.target.Target | None = None,
                    dims: Mapping[str, ShapeRange | tuple[int, int]] | None = None,
                    select_ops: int = 16, device_branches: bool = True,
-                   matmul: str | None = None, weights: Sequence[int] = ()) -> tvm.transform.Pass:
+                   matmul: str | None = None, weights: Sequence[int] = (),
+                   dependent_launch: bool = True) -> tvm.transform.Pass:
     """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes.
 
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
@@ -213,8 +228,11 @@ def grape_pipeline(target: tvm.target.Target | None = None,
     condition); False leaves them to the VM, which reads it. ``weights``: positions of
     ``main``'s parameters the caller binds once (``bind_inputs``); a [K, N] matmul weight
     among them is taken [N, K] (``StoreWeightsTransposed``) and transposed as it is bound.
+    ``dependent_launch``: on CUDA sm_90 and up, every kernel launched while the one before
+    it ends (``ProgrammaticDependentLaunch``).
     """
-    return GrapePipeline(target, dims, select_ops, device_branches, matmul, weights)
+    return GrapePipeline(target, dims, select_ops, device_branches, matmul, weights,
+                         dependent_launch)
 
 
 if "grape" not in relax.pipeline.PIPELINE_MAP:

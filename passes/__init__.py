@@ -44,6 +44,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   by ranks); ``InputForVarlessCalls``: its position computations made kernels the
   sharding propagation can place (``compile_onnx(tensor_parallel=N)``).
 - ``NarrowIndices``: 32-bit indices in GPU kernels whose buffers stay below 2^31 elements.
+- ``ProgrammaticDependentLaunch``: every GPU kernel launched while the one before it ends
+  (sm_90+), a GEMV's weights loaded before it waits for that kernel.
 - ``FuseAttention``: 16-bit ``softmax(q k^T * scale + bias) v`` as one call of grape's fused
   attention kernel (q, k, v read in place from a qkv product, a causal mask as its causal
   mode; CUDA); a decode step's (a few query rows, fp32 too) as one call of its decode
@@ -87,6 +89,7 @@ from .tensor_parallel import CollectivesAsLibraryCalls, LocalParams, LowerTensor
 from .megatron import InputForVarlessCalls, MegatronError, ShardMegatron
 from .fused_attention import FuseAttention
 from .narrow_indices import NarrowIndices
+from .dependent_launch import ProgrammaticDependentLaunch
 from .weight_transpose import FuseWeightTranspose, StoreWeightsTransposed
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
@@ -130,6 +133,7 @@ __all__ = [
     "ShardMegatron",
     "FuseAttention",
     "NarrowIndices",
+    "ProgrammaticDependentLaunch",
     "FusedScalarsAsDims",
     "GraphPlan",
     "HoistBranchStorage",

@@ -40,8 +40,14 @@ from tvm.s_tir.dlight.analysis import normalize_prim_func
 from tvm.s_tir.dlight.base import ScheduleRule, try_inline_contiguous_spatial
 from tvm_ffi.structural import structural_map, structural_walk
 
+from .dependent_launch import WEIGHTS_FIRST
+
 BUCKETS = (1, 2, 4, 8)
 GEMV_MARK = "grape_gemv_rows"  # block annotation: a GEMV kernel's partial sums, rows of M a block
+# The most of a thread's share of the weights held in registers (``weights_first``): 64
+# 32-bit registers; GPT-2's layers need 12 to 48 in fp32 (48 for the MLP down projection,
+# K = 3072: 64 threads along K, one row a thread).
+WEIGHT_REGISTER_BYTES = 256
 
 
 @dataclass(frozen=True)
@@ -451,6 +457,12 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig,
         cached["x"] = ku
     elif "x" in pads:
         sch.compute_inline(pads.pop("x"))
+    # (a prologue's statistics read x first: the wait comes before them, and the weights'
+    # early loads would buy nothing)
+    if weights_first(shape, c) and "w" not in pads and not prologue:
+        _weights_in_registers(sch, partial, found.weight.source, tx)
+        del cached["w"]
+        sch.unroll(ko)
     for operand, loop in cached.items():
         if operand in pads:
             reg = pads[operand]
@@ -496,6 +508,38 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig,
     # the epilogue: each output once, by the thread row that summed it
     sch.reverse_compute_at(epilogue, o_thread, preserve_unit_loops=True)
     return sch
+
+
+def weights_first(shape: GemvShape, config: GemvConfig) -> bool:
+    """Whether a kernel of ``config`` loads its thread's whole share of the weights into
+    registers before anything else (``_weights_in_registers``): weights ``[N, K]``, at
+    most ``WEIGHT_REGISTER_BYTES`` a thread."""
+    if shape.layout != "nk":
+        return False
+    size = tvm.DataType(shape.dtype).bits // 8
+    return config.per_thread_n * (shape.k // config.threads_k) * size <= WEIGHT_REGISTER_BYTES
+
+
+def _weights_in_registers(sch: s_tir.Schedule, partial, weight: tirx.Buffer, thread) -> None:
+    """The thread's share of the weights (``per_thread_n`` rows, K / threads_k of each) in
+    registers, loaded first under ``thread`` as 16-byte vectors, then summed from there.
+
+    Loaded before the kernel reads anything another kernel wrote, they are in flight while
+    the kernel waits for the kernel before it (``ProgrammaticDependentLaunch`` puts its wait
+    after the block marked ``WEIGHTS_FIRST``). The cache is indexed by (n, k lane, k-step,
+    unrolled step, element of the vector), of which a thread touches ``per_thread_n`` rows
+    and one k lane: TVM keeps that much, in registers, where ``cache_read``'s region would
+    span the strided k of the whole row."""
+    index = next(i for i, r in enumerate(sch.get(partial).reads) if r.source.same_as(weight))
+    # partial's iters: (tk, row of M, n, ko, ku, kv)
+    reg = sch.reindex_cache_read(partial, index, "local",
+                                 lambda tk, m, n, ko, ku, kv: (n, tk, ko, ku, kv))
+    sch.compute_at(reg, thread, preserve_unit_loops=True)
+    sch.annotate(reg, WEIGHTS_FIRST, 1)
+    *outer, lanes = sch.get_loops(reg)[4:]  # below blockIdx.y/x, threadIdx.y/x
+    for loop in outer:
+        sch.unroll(loop)
+    sch.vectorize(lanes)
 
 
 def _row_stats_in_block(sch: s_tir.Schedule, normed: str, bx, ty_extent: int,

@@ -26,6 +26,11 @@ using std::max;
 using std::min;
 static inline float rsqrtf(float v) { return 1.0f / std::sqrt(v); }
 
+// Programmatic dependent launch (TVM's helpers for griddepcontrol): kernels here run one
+// after another, so a kernel's wait has nothing to wait for, and no kernel launches early.
+static inline void tvm_builtin_ptx_griddepcontrol_wait() {}
+static inline void tvm_builtin_ptx_griddepcontrol_launch_dependents() {}
+
 typedef _Float16 half;
 typedef _Float16 __half;
 struct dim3_ { unsigned x, y, z; };

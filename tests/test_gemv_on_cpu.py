@@ -27,6 +27,7 @@ from tvm import tirx
 from tvm_ffi.structural import structural_walk
 
 from grape_tvm.passes import DecodeGemv
+from grape_tvm.passes.dependent_launch import PDL_LAUNCH_TAG
 from grape_tvm.passes.gemv_schedule import gemv_config, match_gemv
 from test_gemv import CUDA, _lowered, _matmul, _the_kernel
 
@@ -115,7 +116,8 @@ class CpuKernels:
 
         walk(self.host.body)
         (call,) = found
-        launch_params = list(call.attrs.launch_params)
+        # a flag (programmatic dependent launch) takes no argument
+        launch_params = [p for p in call.attrs.launch_params if p != PDL_LAUNCH_TAG]
         count = len(call.args) - 1 - len(launch_params)
         args = [call.args[1 + i] for i in range(count)]  # pointers stay expressions
         args = [ana.simplify(a) if str(a.ty).startswith("int") else a for a in args]

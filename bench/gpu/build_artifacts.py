@@ -32,6 +32,13 @@
   and TVM's own builds of them, ``gpt2_{prefill,decode}.{tvm_vm,tvm_cuda_graph}.cuda.grape``
   (``hf_baselines.json`` says how each was built, or why not), for ``bench/hf_models.py``;
   the same in fp16: ``gpt2_{prefill,decode}_fp16*`` (``hf_models.py --dtype float16``).
+- ``decode_variants/{chunked,chunked_sequential}.cuda.grape``: GPT-2's decode step with the
+  GEMV kernels' weights loaded a chunk at a time, with and without programmatic dependent
+  launch (``bench/decode_step_variants.py``).
+- ``pdl_chain``: the executable of ``bench/kernels/pdl_chain.cu`` (``bench/pdl_chain.py``).
+- ``sequential_launch/{decoder.loop,gpt2_decode}.cuda.grape``: the same two built without
+  programmatic dependent launch (``build(dependent_launch=False)``), which
+  ``bench/decode_loop.py`` and ``bench/hf_models.py`` time beside the default builds.
 - ``gemv_{kn,nk}_{float32,float16}.cuda.grape``: two matmuls with symbolic rows m = 1..1024
   (``models.gemv_test_relax``: one with bias and GELU, one with bias; weights [K, N] and
   [N, K]) on grape's GEMV kernels and dlight's Matmul above 8 rows (tests).
@@ -59,6 +66,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -167,9 +175,10 @@ def build_loop_tiny(out: Path) -> None:
     build_loop(out, (("decoder_tiny", DECODER_TINY),))
 
 
-def build_loop(out: Path, configs=(("decoder", DECODER_BENCH), ("decoder_small", DECODER_SMALL))
-               ) -> None:
-    """The decode loop: grape's ``compile_loop`` and TVM's default build of the same step."""
+def build_loop(out: Path, configs=(("decoder", DECODER_BENCH), ("decoder_small", DECODER_SMALL)),
+               baselines: bool = True, dependent_launch: bool = True) -> None:
+    """The decode loop: grape's ``compile_loop`` and (``baselines``) TVM's default build of
+    the same step."""
     for name, config in configs:
         step = decoder_step(**config)
         carried = decoder_state_names(config["layers"])
@@ -177,8 +186,10 @@ def build_loop(out: Path, configs=(("decoder", DECODER_BENCH), ("decoder_small",
         invariants = [p.name for p in step["main"].params if p.name not in carried]
         loop = _timed(f"{name}.loop", lambda: grape_tvm.compile_loop(
             step, carried, max_steps=config["max_len"] - 1, dims={"batch": (1, 8)}, target=CUDA,
-            weights=invariants))
+            weights=invariants, dependent_launch=dependent_launch))
         loop.export(out / f"{name}.loop.cuda.grape")
+        if not baselines:
+            continue
         bounded = _upper_bounded(step, {"batch": 8})
         vm = _timed(f"{name}.tvm_vm", lambda: tvm.compile(bounded, target=CUDA))
         package(vm, loop.signature, CUDA).export(out / f"{name}.tvm_vm.cuda.grape")
@@ -270,7 +281,8 @@ def _weight_inputs(weight_map: Path) -> list[str]:
 
 
 def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_decode"),
-                    baselines: bool = True, dtype: str = "float32") -> None:
+                    baselines: bool = True, dtype: str = "float32",
+                    dependent_launch: bool = True, onnx_dir: Path | None = None) -> None:
     """Hugging Face GPT-2 (124M, ``dtype``: NAME_fp16 for float16), weights as inputs:
     ``NAME.cuda.grape`` plus
     ``NAME.weights.json``, which ``bench/export_hf.py``'s ``hf_weights`` turns into the
@@ -289,7 +301,7 @@ def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_
 
     from export_hf import export_all  # pylint: disable=import-outside-toplevel
 
-    onnx_dir = out / "hf_onnx"
+    onnx_dir = onnx_dir or out / "hf_onnx"
     kinds = tuple(sorted({m.split("_")[0] for m in models}))
     export_all(onnx_dir, tiny=False, embed_weights=False, models=kinds, dtype=dtype)
     suffix = "_fp16" if dtype == "float16" else ""
@@ -299,7 +311,8 @@ def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_
         name = base + suffix
         module = _timed(f"{name}.cuda.grape", lambda n=name, b=base: grape_tvm.compile_onnx(
             onnx_dir / f"{n}.onnx", dims=HF_DIMS[b], target=CUDA,
-            weights=_weight_inputs(onnx_dir / f"{n}.weights.json")))
+            weights=_weight_inputs(onnx_dir / f"{n}.weights.json"),
+            dependent_launch=dependent_launch))
         module.export(out / f"{name}.cuda.grape")
         (out / f"{name}.weights.json").write_bytes((onnx_dir / f"{name}.weights.json").read_bytes())
         if baselines:
@@ -601,6 +614,51 @@ def build_decode_attention_cubins(out: Path) -> None:
         (out / f"decode_attention{suffix}.cubin").write_bytes(compile_cubin(code, "sm_90"))
 
 
+def build_pdl_chain(out: Path) -> None:
+    """``pdl_chain``: the executable of ``bench/kernels/pdl_chain.cu`` (``bench/pdl_chain.py``)."""
+    source = ROOT / "bench" / "kernels" / "pdl_chain.cu"
+    subprocess.run(["nvcc", "-arch=sm_90", "-O3", "-std=c++17", "-o", str(out / "pdl_chain"),
+                    str(source)], check=True)
+
+
+def build_sequential_launch(out: Path) -> None:
+    """``sequential_launch/``: the benchmarks' decoder loop and GPT-2 decode step built
+    without programmatic dependent launch (each kernel launched once the one before it has
+    finished), which ``bench/decode_loop.py`` and ``bench/hf_models.py`` time beside the
+    default builds in the same run."""
+    where = out / "sequential_launch"
+    where.mkdir(parents=True, exist_ok=True)
+    build_loop(where, (("decoder", DECODER_BENCH),), baselines=False, dependent_launch=False)
+    build_hf_models(where, ("gpt2_decode",), baselines=False, dependent_launch=False,
+                    onnx_dir=out / "hf_onnx")
+
+
+def build_decode_variants(out: Path) -> None:
+    """``decode_variants/``: GPT-2's decode step (``gpt2_decode``, as ``build_hf_models``
+    builds it) with the GEMV kernels loading their weights a chunk at a time as before
+    ``_weights_in_registers`` (``WEIGHT_REGISTER_BYTES`` 0), with programmatic dependent
+    launch (``chunked``) and without (``chunked_sequential``), for
+    ``bench/decode_step_variants.py`` beside the default and ``sequential_launch`` builds."""
+    from grape_tvm.passes import gemv_schedule  # pylint: disable=import-outside-toplevel
+
+    onnx_dir = out / "hf_onnx"
+    if not (onnx_dir / "gpt2_decode.onnx").exists():
+        build_hf_models(out, ("gpt2_decode",), baselines=False)
+    where = out / "decode_variants"
+    where.mkdir(parents=True, exist_ok=True)
+    saved = gemv_schedule.WEIGHT_REGISTER_BYTES
+    gemv_schedule.WEIGHT_REGISTER_BYTES = 0
+    try:
+        for name, dependent in (("chunked", True), ("chunked_sequential", False)):
+            module = _timed(f"decode_variants/{name}", lambda d=dependent: grape_tvm.compile_onnx(
+                onnx_dir / "gpt2_decode.onnx", dims=HF_DIMS["gpt2_decode"], target=CUDA,
+                weights=_weight_inputs(onnx_dir / "gpt2_decode.weights.json"),
+                dependent_launch=d))
+            module.export(where / f"{name}.cuda.grape")
+    finally:
+        gemv_schedule.WEIGHT_REGISTER_BYTES = saved
+
+
 def build_gemv_configs(out: Path) -> None:
     """``gemv_configs/``: grape's GEMV kernels under every tiling ``bench/gemv_configs.py``
     compares, one cubin."""
@@ -640,6 +698,10 @@ STEPS = {
     "read_floor": (build_probe_cubins,),
     "decode_attention": (build_decode_attention_cubins,),
     "gemv_configs": (build_gemv_configs,),
+    "sequential_launch": (build_sequential_launch,),
+    "pdl_chain": (build_pdl_chain,),
+    "decode_variants": (lambda out: build_hf_models(out, ("gpt2_decode",), baselines=False),
+                        build_sequential_launch, build_decode_variants),
     "topology_blocks": (build_bench,),
     "loop_kernels": (build_loop,),
     "ncu_loop": (build_loop,),

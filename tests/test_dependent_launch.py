@@ -1,0 +1,290 @@
+"""``ProgrammaticDependentLaunch`` (passes/dependent_launch.py): every kernel of a CUDA sm_90
+build lets its dependents launch and waits for the kernel before it first; a GEMV reads its
+weights before that wait only where they are the model's weights (constants, or parameters
+of ``main`` bound once) and nothing in the call writes them. Checked on tiny modules, on
+TVM's lowering (the launch tag the CUDA runtime reads) and on the CUDA source. The kernels'
+results with the prologue are checked on the CPU (tests/test_gemv_on_cpu.py runs them
+through the pipeline) and on the GPU (tests/test_gpu.py: every CUDA artifact is built with
+it)."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+import tvm
+import tvm.ir as ir
+from tvm import relax, tirx
+from tvm.script import tirx as T
+from tvm_ffi.structural import structural_equal, structural_walk
+
+from grape_tvm.compiler import _lower
+from grape_tvm.passes import ProgrammaticDependentLaunch
+from grape_tvm.passes.dependent_launch import (KERNEL_LAUNCH_PARAMS, PDL_LAUNCH_TAG,
+                                               _weights_of, supports_dependent_launch)
+
+CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
+LAUNCH = "tvm_builtin_ptx_griddepcontrol_launch_dependents();"
+WAIT = "tvm_builtin_ptx_griddepcontrol_wait();"
+DEFINITION = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\([^)]*\) \{')
+
+
+def _two_kernels() -> tvm.IRModule:
+    @T.prim_func
+    def add_twice(A: T.Buffer((1024,), "float32"), B: T.Buffer((1024,), "float32"),
+                  C: T.Buffer((1024,), "float32")):
+        for bx in T.thread_binding(8, thread="blockIdx.x"):
+            for tx in T.thread_binding(128, thread="threadIdx.x"):
+                B[bx * 128 + tx] = A[bx * 128 + tx] + T.float32(1)
+        for bx in T.thread_binding(8, thread="blockIdx.x"):
+            for tx in T.thread_binding(128, thread="threadIdx.x"):
+                C[bx * 128 + tx] = B[bx * 128 + tx] + T.float32(1)
+
+    @T.prim_func
+    def on_host(A: T.Buffer((4,), "float32")):
+        for i in range(4):
+            A[i] = T.float32(0)
+
+    return tvm.IRModule({"add_twice": add_twice, "on_host": on_host})
+
+
+def _kernel_bodies(source: str) -> dict[str, str]:
+    """Each kernel's definition in CUDA source, by name."""
+    starts = [(m.group(1), m.end()) for m in DEFINITION.finditer(source)]
+    ends = [m.start() for m in DEFINITION.finditer(source)][1:] + [len(source)]
+    return {name: source[start:end] for (name, start), end in zip(starts, ends)}
+
+
+def _statements(body: str) -> list[str]:
+    """The kernel's statements, declarations of its local arrays left out."""
+    return [s.strip() for s in body.splitlines()
+            if s.strip() and not re.match(r"(__shared__ )?alignas", s.strip())]
+
+
+def _host_launches(func: tirx.PrimFunc) -> list:
+    """The host side's kernel launches of ``func`` lowered by TVM for CUDA."""
+    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
+    mod = tvm.tirx.transform.BindTarget(CUDA.with_host(tvm.target.Target("llvm")))(mod)
+    pipeline, _, _ = tvm.tirx.get_default_tir_pipeline(CUDA)
+    host = next(f for g, f in pipeline(mod).functions_items() if g.name_hint == "main")
+    found = []
+
+    def on_call(call):
+        if isinstance(call.op, ir.Op) and call.op.name == "tirx.call_ffi_kernel":
+            found.append(call)
+
+    structural_walk(host.body, ((ir.Call, on_call),))
+    return found
+
+
+def test_every_kernel_lets_its_dependents_launch_then_waits_first():
+    mod = ProgrammaticDependentLaunch(CUDA)(_two_kernels())
+    func = mod["add_twice"]
+    assert list(func.attrs[KERNEL_LAUNCH_PARAMS]) == [PDL_LAUNCH_TAG]
+    source = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                            CUDA).imports[0].inspect_source()
+    bodies = _kernel_bodies(source)
+    assert len(bodies) == 2
+    for body in bodies.values():
+        assert _statements(body)[:2] == [LAUNCH, WAIT]
+    # the host launches both with the tag, which takes no launch argument (TVM's CUDA runtime
+    # reads it as a flag: programmatic stream serialization)
+    launches = _host_launches(func)
+    assert len(launches) == 2
+    for call in launches:
+        params = list(call.attrs.launch_params)
+        assert params == ["blockIdx.x", "threadIdx.x", PDL_LAUNCH_TAG]
+        kernel_args = len(call.args) - 1 - 2  # the symbol, then (A, B) or (B, C), then 2 extents
+        assert kernel_args == 2
+    assert structural_equal(mod["on_host"], _two_kernels()["on_host"])  # no kernel: as it was
+
+
+@pytest.mark.parametrize("target", [
+    tvm.target.Target({"kind": "cuda", "arch": "sm_80"}), tvm.target.Target("llvm")])
+def test_below_sm_90_and_on_the_cpu_nothing_changes(target):
+    assert not supports_dependent_launch(target)
+    before = _two_kernels()
+    assert structural_equal(ProgrammaticDependentLaunch(target)(before), before)
+
+
+@pytest.mark.parametrize("arch, supported", [("sm_90", True), ("sm_90a", True),
+                                             ("sm_100", True), ("sm_89", False)])
+def test_the_architectures_with_griddepcontrol(arch, supported):
+    assert supports_dependent_launch(tvm.target.Target({"kind": "cuda", "arch": arch})) == supported
+
+
+def _linear(weight: str, k: int = 768, n: int = 256) -> tvm.IRModule:
+    """``gelu(x @ w.T + b)`` with x: (m, k) and w: (n, k), whose ``w`` is ``weight``:
+    "param" (``main``'s), "constant", or "computed" (``w * 2`` inside the call)."""
+    m = tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType((m, k), "float32"))
+    b = relax.Var("b", relax.TensorType((n,), "float32"))
+    params = [x, b]
+    rng = np.random.default_rng(0)
+    if weight == "constant":
+        w = relax.const(rng.standard_normal((n, k)).astype("float32"))
+    else:
+        w = relax.Var("w", relax.TensorType((n, k), "float32"))
+        params.append(w)
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            if weight == "computed":
+                w = bb.emit(relax.op.multiply(w, relax.const(2.0, "float32")))
+            y = relax.op.add(relax.op.matmul(x, relax.op.permute_dims(w)), b)
+            out = bb.emit_output(relax.op.nn.gelu(y))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _gemv_source(weight: str, bound: tuple[int, ...] = ()) -> dict[str, str]:
+    """The one-row GEMV kernel of ``_linear(weight)`` lowered by grape's pipeline (main's
+    parameters at ``bound`` bound once), by kernel name."""
+    lowered = _lower(_linear(weight), CUDA, {"m": (1, 64)}, weights=bound)
+    (func,) = [f for g, f in lowered.functions_items()
+               if isinstance(f, tirx.PrimFunc) and "matmul" in g.name_hint]
+    source = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                            CUDA).imports[0].inspect_source()
+    return _kernel_bodies(source)
+
+
+def _waits_after_the_weights(body: str) -> bool:
+    statements = _statements(body)
+    assert statements[0] == LAUNCH
+    wait = statements.index(WAIT)
+    weight_loads = [i for i, s in enumerate(statements) if s.startswith("*(float4*)(w_local")]
+    reads_x = [i for i, s in enumerate(statements) if "x_ptr" in s]
+    assert weight_loads and reads_x
+    assert min(reads_x) > wait  # activations only after the wait, in either case
+    return max(weight_loads) < wait
+
+
+@pytest.mark.parametrize("weight, bound", [("constant", ()), ("param", (2,))])
+def test_a_gemv_loads_the_models_weights_before_it_waits(weight, bound):
+    """Every GEMV kernel (one per bucket of rows) loads its thread's weights into registers,
+    then waits, then reads x: the loads are in flight while the kernel before it ends."""
+    bodies = _gemv_source(weight, bound)
+    gemv = {n: b for n, b in bodies.items() if "w_local" in b}
+    assert len(gemv) >= 2
+    assert all(_waits_after_the_weights(b) for b in gemv.values())
+
+
+@pytest.mark.parametrize("weight, bound", [
+    ("param", ()),        # a parameter passed with every call: the caller may just have written it
+    ("computed", (2,)),   # computed in the call, by the kernel right before
+])
+def test_a_gemv_waits_before_weights_that_are_not_the_models(weight, bound):
+    bodies = _gemv_source(weight, bound)
+    gemv = {n: b for n, b in bodies.items() if "w_local" in b}
+    assert gemv
+    assert not any(_waits_after_the_weights(b) for b in gemv.values())
+
+
+def test_without_dependent_launch_no_kernel_waits():
+    lowered = _lower(_linear("constant"), CUDA, {"m": (1, 64)}, dependent_launch=False)
+    for gvar, func in lowered.functions_items():
+        if isinstance(func, tirx.PrimFunc):
+            assert PDL_LAUNCH_TAG not in list((func.attrs or {}).get(KERNEL_LAUNCH_PARAMS, []))
+            assert "griddepcontrol" not in func.script(), gvar.name_hint
+
+
+def _called_kernels(lowered: tvm.IRModule) -> list[str]:
+    """The PrimFuncs with a thread binding that the lowered module's Relax functions call."""
+    kernels = {g.name_hint for g, f in lowered.functions_items()
+               if isinstance(f, tirx.PrimFunc) and "thread_binding" in f.script()}
+    called = []
+
+    def on_gvar(gvar):
+        if gvar.name_hint in kernels:
+            called.append(gvar.name_hint)
+
+    for func in lowered.functions.values():
+        if isinstance(func, relax.Function):
+            structural_walk(func.body, ((ir.GlobalVar, on_gvar),))
+    return sorted(called)
+
+
+def test_a_reshape_stays_a_view():
+    """Regression: the pass ran before RewriteDataflowReshape, which recognises a reshape by
+    its PrimFunc's body; with the prologue in it, every reshape of GPT-2's decode step was a
+    copy kernel (210 kernels a step instead of 90, measured on the H200)."""
+    m = tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType((m, 768), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.add(x, relax.const(1.0, "float32")))
+            heads = bb.emit(relax.op.reshape(y, (m, 12, 64)))
+            out = bb.emit_output(relax.op.multiply(heads, relax.const(2.0, "float32")))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    kernels = {flag: _called_kernels(_lower(mod, CUDA, {"m": (1, 64)}, dependent_launch=flag))
+               for flag in (True, False)}
+    assert kernels[True] == kernels[False]
+    assert not any("reshape" in name for name in kernels[True])
+
+
+def test_a_weight_viewed_in_the_call_is_read_after_the_wait():
+    """``w`` also reshaped (a view of it leaves the call): not read before the wait."""
+    mod = _linear("param")
+    func = mod["main"]
+    x, b, w = func.params
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, b, w]):
+        with bb.dataflow():
+            y = bb.emit(relax.op.nn.gelu(relax.op.add(
+                relax.op.matmul(x, relax.op.permute_dims(w)), b)))
+            flat = bb.emit(relax.op.reshape(w, (256 * 768,)))
+            out = bb.emit_output(relax.Tuple([y, flat]))
+        bb.emit_func_output(out)
+    lowered = _lower(bb.get(), CUDA, {"m": (1, 64)}, weights=(2,))
+    (gemv,) = [f for g, f in lowered.functions_items()
+               if isinstance(f, tirx.PrimFunc) and "matmul" in g.name_hint]
+    source = tvm.tirx.build(tvm.IRModule({"main": gemv.with_attr("global_symbol", "main")}),
+                            CUDA).imports[0].inspect_source()
+    bodies = [b for b in _kernel_bodies(source).values() if "w_local" in b]
+    assert bodies and not any(_waits_after_the_weights(b) for b in bodies)
+
+
+def test_a_weight_written_in_place_is_not_a_weight():
+    @T.prim_func
+    def scale(w: T.Buffer((4,), "float32")):
+        for i in range(4):
+            w[i] = w[i] * T.float32(2)
+
+    @T.prim_func
+    def read(w: T.Buffer((4,), "float32"), y: T.Buffer((4,), "float32")):
+        for i in range(4):
+            y[i] = w[i]
+
+    bb = relax.BlockBuilder()
+    scale_gv, read_gv = bb.add_func(scale, "scale"), bb.add_func(read, "read")
+    w = relax.Var("w", relax.TensorType((4,), "float32"))
+    v = relax.Var("v", relax.TensorType((4,), "float32"))
+    with bb.function("main", [w, v]):
+        with bb.dataflow():
+            bb.emit(relax.call_tir_inplace(scale_gv, (w,), [0],
+                                           relax.TensorType((4,), "float32")))
+            out = bb.emit_output(relax.call_tir(read_gv, (v,),
+                                                relax.TensorType((4,), "float32")))
+        bb.emit_func_output(out)
+    mod = bb.get()
+    assert {p.name for p in _weights_of(mod, frozenset({0, 1}))} == {"v"}
+
+
+def test_a_primfunc_with_a_launch_thread_kernel_is_left_as_it_was():
+    """Its ``thread_extent`` kernel would get the tag and no wait: the whole PrimFunc keeps
+    its plain launches (regression: the tag launched that kernel early)."""
+    @T.prim_func
+    def mixed(A: T.Buffer((1024,), "float32"), B: T.Buffer((1024,), "float32"),
+              C: T.Buffer((1024,), "float32")):
+        for bx in T.thread_binding(8, thread="blockIdx.x"):
+            for tx in T.thread_binding(128, thread="threadIdx.x"):
+                B[bx * 128 + tx] = A[bx * 128 + tx] + T.float32(1)
+        bx = T.launch_thread("blockIdx.x", 8)
+        tx = T.launch_thread("threadIdx.x", 128)
+        C[bx * 128 + tx] = B[bx * 128 + tx] + T.float32(1)
+
+    before = tvm.IRModule({"mixed": mixed})
+    assert structural_equal(ProgrammaticDependentLaunch(CUDA)(before), before)

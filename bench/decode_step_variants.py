@@ -36,10 +36,11 @@ PAST = (1, 64, 256, 512, 1023)
 def _inputs(tvm, dev, signature, past: int, seed: int) -> dict:
     """Random token and KV cache at ``past`` for the artifact's inputs that are not bound."""
     rng = np.random.default_rng(seed)
+    vocab = int(signature.outputs[0].shape[-1])  # the logits' last dim
     feeds = {}
     for spec in signature.inputs:
         if spec.name == "input_ids":
-            feeds[spec.name] = tvm.runtime.tensor(np.array([[rng.integers(0, 50257)]], np.int64),
+            feeds[spec.name] = tvm.runtime.tensor(np.array([[rng.integers(0, vocab)]], np.int64),
                                                   dev)
         elif spec.name.startswith("past_"):
             heads, head_dim = (int(d) for d in spec.shape[1:2] + spec.shape[3:4])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import tvm
 from tvm import IRModule, ir, relax, s_tir, tirx
@@ -43,6 +45,11 @@ def _wait() -> tirx.Stmt:
     return tirx.Evaluate(T.ptx.griddepcontrol.wait())
 
 
+def _with_loop_body(loop: tirx.For, body: tirx.Stmt) -> tirx.For:
+    return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind, body, loop.thread_binding,
+                    loop.annotations, loop.step, loop.span)
+
+
 def _weights_only(stmt: tirx.Stmt) -> bool:
     """Whether every block under ``stmt`` is a ``WEIGHTS_FIRST`` block (and there is one)."""
     marked, other = [], []
@@ -61,9 +68,7 @@ def _wait_after_weights(body: tirx.Stmt) -> tirx.Stmt | None:
     ``WEIGHTS_FIRST`` blocks. None otherwise."""
     if isinstance(body, tirx.For) and body.thread_binding is not None:
         inner = _wait_after_weights(body.body)
-        return None if inner is None else tirx.For(
-            body.loop_var, body.min, body.extent, body.kind, inner, body.thread_binding,
-            body.annotations, body.step, body.span)
+        return None if inner is None else _with_loop_body(body, inner)
     if isinstance(body, tirx.SeqStmt) and len(body.seq) > 1:
         first, *rest = body.seq
         if _weights_only(first):
@@ -87,9 +92,7 @@ def _with_prologue(body: tirx.Stmt, weights_first: bool) -> tuple[tirx.Stmt, int
         inner = _wait_after_weights(loop.body) if weights_first else None
         if inner is None:
             inner = tirx.SeqStmt([_wait(), loop.body])
-        return tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
-                        tirx.SeqStmt([_launch_dependents(), inner]), loop.thread_binding,
-                        loop.annotations, loop.step, loop.span)
+        return _with_loop_body(loop, tirx.SeqStmt([_launch_dependents(), inner]))
 
     return structural_mutate(body, ((tirx.For, on_for),)), kernels
 
@@ -110,89 +113,79 @@ def _weight_parameter(func: tirx.PrimFunc) -> int | None:
     return matched[0]
 
 
+@dataclass
+class _RelaxUses:
+    """One walk of a module's Relax functions: its kernel calls (``call_tir`` and
+    ``call_tir_inplace``), and how often each variable and GlobalVar occurs in them."""
+
+    calls: list = field(default_factory=list)
+    vars: Counter = field(default_factory=Counter)
+    gvars: Counter = field(default_factory=Counter)
+
+    @classmethod
+    def of(cls, mod: IRModule) -> "_RelaxUses":
+        uses = cls()
+
+        def on_call(call):
+            if call.op.same_as(_CALL_TIR) or call.op.same_as(_CALL_TIR_INPLACE):
+                uses.calls.append(call)
+
+        def on_var(var):
+            uses.vars[var] += 1
+
+        def on_gvar(gvar):
+            uses.gvars[gvar] += 1
+
+        for func in mod.functions.values():
+            if isinstance(func, relax.Function):
+                # TVM objects hash and compare by the node they hold: a Var met twice is
+                # one key
+                structural_walk(func.body, ((relax.Call, on_call), (relax.Var, on_var),
+                                            (ir.GlobalVar, on_gvar)))
+        return uses
+
+
 def _call_args(call) -> list:
     return list(call.args[1].fields) if isinstance(call.args[1], relax.Tuple) else [call.args[1]]
 
 
-def _weights_of(mod: IRModule, bound: frozenset[int]) -> set:
+def _read_only_args(call) -> list:
+    """The arguments a kernel call only reads (``call_tir_inplace`` writes some)."""
+    written = {int(i) for i in call.attrs.inplace_indices} \
+        if call.op.same_as(_CALL_TIR_INPLACE) else set()
+    return [a for i, a in enumerate(_call_args(call)) if i not in written]
+
+
+def _weights_of(mod: IRModule, bound: frozenset[int], uses: _RelaxUses) -> set:
     """What a kernel may read before its wait: the parameters of ``main`` at the positions
-    ``bound`` (weights the caller binds once) that the module uses only as arguments of
-    ``call_tir`` (or read-only arguments of ``call_tir_inplace``). A weight bound to another
-    variable, viewed, passed to another function or a packed call, or written in place, is
-    left out: following its aliases is not worth the risk."""
+    ``bound`` (weights the caller binds once) that the module uses only as read-only
+    arguments of kernel calls. A weight bound to another variable, viewed, passed to
+    another function or a packed call, or written in place, is left out: following its
+    aliases is not worth the risk."""
     main = next((f for g, f in mod.functions_items() if g.name_hint == "main"
                  and isinstance(f, relax.Function)), None)
     weights = [] if main is None else [p for i, p in enumerate(main.params) if i in bound]
-    # TVM objects hash and compare by the node they hold: a Var met twice is one key
-    uses = dict.fromkeys(weights, 0)  # every occurrence in a function body
-    reads = dict.fromkeys(weights, 0)  # those as a kernel's read-only argument
-
-    def on_var(var):
-        if var in uses:
-            uses[var] += 1
-
-    def on_call(call):
-        if not (call.op.same_as(_CALL_TIR) or call.op.same_as(_CALL_TIR_INPLACE)):
-            return
-        written = {int(i) for i in call.attrs.inplace_indices} \
-            if call.op.same_as(_CALL_TIR_INPLACE) else set()
-        for index, arg in enumerate(_call_args(call)):
-            if arg in reads and index not in written:
-                reads[arg] += 1
-
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            structural_walk(func.body, ((relax.Var, on_var), (relax.Call, on_call)))
-    return {w for w in weights if uses[w] == reads[w]}
+    reads = Counter(a for call in uses.calls for a in _read_only_args(call) if a in weights)
+    return {w for w in weights if uses.vars[w] == reads[w]}
 
 
-def _reads_weights_only(mod: IRModule, weight_position: dict, weights: set) -> set:
+def _reads_weights_only(weight_position: dict, weights: set, uses: _RelaxUses) -> set:
     """The PrimFuncs (by GlobalVar) whose ``WEIGHTS_FIRST`` parameter (``weight_position``)
-    is, at every call found, a constant or one of ``weights``: none if a PrimFunc is not
-    called through ``call_tir``."""
-    seen, unsafe = set(), set()
-
-    def on_gvar(gvar):
-        if gvar in weight_position:
-            seen.add(gvar)
-
-    def on_call(call):
-        if not (call.op.same_as(_CALL_TIR) or call.op.same_as(_CALL_TIR_INPLACE)):
-            return
+    is, at every call, a constant or one of ``weights``, and that are used only as the
+    callee of kernel calls (another use has no call to check)."""
+    callee, unsafe = Counter(), set()
+    for call in uses.calls:
         gvar = call.args[0]
         position = weight_position.get(gvar)
         if position is None:
-            return
+            continue
+        callee[gvar] += 1
         args = _call_args(call)
         arg = args[position] if position < len(args) else None
         if not (isinstance(arg, GenericConst) or arg in weights):
             unsafe.add(gvar)
-
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            structural_walk(func.body, ((relax.Call, on_call), (ir.GlobalVar, on_gvar)))
-    # a GlobalVar met outside call_tir (another call form) has no call checked: unsafe
-    return {g for g in seen if g not in unsafe and _only_in_call_tir(mod, g)}
-
-
-def _only_in_call_tir(mod: IRModule, gvar) -> bool:
-    """Whether every occurrence of ``gvar`` in the module's Relax functions is the callee
-    of a ``call_tir`` or ``call_tir_inplace``."""
-    total, as_callee = [0], [0]
-
-    def on_gvar(found):
-        if found.same_as(gvar):
-            total[0] += 1
-
-    def on_call(call):
-        if (call.op.same_as(_CALL_TIR) or call.op.same_as(_CALL_TIR_INPLACE)) and \
-                call.args[0].same_as(gvar):
-            as_callee[0] += 1
-
-    for func in mod.functions.values():
-        if isinstance(func, relax.Function):
-            structural_walk(func.body, ((ir.GlobalVar, on_gvar), (relax.Call, on_call)))
-    return total[0] == as_callee[0]
+    return {g for g in weight_position if callee[g] and callee[g] == uses.gvars[g]
+            and g not in unsafe}
 
 
 def _launches_by_attribute(func: tirx.PrimFunc) -> bool:
@@ -271,7 +264,9 @@ class ProgrammaticDependentLaunch:
         positions = {gvar: _weight_parameter(func) for gvar, func in mod.functions_items()
                      if isinstance(func, tirx.PrimFunc)}
         positions = {g: p for g, p in positions.items() if p is not None}
-        weights_first = _reads_weights_only(mod, positions, _weights_of(mod, self.weights))
+        uses = _RelaxUses.of(mod)
+        weights_first = _reads_weights_only(positions, _weights_of(mod, self.weights, uses),
+                                            uses)
         updated = {}
         for gvar, func in mod.functions_items():
             # a PrimFunc with a kernel the prologue cannot reach launches as it was: its

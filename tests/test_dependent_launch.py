@@ -20,14 +20,15 @@ from tvm.script import tirx as T
 from tvm_ffi.structural import structural_equal, structural_walk
 
 from grape_tvm.compiler import _lower
+from test_gemv import CUDA, _cuda, _kernel_body, _lowered
+from test_gemv_on_cpu import DEFINITION
 from grape_tvm.passes import ProgrammaticDependentLaunch
 from grape_tvm.passes.dependent_launch import (KERNEL_LAUNCH_PARAMS, PDL_LAUNCH_TAG,
-                                               _weights_of, supports_dependent_launch)
+                                               _RelaxUses, _weights_of,
+                                               supports_dependent_launch)
 
-CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 LAUNCH = "tvm_builtin_ptx_griddepcontrol_launch_dependents();"
 WAIT = "tvm_builtin_ptx_griddepcontrol_wait();"
-DEFINITION = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\([^)]*\) \{')
 
 
 def _two_kernels() -> tvm.IRModule:
@@ -49,11 +50,11 @@ def _two_kernels() -> tvm.IRModule:
     return tvm.IRModule({"add_twice": add_twice, "on_host": on_host})
 
 
-def _kernel_bodies(source: str) -> dict[str, str]:
-    """Each kernel's definition in CUDA source, by name."""
-    starts = [(m.group(1), m.end()) for m in DEFINITION.finditer(source)]
-    ends = [m.start() for m in DEFINITION.finditer(source)][1:] + [len(source)]
-    return {name: source[start:end] for (name, start), end in zip(starts, ends)}
+def _kernel_bodies(func: tirx.PrimFunc) -> dict[str, str]:
+    """Each kernel's body in ``func``'s CUDA source (after its signature), by name."""
+    source = _cuda(func)
+    return {m.group(1): _kernel_body(source, m.group(1)).split("{", 1)[1]
+            for m in DEFINITION.finditer(source)}
 
 
 def _statements(body: str) -> list[str]:
@@ -64,10 +65,7 @@ def _statements(body: str) -> list[str]:
 
 def _host_launches(func: tirx.PrimFunc) -> list:
     """The host side's kernel launches of ``func`` lowered by TVM for CUDA."""
-    mod = tvm.IRModule({"main": func.with_attr("global_symbol", "main")})
-    mod = tvm.tirx.transform.BindTarget(CUDA.with_host(tvm.target.Target("llvm")))(mod)
-    pipeline, _, _ = tvm.tirx.get_default_tir_pipeline(CUDA)
-    host = next(f for g, f in pipeline(mod).functions_items() if g.name_hint == "main")
+    host = next(f for g, f in _lowered(func).functions_items() if g.name_hint == "main")
     found = []
 
     def on_call(call):
@@ -82,9 +80,7 @@ def test_every_kernel_lets_its_dependents_launch_then_waits_first():
     mod = ProgrammaticDependentLaunch(CUDA)(_two_kernels())
     func = mod["add_twice"]
     assert list(func.attrs[KERNEL_LAUNCH_PARAMS]) == [PDL_LAUNCH_TAG]
-    source = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                            CUDA).imports[0].inspect_source()
-    bodies = _kernel_bodies(source)
+    bodies = _kernel_bodies(func)
     assert len(bodies) == 2
     for body in bodies.values():
         assert _statements(body)[:2] == [LAUNCH, WAIT]
@@ -144,9 +140,7 @@ def _gemv_source(weight: str, bound: tuple[int, ...] = ()) -> dict[str, str]:
     lowered = _lower(_linear(weight), CUDA, {"m": (1, 64)}, weights=bound)
     (func,) = [f for g, f in lowered.functions_items()
                if isinstance(f, tirx.PrimFunc) and "matmul" in g.name_hint]
-    source = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                            CUDA).imports[0].inspect_source()
-    return _kernel_bodies(source)
+    return _kernel_bodies(func)
 
 
 def _waits_after_the_weights(body: str) -> bool:
@@ -241,9 +235,7 @@ def test_a_weight_viewed_in_the_call_is_read_after_the_wait():
     lowered = _lower(bb.get(), CUDA, {"m": (1, 64)}, weights=(2,))
     (gemv,) = [f for g, f in lowered.functions_items()
                if isinstance(f, tirx.PrimFunc) and "matmul" in g.name_hint]
-    source = tvm.tirx.build(tvm.IRModule({"main": gemv.with_attr("global_symbol", "main")}),
-                            CUDA).imports[0].inspect_source()
-    bodies = [b for b in _kernel_bodies(source).values() if "w_local" in b]
+    bodies = [b for b in _kernel_bodies(gemv).values() if "w_local" in b]
     assert bodies and not any(_waits_after_the_weights(b) for b in bodies)
 
 
@@ -270,7 +262,7 @@ def test_a_weight_written_in_place_is_not_a_weight():
                                                 relax.TensorType((4,), "float32")))
         bb.emit_func_output(out)
     mod = bb.get()
-    assert {p.name for p in _weights_of(mod, frozenset({0, 1}))} == {"v"}
+    assert {p.name for p in _weights_of(mod, frozenset({0, 1}), _RelaxUses.of(mod))} == {"v"}
 
 
 def test_a_primfunc_with_a_launch_thread_kernel_is_left_as_it_was():

@@ -280,6 +280,22 @@ def _weight_inputs(weight_map: Path) -> list[str]:
     return sorted(json.loads(weight_map.read_text())["inputs"])
 
 
+def _compile_hf(onnx_dir: Path, name: str, base: str, dependent_launch: bool = True):
+    """grape's build of ``onnx_dir/NAME.onnx`` (``base``: its entry of ``HF_DIMS``), the
+    inputs its weight map names bound once."""
+    return grape_tvm.compile_onnx(onnx_dir / f"{name}.onnx", dims=HF_DIMS[base], target=CUDA,
+                                  weights=_weight_inputs(onnx_dir / f"{name}.weights.json"),
+                                  dependent_launch=dependent_launch)
+
+
+def _gpt2_decode_onnx(out: Path) -> Path:
+    """``out/hf_onnx``, holding GPT-2's decode step (exported, and built, if it is not)."""
+    onnx_dir = out / "hf_onnx"
+    if not (onnx_dir / "gpt2_decode.onnx").exists():
+        build_hf_models(out, ("gpt2_decode",), baselines=False)
+    return onnx_dir
+
+
 def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_decode"),
                     baselines: bool = True, dtype: str = "float32",
                     dependent_launch: bool = True, onnx_dir: Path | None = None) -> None:
@@ -301,18 +317,17 @@ def build_hf_models(out: Path, models: tuple[str, ...] = ("gpt2_prefill", "gpt2_
 
     from export_hf import export_all  # pylint: disable=import-outside-toplevel
 
-    onnx_dir = onnx_dir or out / "hf_onnx"
-    kinds = tuple(sorted({m.split("_")[0] for m in models}))
-    export_all(onnx_dir, tiny=False, embed_weights=False, models=kinds, dtype=dtype)
+    if onnx_dir is None:  # else the caller exported them there
+        onnx_dir = out / "hf_onnx"
+        kinds = tuple(sorted({m.split("_")[0] for m in models}))
+        export_all(onnx_dir, tiny=False, embed_weights=False, models=kinds, dtype=dtype)
     suffix = "_fp16" if dtype == "float16" else ""
     notes_path = out / "hf_baselines.json"
     notes = json.loads(notes_path.read_text()) if notes_path.exists() else {}
     for base in models:
         name = base + suffix
-        module = _timed(f"{name}.cuda.grape", lambda n=name, b=base: grape_tvm.compile_onnx(
-            onnx_dir / f"{n}.onnx", dims=HF_DIMS[b], target=CUDA,
-            weights=_weight_inputs(onnx_dir / f"{n}.weights.json"),
-            dependent_launch=dependent_launch))
+        module = _timed(f"{name}.cuda.grape", lambda n=name, b=base: _compile_hf(
+            onnx_dir, n, b, dependent_launch))
         module.export(out / f"{name}.cuda.grape")
         (out / f"{name}.weights.json").write_bytes((onnx_dir / f"{name}.weights.json").read_bytes())
         if baselines:
@@ -337,9 +352,8 @@ def build_wav2vec2(out: Path) -> None:
 
     onnx_dir = out / "hf_onnx"
     export_all(onnx_dir, tiny=False, embed_weights=False, models=("wav2vec2",))
-    module = _timed("wav2vec2.cuda.grape", lambda: grape_tvm.compile_onnx(
-        onnx_dir / "wav2vec2.onnx", dims=HF_DIMS["wav2vec2"], target=CUDA,
-        weights=_weight_inputs(onnx_dir / "wav2vec2.weights.json")))
+    module = _timed("wav2vec2.cuda.grape", lambda: _compile_hf(onnx_dir, "wav2vec2",
+                                                               "wav2vec2"))
     path = module.export(out / "wav2vec2.cuda.grape")
     (out / "wav2vec2.weights.json").write_bytes((onnx_dir / "wav2vec2.weights.json").read_bytes())
     plan = module.plan
@@ -630,7 +644,7 @@ def build_sequential_launch(out: Path) -> None:
     where.mkdir(parents=True, exist_ok=True)
     build_loop(where, (("decoder", DECODER_BENCH),), baselines=False, dependent_launch=False)
     build_hf_models(where, ("gpt2_decode",), baselines=False, dependent_launch=False,
-                    onnx_dir=out / "hf_onnx")
+                    onnx_dir=_gpt2_decode_onnx(out))
 
 
 def build_decode_variants(out: Path) -> None:
@@ -641,19 +655,15 @@ def build_decode_variants(out: Path) -> None:
     ``bench/decode_step_variants.py`` beside the default and ``sequential_launch`` builds."""
     from grape_tvm.passes import gemv_schedule  # pylint: disable=import-outside-toplevel
 
-    onnx_dir = out / "hf_onnx"
-    if not (onnx_dir / "gpt2_decode.onnx").exists():
-        build_hf_models(out, ("gpt2_decode",), baselines=False)
+    onnx_dir = _gpt2_decode_onnx(out)
     where = out / "decode_variants"
     where.mkdir(parents=True, exist_ok=True)
     saved = gemv_schedule.WEIGHT_REGISTER_BYTES
     gemv_schedule.WEIGHT_REGISTER_BYTES = 0
     try:
         for name, dependent in (("chunked", True), ("chunked_sequential", False)):
-            module = _timed(f"decode_variants/{name}", lambda d=dependent: grape_tvm.compile_onnx(
-                onnx_dir / "gpt2_decode.onnx", dims=HF_DIMS["gpt2_decode"], target=CUDA,
-                weights=_weight_inputs(onnx_dir / "gpt2_decode.weights.json"),
-                dependent_launch=d))
+            module = _timed(f"decode_variants/{name}", lambda d=dependent: _compile_hf(
+                onnx_dir, "gpt2_decode", "gpt2_decode", d))
             module.export(where / f"{name}.cuda.grape")
     finally:
         gemv_schedule.WEIGHT_REGISTER_BYTES = saved

@@ -499,6 +499,57 @@ def matmul_relax(k: int, n: int, dtype: str = "float32", layout: str = "kn", dim
     return bb.get()
 
 
+def gemv_chain_relax(k: int, n: int, layers: int, dtype: str = "float32", dim: str = "m"):
+    """``y_i = x @ W_i + b_i`` for i < ``layers``, each W_i: (k, n) as Hugging Face's Conv1D
+    holds it, every y_i an output: ``layers`` GEMVs of one shape in one graph, their weights
+    ``w{i}``, ``b{i}`` (``bench/gemv_chain.py``)."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    m = tirx.Var(dim, "int64")
+    x = relax.Var("x", relax.TensorType((m, k), dtype))
+    params = [x]
+    for i in range(layers):
+        params += [relax.Var(f"w{i}", relax.TensorType((k, n), dtype)),
+                   relax.Var(f"b{i}", relax.TensorType((n,), dtype))]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            ys = [bb.emit(relax.op.add(relax.op.matmul(x, w), b))
+                  for w, b in zip(params[1::2], params[2::2])]
+            out = bb.emit_output(relax.Tuple(ys))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def mlp_chain_relax(layers: int, dtype: str = "float32", width: int = 768, hidden: int = 3072,
+                    dim: str = "m"):
+    """``layers`` of GPT-2's MLP without its norm: ``x = gelu(x @ W1 + b1) @ W2 + b2 + x``
+    (tanh GELU, as GPT-2's ``gelu_new``), weights ``w1_{i}``, ``b1_{i}``, ``w2_{i}``,
+    ``b2_{i}`` stored (k, n) (``bench/gemv_chain.py``)."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    op = relax.op
+    m = tirx.Var(dim, "int64")
+    x = relax.Var("x", relax.TensorType((m, width), dtype))
+    params = [x]
+    for i in range(layers):
+        params += [relax.Var(f"w1_{i}", relax.TensorType((width, hidden), dtype)),
+                   relax.Var(f"b1_{i}", relax.TensorType((hidden,), dtype)),
+                   relax.Var(f"w2_{i}", relax.TensorType((hidden, width), dtype)),
+                   relax.Var(f"b2_{i}", relax.TensorType((width,), dtype))]
+    bb = relax.BlockBuilder()
+    with bb.function("main", params):
+        with bb.dataflow():
+            h = x
+            for i in range(layers):
+                w1, b1, w2, b2 = params[1 + 4 * i: 5 + 4 * i]
+                up = bb.emit(op.nn.gelu_tanh(op.add(op.matmul(h, w1), b1)))
+                h = bb.emit(op.add(op.add(op.matmul(up, w2), b2), h))
+            out = bb.emit_output(h)
+        bb.emit_func_output(out)
+    return bb.get()
+
+
 # The GPU tests' matmuls: K = 256; y's N is a multiple of the 16-byte vector (516 for fp32,
 # 520 for fp16: the last column tile is partly padding), z's N = 102 is not (scalar loads of
 # [K, N] weights, padding in every layout).

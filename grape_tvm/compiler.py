@@ -19,7 +19,7 @@ from grape_tvm.artifact import Artifact
 from grape_tvm.passes import HostFallbackError, graph_plan
 from grape_tvm.passes.dependent_launch import supports_dependent_launch
 from grape_tvm.passes.planned_memory import planned_bytes
-from grape_tvm.pipeline import grape_pipeline, is_gpu, matmul_implementation
+from grape_tvm.pipeline import TIR_PIPELINE, grape_pipeline, is_gpu, matmul_implementation
 from grape_tvm.runtime.call_program import CallProgram
 from grape_tvm.runtime.attention import sources_of as attention_sources_of
 from grape_tvm.runtime.cuda_compile import compile_cubin, nvcc_available, source_key
@@ -331,7 +331,8 @@ def _compile_with_fallbacks(mod: tvm.IRModule, tgt, ranges, select_ops: int,
             plan["notes"] += notes
             plan["matmul"] = matmul
             plan["dependent_launch"] = dependent_launch and supports_dependent_launch(tgt)
-            return tvm.compile(lowered, target=tgt, relax_pipeline=None), plan
+            return tvm.compile(lowered, target=tgt, relax_pipeline=None,
+                               tir_pipeline=TIR_PIPELINE), plan
         except (HostFallbackError, PlannedMemoryError):
             raise
         except Exception as err:  # pylint: disable=broad-except

@@ -17,6 +17,7 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               FuseIntoInplaceWrites,
                               FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
+                              KernelLaunchBounds,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, NarrowIndices,
@@ -235,6 +236,24 @@ def grape_pipeline(target: tvm.target.Target | None = None,
                          dependent_launch)
 
 
+TIR_PIPELINE = "grape"
+
+
+def grape_tir_pipeline():
+    """TVM's default TIR pipeline, with ``KernelLaunchBounds`` first among the passes that
+    finish the device kernels: ``tvm.compile(mod, target, relax_pipeline="grape",
+    tir_pipeline="grape")``. (TVM's own TIR pipeline builds grape's kernels too, without
+    the minimum of blocks an SM that ``ProgrammaticDependentLaunch`` asks for some.)"""
+    lower, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
+
+    def finalize_kernels():
+        return tvm.ir.transform.Sequential([KernelLaunchBounds(), finalize_device()])
+
+    return lower, finalize_host, finalize_kernels
+
+
 if "grape" not in relax.pipeline.PIPELINE_MAP:
     # tvm.compile(mod, target, relax_pipeline="grape") looks pipelines up by name.
     relax.register_pipeline("grape")(grape_pipeline)
+if TIR_PIPELINE not in tvm.tirx.compilation_pipeline.PIPELINE_MAP:
+    tvm.tirx.register_tir_pipeline(TIR_PIPELINE, grape_tir_pipeline)

@@ -13,6 +13,8 @@ from tvm.ir.transform import PassContext, module_pass
 from tvm.script import tirx as T
 from tvm_ffi.structural import structural_mutate, structural_walk
 
+from .launch_bounds import min_blocks_mark
+
 # TVM's launch-parameter tag (src/runtime/metadata.h, spelled as TVM spells it): its CUDA
 # module launches a kernel carrying it with programmatic stream serialization.
 PDL_LAUNCH_TAG = "tirx.use_programtic_dependent_launch"
@@ -21,6 +23,14 @@ MIN_ARCH = 90  # griddepcontrol: PTX ISA 7.8, sm_90
 # Block annotation of a schedule rule: this block, first in its kernel, reads only the
 # model's weights, and may run before the wait (a GEMV's weights into registers).
 WEIGHTS_FIRST = "grape_weights_before_wait"
+# The minimum of blocks an SM (``__launch_bounds__``) of a kernel that loads its weights
+# before the wait; 0: none. Left to its default, ptxas keeps a kernel's registers few by
+# issuing loads late, below the wait: GPT-2's MLP down projection, 48 floats of weights a
+# thread, compiled to 32 registers (110 with a minimum). Two blocks cap a thread of 256 at
+# 128 registers, where one let the 8-row kernels take 254. On the H200, in chains of GEMVs
+# read from HBM (bench/results/gemv_chain.json): 0.61x to 0.95x the time without a minimum
+# at M = 8, 0.88x to 1.07x at M = 1; GPT-2's decode step 0.99x (decode_step_variants.json).
+WEIGHTS_HELD_MIN_BLOCKS = 2
 _CALL_TIR = Op.get("relax.call_tir")
 _CALL_TIR_INPLACE = Op.get("relax.call_tir_inplace")
 
@@ -89,10 +99,14 @@ def _with_prologue(body: tirx.Stmt, weights_first: bool) -> tuple[tirx.Stmt, int
         if loop.thread_binding is None:
             return mutator.default_mutate(loop)
         kernels += 1
-        inner = _wait_after_weights(loop.body) if weights_first else None
-        if inner is None:
-            inner = tirx.SeqStmt([_wait(), loop.body])
-        return _with_loop_body(loop, tirx.SeqStmt([_launch_dependents(), inner]))
+        held = _wait_after_weights(loop.body) if weights_first else None
+        if held is None:
+            waits_first = tirx.SeqStmt([_wait(), loop.body])
+            return _with_loop_body(loop, tirx.SeqStmt([_launch_dependents(), waits_first]))
+        body = tirx.SeqStmt([_launch_dependents(), held])
+        if WEIGHTS_HELD_MIN_BLOCKS:
+            body = min_blocks_mark(WEIGHTS_HELD_MIN_BLOCKS, body)
+        return _with_loop_body(loop, body)
 
     return structural_mutate(body, ((tirx.For, on_for),)), kernels
 
@@ -242,7 +256,9 @@ class ProgrammaticDependentLaunch:
 
     One exception to "wait first": a kernel whose schedule loads the model's weights first,
     in a block marked ``WEIGHTS_FIRST`` (``DecodeGemv``'s GEMV kernels), waits right after
-    those loads, which are then in flight while the kernel before it ends. Only where
+    those loads, which are then in flight while the kernel before it ends; the kernel
+    asks for a minimum of one block an SM (``launch_bounds.min_blocks_mark``), which keeps
+    ptxas from moving the loads below the wait to save registers. Only where
     nothing the call runs writes them: at every call of the PrimFunc, the marked block's
     buffer is a constant or a parameter of ``main`` at a position of ``weights`` (bound
     once by the caller) that the module only passes to kernels as a read-only argument.

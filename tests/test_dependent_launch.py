@@ -23,7 +23,11 @@ from grape_tvm.compiler import _lower
 from test_gemv import CUDA, _cuda, _kernel_body, _lowered
 from test_gemv_on_cpu import DEFINITION
 from grape_tvm.passes import ProgrammaticDependentLaunch
+from grape_tvm.passes.launch_bounds import (MIN_BLOCKS_MARK, MIN_BLOCKS_PER_SM, KernelLaunchBounds,
+                                           min_blocks_mark)
+from grape_tvm.pipeline import TIR_PIPELINE
 from grape_tvm.passes.dependent_launch import (KERNEL_LAUNCH_PARAMS, PDL_LAUNCH_TAG,
+                                               WEIGHTS_HELD_MIN_BLOCKS,
                                                _RelaxUses, _weights_of,
                                                supports_dependent_launch)
 
@@ -175,6 +179,51 @@ def test_a_gemv_waits_before_weights_that_are_not_the_models(weight, bound):
     assert not any(_waits_after_the_weights(b) for b in gemv.values())
 
 
+def _launch_bounds(weight: str, bound: tuple[int, ...]) -> dict[str, str]:
+    """The ``__launch_bounds__`` arguments of each GEMV kernel of ``_linear(weight)`` built
+    by grape's TIR pipeline, by kernel name."""
+    lowered = _lower(_linear(weight), CUDA, {"m": (1, 64)}, weights=bound)
+    (func,) = [f for g, f in lowered.functions_items()
+               if isinstance(f, tirx.PrimFunc) and "matmul" in g.name_hint]
+    source = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
+                            CUDA, pipeline=TIR_PIPELINE).imports[0].inspect_source()
+    return dict((name, bounds) for bounds, name in
+                re.findall(r"__launch_bounds__\(([\d, ]+)\) (\w+)\(", source))
+
+
+def test_a_gemv_holding_its_weights_across_the_wait_asks_for_blocks_an_sm():
+    """Each kernel that loads its weights before the wait asks for a minimum of blocks an
+    SM, and no other does: ptxas would otherwise move the loads below the wait to save
+    registers."""
+    for bound in ((2,), ()):
+        bodies = _gemv_source("param", bound)
+        holds = {name: "w_local" in body and _waits_after_the_weights(body)
+                 for name, body in bodies.items()}
+        bounds = _launch_bounds("param", bound)
+        assert bounds.keys() == holds.keys() and sum(holds.values()) == (4 if bound else 0)
+        for name, held in holds.items():
+            assert bounds[name].endswith(f", {WEIGHTS_HELD_MIN_BLOCKS}") == held, name
+
+
+def test_kernel_launch_bounds_takes_the_mark_into_the_kernels_attributes():
+    @T.prim_func
+    def kernel(A: T.Buffer((256,), "float32")):
+        T.func_attr({"global_symbol": "kernel"})
+        for tx in T.thread_binding(256, thread="threadIdx.x"):
+            A[tx] = T.float32(1)
+
+    loop = kernel.body
+    marked = kernel.with_body(tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
+                                       min_blocks_mark(3, loop.body), loop.thread_binding))
+    assert MIN_BLOCKS_MARK in marked.script()
+    done = KernelLaunchBounds()(tvm.IRModule({"kernel": marked}))["kernel"]
+    assert int(done.attrs[MIN_BLOCKS_PER_SM]) == 3
+    assert MIN_BLOCKS_MARK not in done.script()
+    assert structural_equal(done.body, kernel.body)
+    unmarked = KernelLaunchBounds()(tvm.IRModule({"kernel": kernel}))["kernel"]
+    assert MIN_BLOCKS_PER_SM not in (unmarked.attrs or {})
+
+
 def test_without_dependent_launch_no_kernel_waits():
     lowered = _lower(_linear("constant"), CUDA, {"m": (1, 64)}, dependent_launch=False)
     for gvar, func in lowered.functions_items():
@@ -280,3 +329,4 @@ def test_a_primfunc_with_a_launch_thread_kernel_is_left_as_it_was():
 
     before = tvm.IRModule({"mixed": mixed})
     assert structural_equal(ProgrammaticDependentLaunch(CUDA)(before), before)
+

@@ -32,10 +32,12 @@
   and TVM's own builds of them, ``gpt2_{prefill,decode}.{tvm_vm,tvm_cuda_graph}.cuda.grape``
   (``hf_baselines.json`` says how each was built, or why not), for ``bench/hf_models.py``;
   the same in fp16: ``gpt2_{prefill,decode}_fp16*`` (``hf_models.py --dtype float16``).
-- ``decode_variants/{chunked,chunked_sequential}.cuda.grape``: GPT-2's decode step with the
-  GEMV kernels' weights loaded a chunk at a time, with and without programmatic dependent
-  launch (``bench/decode_step_variants.py``).
+- ``decode_variants/{ptxas_default,one_block}.cuda.grape``: GPT-2's decode step with the
+  GEMV kernels that hold their weights across the wait asking for no minimum of blocks an
+  SM, and for one (``bench/decode_step_variants.py``).
 - ``pdl_chain``: the executable of ``bench/kernels/pdl_chain.cu`` (``bench/pdl_chain.py``).
+- ``gemv_chain/``: chains of GEMVs at GPT-2's shapes, weights bound once, default and
+  ``CHAIN_BUILDS`` builds (``bench/gemv_chain.py``).
 - ``sequential_launch/{decoder.loop,gpt2_decode}.cuda.grape``: the same two built without
   programmatic dependent launch (``build(dependent_launch=False)``), which
   ``bench/decode_loop.py`` and ``bench/hf_models.py`` time beside the default builds.
@@ -69,6 +71,7 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import onnx
@@ -92,6 +95,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     conv_stack,
     decoder_state_names,
     decoder_step,
+    gemv_chain_relax,
     gemv_test_constants,
     gemv_test_relax,
     gpt2_decode_step,
@@ -103,6 +107,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     wide_head,
     reductions_model,
     matmul_relax,
+    mlp_chain_relax,
     tensor_parallel_artifact,
     tensor_parallel_module,
 )
@@ -649,24 +654,18 @@ def build_sequential_launch(out: Path) -> None:
 
 def build_decode_variants(out: Path) -> None:
     """``decode_variants/``: GPT-2's decode step (``gpt2_decode``, as ``build_hf_models``
-    builds it) with the GEMV kernels loading their weights a chunk at a time as before
-    ``_weights_in_registers`` (``WEIGHT_REGISTER_BYTES`` 0), with programmatic dependent
-    launch (``chunked``) and without (``chunked_sequential``), for
-    ``bench/decode_step_variants.py`` beside the default and ``sequential_launch`` builds."""
-    from grape_tvm.passes import gemv_schedule  # pylint: disable=import-outside-toplevel
-
+    builds it) with the GEMV kernels that hold their weights across the wait asking for no
+    minimum of blocks an SM (``ptxas_default``: the build before it was asked) and for one
+    (``one_block``), for ``bench/decode_step_variants.py`` beside the default and
+    ``sequential_launch`` builds."""
     onnx_dir = _gpt2_decode_onnx(out)
     where = out / "decode_variants"
     where.mkdir(parents=True, exist_ok=True)
-    saved = gemv_schedule.WEIGHT_REGISTER_BYTES
-    gemv_schedule.WEIGHT_REGISTER_BYTES = 0
-    try:
-        for name, dependent in (("chunked", True), ("chunked_sequential", False)):
-            module = _timed(f"decode_variants/{name}", lambda d=dependent: _compile_hf(
-                onnx_dir, "gpt2_decode", "gpt2_decode", d))
-            module.export(where / f"{name}.cuda.grape")
-    finally:
-        gemv_schedule.WEIGHT_REGISTER_BYTES = saved
+    for name, blocks in (("ptxas_default", 0), ("one_block", 1)):
+        with _held_weights_min_blocks(blocks):
+            module = _timed(f"decode_variants/{name}", lambda: _compile_hf(
+                onnx_dir, "gpt2_decode", "gpt2_decode"))
+        module.export(where / f"{name}.cuda.grape")
 
 
 def build_gemv_configs(out: Path) -> None:
@@ -675,6 +674,59 @@ def build_gemv_configs(out: Path) -> None:
     import gemv_configs  # pylint: disable=import-outside-toplevel
 
     gemv_configs.build(out / "gemv_configs")
+
+
+# Each chain's weights: three times the H200's L2, so that every GEMV reads its own from HBM.
+CHAIN_BYTES = 150_000_000
+
+
+@contextmanager
+def _held_weights_min_blocks(blocks: int):
+    """Builds whose GEMV kernels that hold their weights across the wait ask for ``blocks``
+    blocks an SM (0: no minimum, ptxas's default)."""
+    from grape_tvm.passes import dependent_launch  # pylint: disable=import-outside-toplevel
+
+    saved = dependent_launch.WEIGHTS_HELD_MIN_BLOCKS
+    dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = blocks
+    try:
+        yield
+    finally:
+        dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = saved
+
+
+# Builds beside the default one, by folder: (dependent launch, minimum of blocks an SM of a
+# kernel holding its weights across the wait; None: the default's).
+CHAIN_BUILDS = {"sequential": (False, None), "ptxas_default": (True, 0), "one_block": (True, 1)}
+
+
+def build_gemv_chains(out: Path) -> None:
+    """``gemv_chain/``: chains of grape's GEMVs (``bench/gemv_chain.py``), GPT-2 124M's four
+    layer shapes and its MLP in fp32 and fp16, weights bound once, with programmatic
+    dependent launch, and the builds of ``CHAIN_BUILDS`` in folders of their own."""
+    where = out / "gemv_chain"
+    for folder in CHAIN_BUILDS:
+        (where / folder).mkdir(parents=True, exist_ok=True)
+    chains = {}
+    for dtype, size in (("float32", 4), ("float16", 2)):
+        for k, n in GPT2_MATMULS[:4]:
+            layers = -(-CHAIN_BYTES // (k * n * size))
+            chains[f"{dtype}_{k}x{n}"] = (gemv_chain_relax(k, n, layers, dtype),
+                                          [f"y{i}" for i in range(layers)])
+        layers = -(-CHAIN_BYTES // (2 * 768 * 3072 * size))
+        chains[f"mlp_{dtype}"] = (mlp_chain_relax(layers, dtype), ["y"])
+    from grape_tvm.passes import dependent_launch  # pylint: disable=import-outside-toplevel
+
+    builds = {where: (True, dependent_launch.WEIGHTS_HELD_MIN_BLOCKS)}
+    builds.update({where / f: (d, dependent_launch.WEIGHTS_HELD_MIN_BLOCKS if b is None else b)
+                   for f, (d, b) in CHAIN_BUILDS.items()})
+    for name, (mod, outputs) in chains.items():
+        weights = [p.name for p in mod["main"].params[1:]]
+        for folder, (dependent, blocks) in builds.items():
+            with _held_weights_min_blocks(blocks):
+                module = _timed(f"{folder.name}/{name}", lambda m=mod, o=outputs, w=weights,
+                                d=dependent: grape_tvm.build(m, MATMUL_DIMS, CUDA, output_names=o,
+                                                             weights=w, dependent_launch=d))
+            module.export(folder / f"{name}.cuda.grape")
 
 
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.
@@ -710,6 +762,7 @@ STEPS = {
     "gemv_configs": (build_gemv_configs,),
     "sequential_launch": (build_sequential_launch,),
     "pdl_chain": (build_pdl_chain,),
+    "gemv_chain": (build_gemv_chains,),
     "decode_variants": (lambda out: build_hf_models(out, ("gpt2_decode",), baselines=False),
                         build_sequential_launch, build_decode_variants),
     "topology_blocks": (build_bench,),

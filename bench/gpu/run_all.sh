@@ -82,8 +82,11 @@ want loop_kernels && { for a in decoder_small decoder; do for b in 1 8; do pytho
 want ncu_loop && { for m in decoder decoder_small; do for b in 1 8; do "$ncu_bin" --graph-profiling node --metrics gpu__time_duration.sum --clock-control none --csv --log-file "$out/loop_ncu_${m}_$b.csv" python3 -P bench/kernel_profile.py build/gpu/$m.loop.cuda.grape --dim batch=$b --executor-steps 1 --graph-mode per-shape && python3 -P bench/kernel_profile.py --ncu-summary "$out/loop_ncu_${m}_$b.csv" --json "$out/loop_kernels_${m}_b$b.json" --top 25 || status=1; done; done; }
 want zero_copy && { python3 -P bench/zero_copy.py --artifacts build/gpu --out "$out" ${GRAPE_ZERO_COPY_ARGS:-} || status=1; }
 want pdl_chain && { python3 -P bench/pdl_chain.py --binary build/gpu/pdl_chain --out "$out" || status=1; }
+# grape's GEMVs as a decode step runs them (chains in one graph, weights from HBM), with and
+# without programmatic dependent launch, against cuBLAS on the same weights.
+want gemv_chain && { python3 -P bench/gemv_chain.py --dir build/gpu/gemv_chain --out "$out" || status=1; }
 # GPT-2's decode step built four ways (default, sequential_launch, decode_variants' two).
-want decode_variants && { python3 -P bench/decode_step_variants.py --weights build/gpu/gpt2_decode.weights.json --variant default=build/gpu/gpt2_decode.cuda.grape --variant sequential=build/gpu/sequential_launch/gpt2_decode.cuda.grape --variant chunked=build/gpu/decode_variants/chunked.cuda.grape --variant chunked_sequential=build/gpu/decode_variants/chunked_sequential.cuda.grape --out "$out" || status=1; }
+want decode_variants && { python3 -P bench/decode_step_variants.py --weights build/gpu/gpt2_decode.weights.json --variant default=build/gpu/gpt2_decode.cuda.grape --variant sequential=build/gpu/sequential_launch/gpt2_decode.cuda.grape --variant ptxas_default=build/gpu/decode_variants/ptxas_default.cuda.grape --variant one_block=build/gpu/decode_variants/one_block.cuda.grape --out "$out" || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }
 want zoo && { python3 -P bench/zoo/gpu.py --artifacts build/gpu/zoo --out "$out" ${GRAPE_ZOO_ARGS:-} || status=1; }

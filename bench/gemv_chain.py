@@ -60,7 +60,7 @@ def chain_weights(signature, seed: int = 0) -> dict[str, np.ndarray]:
     return weights
 
 
-def torch_chain(kind: str, weights: dict, dtype):
+def torch_chain(kind: str, weights: dict):
     """The chain in PyTorch: ``fn(x)`` returning the outputs grape's artifact returns."""
     import torch  # pylint: disable=import-outside-toplevel
     import torch.nn.functional as F  # pylint: disable=import-outside-toplevel
@@ -125,9 +125,8 @@ def measure_chain(name: str, artifacts: dict[str, Path], rows: int, reps: int,
     feeds = {"x": tvm.runtime.tensor(x_np, dev)}
     kind = "mlp" if name.startswith("mlp") else "gemv"
     torch.backends.cuda.matmul.allow_tf32 = False
-    dtype = getattr(torch, signature.inputs[0].dtype)
-    reference = torch_chain(kind, {k: v.astype(np.float32) for k, v in weights.items()},
-                            torch.float32)(torch.from_numpy(x_np.astype(np.float32)).cuda())
+    in_fp32 = torch_chain(kind, {k: v.astype(np.float32) for k, v in weights.items()})
+    reference = in_fp32(torch.from_numpy(x_np.astype(np.float32)).cuda())
     reference = [r.double().cpu().numpy() for r in reference]
     largest = max(float(np.abs(r).max()) for r in reference)
     result = {"gemvs": sum(1 for s in signature.inputs if len(s.shape) == 2 and s.name != "x"),
@@ -138,7 +137,7 @@ def measure_chain(name: str, artifacts: dict[str, Path], rows: int, reps: int,
         got = [np.asarray(v, np.float64) for v in out.values()]
         errors[system] = max(float(np.abs(g - r).max()) for g, r in zip(got, reference)) / largest
 
-    chain = torch_chain(kind, weights, dtype)
+    chain = torch_chain(kind, weights)
     x_torch = torch.from_numpy(x_np).cuda()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())

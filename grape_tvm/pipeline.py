@@ -215,7 +215,8 @@ def grape_pipeline(target: tvm.target.Target | None = None,
                    select_ops: int = 16, device_branches: bool = True,
                    matmul: str | None = None, weights: Sequence[int] = (),
                    dependent_launch: bool = True) -> tvm.transform.Pass:
-    """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...))`` takes.
+    """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...),
+    tir_pipeline="grape")`` takes (``grape_tir_pipeline``: the kernels' launch bounds).
 
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
     0 keeps every ``if``. ``matmul``: "auto" (CUDA's default: "cublaslt", with grape's GEMV

@@ -91,7 +91,8 @@ def _wait_after_weights(body: tirx.Stmt) -> tirx.Stmt | None:
 def _with_prologue(body: tirx.Stmt, weights_first: bool) -> tuple[tirx.Stmt, int]:
     """``body`` with each kernel's outermost thread binding starting with
     ``launch_dependents``, then the wait (after the weights' loads where ``weights_first``
-    and the kernel loads them first), and the number of kernels."""
+    and the kernel loads them first, the kernel then marked with its minimum of blocks an
+    SM), and the number of kernels."""
     kernels = 0
 
     def on_for(loop, mutator):
@@ -257,8 +258,9 @@ class ProgrammaticDependentLaunch:
     One exception to "wait first": a kernel whose schedule loads the model's weights first,
     in a block marked ``WEIGHTS_FIRST`` (``DecodeGemv``'s GEMV kernels), waits right after
     those loads, which are then in flight while the kernel before it ends; the kernel
-    asks for a minimum of one block an SM (``launch_bounds.min_blocks_mark``), which keeps
-    ptxas from moving the loads below the wait to save registers. Only where
+    asks for a minimum of ``WEIGHTS_HELD_MIN_BLOCKS`` blocks an SM
+    (``launch_bounds.min_blocks_mark``), which keeps ptxas from moving the loads below the
+    wait to save registers. Only where
     nothing the call runs writes them: at every call of the PrimFunc, the marked block's
     buffer is a constant or a parameter of ``main`` at a position of ``weights`` (bound
     once by the caller) that the module only passes to kernels as a read-only argument.

@@ -3,7 +3,9 @@ carried from the schedule to the kernel function TVM generates."""
 
 from __future__ import annotations
 
+import tvm
 from tvm import ir, tirx
+from tvm.ir.transform import PassContext
 from tvm.tirx.transform import prim_func_pass
 from tvm_ffi.structural import structural_mutate
 
@@ -21,39 +23,40 @@ def min_blocks_mark(blocks: int, body: tirx.Stmt) -> tirx.Stmt:
                          tirx.IntImm("int32", blocks), body)
 
 
-def _kernel_launch_bounds(func: tirx.PrimFunc, _mod, _ctx) -> tirx.PrimFunc:
-    found = []
-
-    def on_attr(stmt, mutator):
-        if stmt.attr_key != MIN_BLOCKS_MARK:
-            return mutator.default_mutate(stmt)
-        found.append(int(stmt.value))
-        return mutator.mutate(stmt.body)
-
-    body = structural_mutate(func.body, ((tirx.AttrStmt, on_attr),))
-    if not found:
-        return func
-    return func.with_body(body).with_attr(MIN_BLOCKS_PER_SM, max(found))
-
-
-def KernelLaunchBounds():  # pylint: disable=invalid-name
+@prim_func_pass(opt_level=0, name="KernelLaunchBounds")
+class KernelLaunchBounds:
     """A device kernel whose body is marked by ``min_blocks_mark`` gets TVM's attribute for
     the minimum of blocks an SM, and the mark goes. For the kernel functions of
-    ``SplitHostDevice`` (grape's TIR pipeline runs it before codegen)::
+    ``SplitHostDevice`` (grape's TIR pipeline runs it on them before codegen)::
 
         # before
         @T.prim_func
         def gemv_kernel(...):
             T.func_attr({"calling_conv": 2, ...})
-            with T.attr("grape_min_blocks_per_sm", "grape_min_blocks_per_sm", 1):
+            with T.attr("grape_min_blocks_per_sm", "grape_min_blocks_per_sm", 2):
                 ...
 
         # after
         @T.prim_func
         def gemv_kernel(...):
-            T.func_attr({"calling_conv": 2, ..., "tirx.launch_bounds_min_blocks_per_sm": 1})
+            T.func_attr({"calling_conv": 2, ..., "tirx.launch_bounds_min_blocks_per_sm": 2})
             ...
 
-    and its CUDA source reads ``__launch_bounds__(256, 1)``.
+    and its CUDA source reads ``__launch_bounds__(256, 2)``. A mark that reaches codegen
+    (TVM's own TIR pipeline) is ignored there: the kernel keeps ptxas's default.
     """
-    return prim_func_pass(_kernel_launch_bounds, opt_level=0, name="KernelLaunchBounds")
+
+    def transform_function(self, func: tirx.PrimFunc, _mod: tvm.IRModule,
+                           _ctx: PassContext) -> tirx.PrimFunc:
+        found = []
+
+        def on_attr(stmt, mutator):
+            if stmt.attr_key != MIN_BLOCKS_MARK:
+                return mutator.default_mutate(stmt)
+            found.append(int(stmt.value))
+            return mutator.mutate(stmt.body)
+
+        body = structural_mutate(func.body, ((tirx.AttrStmt, on_attr),))
+        if not found:
+            return func
+        return func.with_body(body).with_attr(MIN_BLOCKS_PER_SM, max(found))

@@ -19,7 +19,8 @@ from tvm import relax, tirx
 from tvm.script import tirx as T
 from tvm_ffi.structural import structural_equal, structural_walk
 
-from grape_tvm.compiler import _lower
+import grape_tvm
+from grape_tvm.compiler import _cuda_sources, _lower
 from test_gemv import CUDA, _cuda, _kernel_body, _lowered
 from test_gemv_on_cpu import DEFINITION
 from grape_tvm.passes import ProgrammaticDependentLaunch
@@ -205,6 +206,19 @@ def test_a_gemv_holding_its_weights_across_the_wait_asks_for_blocks_an_sm():
             assert bounds[name].endswith(f", {WEIGHTS_HELD_MIN_BLOCKS}") == held, name
 
 
+@pytest.mark.parametrize("bound, asked", [(["w"], True), ([], False)])
+def test_build_compiles_held_weights_with_their_launch_bounds(bound, asked):
+    """Through ``build`` (grape's TIR pipeline, not TVM's): the kernels of a bound weight
+    carry the minimum into their CUDA source; a weight passed with every call, none."""
+    module = grape_tvm.build(_linear("param"), {"m": (1, 64)}, CUDA, output_names=["y"],
+                             weights=bound, prebuild_cubin=False)
+    source = "".join(_cuda_sources(module.executable))
+    assert MIN_BLOCKS_MARK not in source
+    with_minimum = set(re.findall(rf"__launch_bounds__\(\d+, {WEIGHTS_HELD_MIN_BLOCKS}\) (\w+)",
+                                  source))
+    assert len(with_minimum) == (4 if asked else 0)  # the buckets of 1, 2, 4 and 8 rows
+
+
 def test_kernel_launch_bounds_takes_the_mark_into_the_kernels_attributes():
     @T.prim_func
     def kernel(A: T.Buffer((256,), "float32")):
@@ -329,4 +343,3 @@ def test_a_primfunc_with_a_launch_thread_kernel_is_left_as_it_was():
 
     before = tvm.IRModule({"mixed": mixed})
     assert structural_equal(ProgrammaticDependentLaunch(CUDA)(before), before)
-

@@ -12,7 +12,8 @@ Artifacts (``bench/gpu/build_artifacts.py``'s ``gemv_chain`` step, ``build/gpu/g
   launched once the one before it has finished (system ``grape_sequential``); under any
   other folder, another build of it (system ``grape_FOLDER``: ``ptxas_default``, without
   a minimum of blocks an SM for the kernels that hold their weights across the wait;
-  ``one_block``, a minimum of one).
+  ``one_block``, a minimum of one). ``--per-shape``: the default build also in one graph
+  per shape (system ``grape_per_shape``: no device-updatable nodes, no patch kernel).
 
 Weights are ``main``'s parameters, bound once (as a model's are): grape stores them [N, K]
 and its GEMV kernels load their share into registers before waiting on the kernel before
@@ -104,15 +105,17 @@ class CudaEvents:
         self.driver.cuEventDestroy(self.stop)
 
 
-def measure_chain(name: str, artifacts: dict[str, Path], rows: int, reps: int,
+def measure_chain(name: str, artifacts: dict[str, tuple[Path, str]], rows: int, reps: int,
                   rounds: int) -> dict:
-    """One chain at ``rows``: each system's GPU time per call, grape's outputs checked."""
+    """One chain at ``rows``: each system's GPU time per call, grape's outputs checked.
+    ``artifacts``: each grape system's artifact and graph mode."""
     import torch  # pylint: disable=import-outside-toplevel
     import tvm  # pylint: disable=import-outside-toplevel
 
     from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
 
-    executors = {system: load(path, "cuda") for system, path in artifacts.items()}
+    executors = {system: load(path, "cuda", graph_mode=mode)
+                 for system, (path, mode) in artifacts.items()}
     first = executors["grape"]
     signature = first.signature
     weights = chain_weights(signature)
@@ -214,13 +217,18 @@ def main() -> None:
     parser.add_argument("--rows", default=",".join(map(str, ROWS)))
     parser.add_argument("--reps", type=int, default=50, help="calls queued per timing")
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--per-shape", action="store_true",
+                        help="also the default build in one graph per shape (grape_per_shape)")
+    parser.add_argument("--json", default="gemv_chain", help="the results file's name")
     args = parser.parse_args()
     results = {}
     for path in sorted(args.dir.glob("*.cuda.grape")):
         name = path.name.removesuffix(".cuda.grape")
-        artifacts = {"grape": path}
+        artifacts = {"grape": (path, "topology")}
         for other in sorted(p for p in args.dir.iterdir() if (p / path.name).exists()):
-            artifacts[f"grape_{other.name}"] = other / path.name
+            artifacts[f"grape_{other.name}"] = (other / path.name, "topology")
+        if args.per_shape:
+            artifacts["grape_per_shape"] = (path, "per-shape")
         results[name] = {}
         for rows in (int(r) for r in args.rows.split(",")):
             found = measure_chain(name, artifacts, rows, args.reps, args.rounds)
@@ -237,7 +245,7 @@ def main() -> None:
                 "copy_tbps": COPY_TBPS, "reps": args.reps, "rounds": args.rounds,
                 "chains": results}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gemv_chain.json").write_text(json.dumps(document, indent=2))
+    (args.out / f"{args.json}.json").write_text(json.dumps(document, indent=2))
 
 
 if __name__ == "__main__":

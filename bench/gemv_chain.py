@@ -105,10 +105,10 @@ class CudaEvents:
         self.driver.cuEventDestroy(self.stop)
 
 
-def measure_chain(name: str, artifacts: dict[str, tuple[Path, str]], rows: int, reps: int,
-                  rounds: int) -> dict:
-    """One chain at ``rows``: each system's GPU time per call, grape's outputs checked.
-    ``artifacts``: each grape system's artifact and graph mode."""
+def measure_chain(name: str, artifacts: dict[str, tuple[Path, str]], rows: list[int],
+                  reps: int, rounds: int) -> dict[str, dict]:
+    """One chain at each of ``rows``: each system's GPU time per call, the outputs checked.
+    ``artifacts``: each grape system's artifact and graph mode. Loaded and bound once."""
     import torch  # pylint: disable=import-outside-toplevel
     import tvm  # pylint: disable=import-outside-toplevel
 
@@ -116,45 +116,59 @@ def measure_chain(name: str, artifacts: dict[str, tuple[Path, str]], rows: int, 
 
     executors = {system: load(path, "cuda", graph_mode=mode)
                  for system, (path, mode) in artifacts.items()}
-    first = executors["grape"]
-    signature = first.signature
+    signature = executors["grape"].signature
     weights = chain_weights(signature)
-    dev = first.device
-    bound = {k: tvm.runtime.tensor(v, dev) for k, v in weights.items()}
+    bound = {k: tvm.runtime.tensor(v, executors["grape"].device) for k, v in weights.items()}
     for ex in executors.values():
         ex.bind_inputs(bound)
-    k = int(signature.inputs[0].shape[1])
-    x_np = np.random.default_rng(rows).standard_normal((rows, k)).astype(signature.inputs[0].dtype)
-    feeds = {"x": tvm.runtime.tensor(x_np, dev)}
     kind = "mlp" if name.startswith("mlp") else "gemv"
     torch.backends.cuda.matmul.allow_tf32 = False
-    in_fp32 = torch_chain(kind, {k: v.astype(np.float32) for k, v in weights.items()})
-    reference = in_fp32(torch.from_numpy(x_np.astype(np.float32)).cuda())
-    reference = [r.double().cpu().numpy() for r in reference]
-    largest = max(float(np.abs(r).max()) for r in reference)
-    result = {"gemvs": sum(1 for s in signature.inputs if len(s.shape) == 2 and s.name != "x"),
-              "weight_bytes": int(sum(v.nbytes for v in weights.values())), "systems": {}}
-    errors = {}
-    for system, ex in executors.items():
-        out = ex.run(feeds)
-        got = [np.asarray(v, np.float64) for v in out.values()]
-        errors[system] = max(float(np.abs(g - r).max()) for g, r in zip(got, reference)) / largest
+    chains = {"reference": torch_chain(kind, {k: v.astype(np.float32) for k, v in weights.items()}),
+              "cublas": torch_chain(kind, weights)}
+    chain = {"gemvs": sum(1 for s in signature.inputs if len(s.shape) == 2 and s.name != "x"),
+             "weight_bytes": int(sum(v.nbytes for v in weights.values()))}
+    found = {str(m): {**chain, "systems": _measure_rows(executors, chains, chain, m, reps, rounds)}
+             for m in rows}
+    for ex in executors.values():
+        ex.close()
+    torch.cuda.empty_cache()
+    return found
 
-    chain = torch_chain(kind, weights)
+
+def _measure_rows(executors: dict, chains: dict, chain: dict, rows: int, reps: int,
+                  rounds: int) -> dict[str, dict]:
+    """Every system at ``rows``: grape's executors and PyTorch's chain (``chains``: fp32
+    reference and cuBLAS's in the chain's dtype), timed in turns."""
+    import torch  # pylint: disable=import-outside-toplevel
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    first = next(iter(executors.values()))
+    spec = first.signature.inputs[0]
+    rng = np.random.default_rng(rows)
+    x_np = rng.standard_normal((rows, int(spec.shape[1]))).astype(spec.dtype)
+    feeds = {"x": tvm.runtime.tensor(x_np, first.device)}
+    reference = [r.double().cpu().numpy()
+                 for r in chains["reference"](torch.from_numpy(x_np.astype(np.float32)).cuda())]
+    largest = max(float(np.abs(r).max()) for r in reference)
+
+    def error(outputs) -> float:
+        return max(float(np.abs(np.asarray(g, np.float64) - r).max())
+                   for g, r in zip(outputs, reference)) / largest
+
+    errors = {system: error(ex.run(feeds).values()) for system, ex in executors.items()}
     x_torch = torch.from_numpy(x_np).cuda()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream), torch.no_grad():
         for _ in range(2):
-            chain(x_torch)
+            chains["cublas"](x_torch)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph), torch.no_grad():
-        torch_out = chain(x_torch)
+        torch_out = chains["cublas"](x_torch)
     graph.replay()
     torch.cuda.synchronize()
-    errors["cublas"] = max(float(np.abs(g.double().cpu().numpy() - r).max())
-                           for g, r in zip(torch_out, reference)) / largest
+    errors["cublas"] = error(t.double().cpu().numpy() for t in torch_out)
 
     events = CudaEvents()
     times = {system: [] for system in [*executors, "cublas"]}
@@ -177,20 +191,16 @@ def measure_chain(name: str, artifacts: dict[str, tuple[Path, str]], rows: int, 
         times["cublas"].append(events.time(torch_stream, lambda g=graph: [
             g.replay() for _ in range(reps)]) / reps)
     events.close()
+    systems = {}
     for system, found in times.items():
         gpu_us = statistics.median(found)
-        entry = {"gpu_us": gpu_us, "us_per_gemv": gpu_us / result["gemvs"],
-                 "fraction_of_copy_bandwidth": result["weight_bytes"] / (gpu_us * 1e-6)
-                 / (COPY_TBPS * 1e12),
-                 "max_rel_error": errors[system], "rounds_us": found}
+        systems[system] = {"gpu_us": gpu_us, "us_per_gemv": gpu_us / chain["gemvs"],
+                           "fraction_of_copy_bandwidth": chain["weight_bytes"] / (gpu_us * 1e-6)
+                           / (COPY_TBPS * 1e12),
+                           "max_rel_error": errors[system], "rounds_us": found}
         if system in host:
-            entry["host_us"] = statistics.median(host[system])
-        result["systems"][system] = entry
-    for ex in executors.values():
-        ex.close()
-    del graph
-    torch.cuda.empty_cache()
-    return result
+            systems[system]["host_us"] = statistics.median(host[system])
+    return systems
 
 
 def print_table(results: dict) -> None:
@@ -203,7 +213,8 @@ def print_table(results: dict) -> None:
             cells = []
             for system in systems:
                 entry = found["systems"].get(system)
-                cells.append(f"{entry['us_per_gemv']:24.2f} {entry['fraction_of_copy_bandwidth']:5.0%}"
+                cells.append(f"{entry['us_per_gemv']:24.2f} "
+                             f"{entry['fraction_of_copy_bandwidth']:5.0%}"
                              if entry else f"{'-':>24s} {'-':>5s}")
             worst = max(e["max_rel_error"] for e in found["systems"].values())
             print(f"{name:18s} {rows:>2s} {found['gemvs']:5d} {found['weight_bytes'] / 1e6:6.1f}  "
@@ -229,10 +240,9 @@ def main() -> None:
             artifacts[f"grape_{other.name}"] = (other / path.name, "topology")
         if args.per_shape:
             artifacts["grape_per_shape"] = (path, "per-shape")
-        results[name] = {}
-        for rows in (int(r) for r in args.rows.split(",")):
-            found = measure_chain(name, artifacts, rows, args.reps, args.rounds)
-            results[name][str(rows)] = found
+        results[name] = measure_chain(name, artifacts, [int(r) for r in args.rows.split(",")],
+                                      args.reps, args.rounds)
+        for rows, found in results[name].items():
             print(f"{name} M={rows}: " + "  ".join(
                 f"{s} {e['us_per_gemv']:.2f} us/GEMV ({e['fraction_of_copy_bandwidth']:.0%})"
                 for s, e in found["systems"].items()), flush=True)

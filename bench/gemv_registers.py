@@ -23,8 +23,10 @@ from pathlib import Path
 
 import tvm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE / "gpu"), str(HERE)]
 
+from build_artifacts import held_weights_min_blocks  # noqa: E402  pylint: disable=wrong-import-position
 from models import mlp_chain_relax  # noqa: E402  pylint: disable=wrong-import-position
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -36,17 +38,12 @@ _PTXAS = re.compile(r"Compiling entry function '(\w+)'.*?(\d+) bytes spill store
 def cuda_source(min_blocks: int) -> str:
     import grape_tvm  # pylint: disable=import-outside-toplevel
     from grape_tvm.compiler import _cuda_sources  # pylint: disable=import-outside-toplevel
-    from grape_tvm.passes import dependent_launch  # pylint: disable=import-outside-toplevel
 
     mod = mlp_chain_relax(1, "float32")
-    saved = dependent_launch.WEIGHTS_HELD_MIN_BLOCKS
-    dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = min_blocks
-    try:
+    with held_weights_min_blocks(min_blocks):
         module = grape_tvm.build(mod, {"m": (1, 1024)}, CUDA, output_names=["y"],
                                  weights=[p.name for p in mod["main"].params[1:]],
                                  prebuild_cubin=False)
-    finally:
-        dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = saved
     return "".join(_cuda_sources(module.executable))
 
 

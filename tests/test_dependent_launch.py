@@ -26,10 +26,9 @@ from test_gemv_on_cpu import DEFINITION
 from grape_tvm.passes import ProgrammaticDependentLaunch
 from grape_tvm.passes.launch_bounds import (MIN_BLOCKS_MARK, MIN_BLOCKS_PER_SM, KernelLaunchBounds,
                                            min_blocks_mark)
-from grape_tvm.pipeline import TIR_PIPELINE
 from grape_tvm.passes.dependent_launch import (KERNEL_LAUNCH_PARAMS, PDL_LAUNCH_TAG,
                                                WEIGHTS_HELD_MIN_BLOCKS,
-                                               _RelaxUses, _weights_of,
+                                               _RelaxUses, _weights_of, _with_loop_body,
                                                supports_dependent_launch)
 
 LAUNCH = "tvm_builtin_ptx_griddepcontrol_launch_dependents();"
@@ -180,43 +179,21 @@ def test_a_gemv_waits_before_weights_that_are_not_the_models(weight, bound):
     assert not any(_waits_after_the_weights(b) for b in gemv.values())
 
 
-def _launch_bounds(weight: str, bound: tuple[int, ...]) -> dict[str, str]:
-    """The ``__launch_bounds__`` arguments of each GEMV kernel of ``_linear(weight)`` built
-    by grape's TIR pipeline, by kernel name."""
-    lowered = _lower(_linear(weight), CUDA, {"m": (1, 64)}, weights=bound)
-    (func,) = [f for g, f in lowered.functions_items()
-               if isinstance(f, tirx.PrimFunc) and "matmul" in g.name_hint]
-    source = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
-                            CUDA, pipeline=TIR_PIPELINE).imports[0].inspect_source()
-    return dict((name, bounds) for bounds, name in
-                re.findall(r"__launch_bounds__\(([\d, ]+)\) (\w+)\(", source))
-
-
-def test_a_gemv_holding_its_weights_across_the_wait_asks_for_blocks_an_sm():
-    """Each kernel that loads its weights before the wait asks for a minimum of blocks an
-    SM, and no other does: ptxas would otherwise move the loads below the wait to save
-    registers."""
-    for bound in ((2,), ()):
-        bodies = _gemv_source("param", bound)
-        holds = {name: "w_local" in body and _waits_after_the_weights(body)
-                 for name, body in bodies.items()}
-        bounds = _launch_bounds("param", bound)
-        assert bounds.keys() == holds.keys() and sum(holds.values()) == (4 if bound else 0)
-        for name, held in holds.items():
-            assert bounds[name].endswith(f", {WEIGHTS_HELD_MIN_BLOCKS}") == held, name
-
-
-@pytest.mark.parametrize("bound, asked", [(["w"], True), ([], False)])
-def test_build_compiles_held_weights_with_their_launch_bounds(bound, asked):
-    """Through ``build`` (grape's TIR pipeline, not TVM's): the kernels of a bound weight
-    carry the minimum into their CUDA source; a weight passed with every call, none."""
+@pytest.mark.parametrize("bound", [["w"], []])
+def test_each_gemv_holding_its_weights_asks_for_blocks_an_sm(bound):
+    """Through ``build`` (grape's TIR pipeline, not TVM's): each kernel that loads its
+    weights before the wait asks for a minimum of blocks an SM, and no other does; ptxas
+    would otherwise move the loads below the wait to save registers."""
     module = grape_tvm.build(_linear("param"), {"m": (1, 64)}, CUDA, output_names=["y"],
                              weights=bound, prebuild_cubin=False)
     source = "".join(_cuda_sources(module.executable))
     assert MIN_BLOCKS_MARK not in source
-    with_minimum = set(re.findall(rf"__launch_bounds__\(\d+, {WEIGHTS_HELD_MIN_BLOCKS}\) (\w+)",
-                                  source))
-    assert len(with_minimum) == (4 if asked else 0)  # the buckets of 1, 2, 4 and 8 rows
+    bounds = {m.group(1): m.group(0) for m in DEFINITION.finditer(source)}
+    holds = {name: "w_local" in body and _waits_after_the_weights(body)
+             for name, body in ((n, _kernel_body(source, n).split("{", 1)[1]) for n in bounds)}
+    assert sum(holds.values()) == (4 if bound else 0)  # the buckets of 1, 2, 4 and 8 rows
+    for name, held in holds.items():
+        assert (f", {WEIGHTS_HELD_MIN_BLOCKS}) " in bounds[name]) == held, name
 
 
 def test_kernel_launch_bounds_takes_the_mark_into_the_kernels_attributes():
@@ -227,8 +204,7 @@ def test_kernel_launch_bounds_takes_the_mark_into_the_kernels_attributes():
             A[tx] = T.float32(1)
 
     loop = kernel.body
-    marked = kernel.with_body(tirx.For(loop.loop_var, loop.min, loop.extent, loop.kind,
-                                       min_blocks_mark(3, loop.body), loop.thread_binding))
+    marked = kernel.with_body(_with_loop_body(loop, min_blocks_mark(3, loop.body)))
     assert MIN_BLOCKS_MARK in marked.script()
     done = KernelLaunchBounds()(tvm.IRModule({"kernel": marked}))["kernel"]
     assert int(done.attrs[MIN_BLOCKS_PER_SM]) == 3

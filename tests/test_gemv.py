@@ -73,7 +73,7 @@ def _lowered(func: tirx.PrimFunc) -> tvm.IRModule:
 
 def _kernel_body(source: str, name: str) -> str:
     """The definition of kernel ``name`` in CUDA source (not its declaration)."""
-    start = re.search(r"__launch_bounds__\(\d+\) " + name + r"\([^)]*\) \{", source).start()
+    start = re.search(r"__launch_bounds__\([\d, ]+\) " + name + r"\([^)]*\) \{", source).start()
     end = source.find('\nextern "C"', start)
     return source[start:end if end > 0 else len(source)]
 

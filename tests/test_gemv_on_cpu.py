@@ -32,7 +32,7 @@ from grape_tvm.passes.gemv_schedule import gemv_config, match_gemv
 from test_gemv import CUDA, _lowered, _matmul, _the_kernel
 
 HEADER = Path(__file__).with_name("cuda_on_cpu.h")
-DEFINITION = re.compile(r'extern "C" __global__ void __launch_bounds__\(\d+\) (\w+)\(([^)]*)\) \{')
+DEFINITION = re.compile(r'extern "C" __global__ void __launch_bounds__\([\d, ]+\) (\w+)\(([^)]*)\) \{')
 
 
 def _gxx_cxx20_float16() -> bool:
@@ -57,7 +57,7 @@ class CpuKernels:
         source = tvm.tirx.build(tvm.IRModule({"main": func.with_attr("global_symbol", "main")}),
                                 CUDA).imports[0].inspect_source()
         body = source[source.index('extern "C" __global__'):]
-        body = re.sub(r'extern "C" __global__ void __launch_bounds__\(\d+\) \w+\([^)]*\);\n', "",
+        body = re.sub(r'extern "C" __global__ void __launch_bounds__\([\d, ]+\) \w+\([^)]*\);\n', "",
                       body)
         body = re.sub(r"__shared__ alignas\((\d+)\) ", r"alignas(\1) static ", body)
         self.params = {name: [p.strip() for p in params.split(",")]

@@ -6,9 +6,7 @@ the wait. Tried in the session of 2026-12-03, sixth part (bench/README.md): not 
     python3 bench/experiments/gemv_chain_warp_rows.py   # from the checkout, after gemv_chain
 """
 
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path[:0] = ["bench/gpu", "bench"]
@@ -30,11 +28,5 @@ def warp_rows(shape, bucket):
 
 gemv_schedule.gemv_config = few_rows_gemv.gemv_config = warp_rows
 gemv_schedule.WEIGHT_REGISTER_BYTES = 384
-out = Path("build/gpu/gemv_chain/warp_rows")
-out.mkdir(parents=True, exist_ok=True)
-build_artifacts.CHAIN_BUILDS.clear()
-with tempfile.TemporaryDirectory() as tmp:
-    (Path(tmp) / "gemv_chain").mkdir()
-    build_artifacts.build_gemv_chains(Path(tmp))
-    for built in (Path(tmp) / "gemv_chain").glob("*.cuda.grape"):
-        shutil.move(built, out / built.name)
+build_artifacts.CHAIN_BUILDS = {"warp_rows": (True, None)}
+build_artifacts.build_gemv_chains(Path("build/gpu"))

@@ -662,7 +662,7 @@ def build_decode_variants(out: Path) -> None:
     where = out / "decode_variants"
     where.mkdir(parents=True, exist_ok=True)
     for name, blocks in (("ptxas_default", 0), ("one_block", 1)):
-        with _held_weights_min_blocks(blocks):
+        with held_weights_min_blocks(blocks):
             module = _timed(f"decode_variants/{name}", lambda: _compile_hf(
                 onnx_dir, "gpt2_decode", "gpt2_decode"))
         module.export(where / f"{name}.cuda.grape")
@@ -681,31 +681,31 @@ CHAIN_BYTES = 150_000_000
 
 
 @contextmanager
-def _held_weights_min_blocks(blocks: int):
+def held_weights_min_blocks(blocks: int | None):
     """Builds whose GEMV kernels that hold their weights across the wait ask for ``blocks``
-    blocks an SM (0: no minimum, ptxas's default)."""
+    blocks an SM (0: no minimum, ptxas's default; None: grape's default)."""
     from grape_tvm.passes import dependent_launch  # pylint: disable=import-outside-toplevel
 
     saved = dependent_launch.WEIGHTS_HELD_MIN_BLOCKS
-    dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = blocks
+    if blocks is not None:
+        dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = blocks
     try:
         yield
     finally:
         dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = saved
 
 
-# Builds beside the default one, by folder: (dependent launch, minimum of blocks an SM of a
-# kernel holding its weights across the wait; None: the default's).
-CHAIN_BUILDS = {"sequential": (False, None), "ptxas_default": (True, 0), "one_block": (True, 1)}
+# The builds of each chain, by folder ("": the default build): (dependent launch, minimum of
+# blocks an SM of a kernel holding its weights across the wait; None: grape's default).
+CHAIN_BUILDS = {"": (True, None), "sequential": (False, None), "ptxas_default": (True, 0),
+                "one_block": (True, 1)}
 
 
 def build_gemv_chains(out: Path) -> None:
     """``gemv_chain/``: chains of grape's GEMVs (``bench/gemv_chain.py``), GPT-2 124M's four
-    layer shapes and its MLP in fp32 and fp16, weights bound once, with programmatic
-    dependent launch, and the builds of ``CHAIN_BUILDS`` in folders of their own."""
+    layer shapes and its MLP in fp32 and fp16, weights bound once, built as
+    ``CHAIN_BUILDS`` says."""
     where = out / "gemv_chain"
-    for folder in CHAIN_BUILDS:
-        (where / folder).mkdir(parents=True, exist_ok=True)
     chains = {}
     for dtype, size in (("float32", 4), ("float16", 2)):
         for k, n in GPT2_MATMULS[:4]:
@@ -714,19 +714,15 @@ def build_gemv_chains(out: Path) -> None:
                                           [f"y{i}" for i in range(layers)])
         layers = -(-CHAIN_BYTES // (2 * 768 * 3072 * size))
         chains[f"mlp_{dtype}"] = (mlp_chain_relax(layers, dtype), ["y"])
-    from grape_tvm.passes import dependent_launch  # pylint: disable=import-outside-toplevel
-
-    builds = {where: (True, dependent_launch.WEIGHTS_HELD_MIN_BLOCKS)}
-    builds.update({where / f: (d, dependent_launch.WEIGHTS_HELD_MIN_BLOCKS if b is None else b)
-                   for f, (d, b) in CHAIN_BUILDS.items()})
     for name, (mod, outputs) in chains.items():
         weights = [p.name for p in mod["main"].params[1:]]
-        for folder, (dependent, blocks) in builds.items():
-            with _held_weights_min_blocks(blocks):
-                module = _timed(f"{folder.name}/{name}", lambda m=mod, o=outputs, w=weights,
+        for folder, (dependent, blocks) in CHAIN_BUILDS.items():
+            (where / folder).mkdir(parents=True, exist_ok=True)
+            with held_weights_min_blocks(blocks):
+                module = _timed(f"gemv_chain/{folder}/{name}", lambda m=mod, o=outputs, w=weights,
                                 d=dependent: grape_tvm.build(m, MATMUL_DIMS, CUDA, output_names=o,
                                                              weights=w, dependent_launch=d))
-            module.export(folder / f"{name}.cuda.grape")
+            module.export(where / folder / f"{name}.cuda.grape")
 
 
 # What each step of bench/gpu/run_all.sh loads, by the functions that build it.

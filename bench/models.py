@@ -753,6 +753,51 @@ def attention_products(dtype: str = "float32", head_dim: int = ATTENTION_HEAD_DI
     return bb.get()
 
 
+def cached_attention(dtype: str = "float32", head_dim: int = ATTENTION_HEAD_DIM):
+    """A decode step's attention appending to its cache, as GPT-2's ONNX export has it:
+    q, k_new and v_new heads of a packed qkv (b, 1, 3 * 12 * d), ``present_k =
+    concat((past_k, k_new), axis=-2)`` (past (b, 12, p, d)) and the same for v (bound after
+    the softmax), ``o = softmax(q @ present_k^T / sqrt(d) + mask) @ present_v``, mask
+    (b, 1, 1, p + 1); outputs ``(o, present_k, present_v)``. On CUDA one call of grape's
+    decode attention kernel that also writes the presents (``FuseAttention``)."""
+    from tvm import relax, tirx  # pylint: disable=import-outside-toplevel
+
+    b, p = tirx.Var("b", "int64"), tirx.Var("p", "int64")
+    h, d = ATTENTION_HEADS, head_dim
+    qkv = relax.Var("qkv", relax.TensorType((b, 1, 3 * h * d), dtype))
+    past_k = relax.Var("past_k", relax.TensorType((b, h, p, d), dtype))
+    past_v = relax.Var("past_v", relax.TensorType((b, h, p, d), dtype))
+    mask = relax.Var("mask", relax.TensorType((b, 1, 1, p + 1), dtype))
+    op = relax.op
+    bb = relax.BlockBuilder()
+    with bb.function("main", [qkv, past_k, past_v, mask]):
+        with bb.dataflow():
+            heads = bb.emit(op.reshape(qkv, (b, 1, 3 * h, d)))
+            q, k, v = (bb.emit(op.permute_dims(op.strided_slice(
+                heads, axes=[2], begin=[i * h], end=[(i + 1) * h]), [0, 2, 1, 3]))
+                for i in range(3))
+            present_k = bb.emit(op.concat([past_k, k], axis=-2))
+            scores = bb.emit(op.add(op.multiply(op.matmul(q, op.permute_dims(present_k,
+                                                                          [0, 1, 3, 2])),
+                                                relax.const(d ** -0.5, dtype)), mask))
+            probs = bb.emit(op.nn.softmax(scores, axis=-1))
+            present_v = bb.emit(op.concat([past_v, v], axis=-2))
+            o = bb.emit(op.matmul(probs, present_v))
+            out = bb.emit_output(relax.Tuple([o, present_k, present_v]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def cached_attention_numpy(qkv: np.ndarray, past_k: np.ndarray, past_v: np.ndarray,
+                           mask: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """``cached_attention``'s outputs in float64: o, present_k, present_v."""
+    b, h, _, d = past_k.shape
+    q, k, v = np.swapaxes(qkv.reshape(b, 1, 3, h, d), 1, 3).transpose(2, 0, 1, 3, 4)
+    present_k = np.concatenate([past_k, k], axis=2)
+    present_v = np.concatenate([past_v, v], axis=2)
+    return attention_numpy(q, present_k, present_v, mask), present_k, present_v
+
+
 def attention_numpy(q: np.ndarray, k: np.ndarray, v: np.ndarray,
                     bias: np.ndarray | float = 0.0) -> np.ndarray:
     """``softmax(q @ k^T / sqrt(d) + bias) @ v`` in float64 (``attention_products``,

@@ -51,7 +51,8 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
 - ``FuseAttention``: 16-bit ``softmax(q k^T * scale + bias) v`` as one call of grape's fused
   attention kernel (q, k, v read in place from a qkv product, a causal mask as its causal
   mode; CUDA); a decode step's (a few query rows, fp32 too) as one call of its decode
-  attention kernel.
+  attention kernel, which also appends the step's keys and values to the cache where k and
+  v are ``concat(past, new)``.
 - ``Conv1dAsMatmul``: a conv1d becomes a gather of its windows and a matmul (im2col),
   batched over its groups, for ``OffloadMatmul`` to give to cuBLASLt (CUDA).
 - ``GemvForFewRows``: a cuBLASLt matmul (``OffloadMatmul``) whose rows are few runs on

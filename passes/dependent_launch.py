@@ -29,7 +29,7 @@ WEIGHTS_FIRST = "grape_weights_before_wait"
 # thread, compiled to 32 registers (110 with a minimum). Two blocks cap a thread of 256 at
 # 128 registers, where one let the 8-row kernels take 254. On the H200, in chains of GEMVs
 # read from HBM (bench/results/gemv_chain.json): 0.61x to 0.95x the time without a minimum
-# at M = 8, 0.88x to 1.07x at M = 1; GPT-2's decode step 0.99x (decode_step_variants.json).
+# at M = 8, 0.88x to 1.07x at M = 1; GPT-2's decode step 0.99x (decode_step_variants.1e3b04f.json).
 WEIGHTS_HELD_MIN_BLOCKS = 2
 _CALL_TIR = Op.get("relax.call_tir")
 _CALL_TIR_INPLACE = Op.get("relax.call_tir_inplace")

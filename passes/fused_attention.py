@@ -24,6 +24,10 @@ _LAST_TWO = [0, 1, 3, 2]  # k -> k^T
 # A masked score at most this (a large negative bias): its probability is 0 in fp32, as
 # in the model's fp16 softmax, so a causal mask of it is the kernel's causal mode.
 _MASKED = -1.0e4
+# A decode step's cache append (k, v = concat(past, new)) written by the attention's call
+# (``_CacheAppend``); off, the concats stay kernels of their own (the benchmarks' A/B:
+# ``build_decode_variants``' ``separate_append`` in bench/gpu/build_artifacts.py).
+APPEND_TO_CACHES = True
 # A score replaced by at most this (``where(keep, s, fill)``) is as well added to it: fp32
 # rounds s + fill to fill for any |s| below 3.8e22, so the two softmaxes agree exactly.
 _OVERWHELMING = -1.0e30
@@ -60,8 +64,22 @@ class _Scores:
 
     q: relax.Expr
     k: relax.Expr  # as stored, [b, h, t, d]
+    k_transposed: relax.Expr  # what the product reads: permute_dims(k)
     scale: float
     bias: "relax.Expr | _KeyMask | None"
+
+
+@dataclass(frozen=True)
+class _CacheAppend:
+    """k and v as ``concat([past, new], axis=2)`` (a decode step's present caches, GPT-2's
+    export): the decode kernel reads past and new where they are and writes the presents."""
+
+    k_present: relax.Var
+    v_present: relax.Var
+    k_past: relax.Expr
+    k_new: relax.Expr
+    v_past: relax.Expr
+    v_new: relax.Expr
 
 
 @dataclass(frozen=True)
@@ -82,8 +100,15 @@ class _Fuser(relax.PyExprMutator):
         self.gone: set[relax.Var] = set()  # dataflow variables of the blocks before this one
         self.mask_biases: dict[tuple, relax.Var] = {}  # _KeyMask's bias, made once a block
         self.transposed: set[relax.Var] = set()  # ``_transposed_once``
+        # Where each binding of the function is, and the bindings reading each variable
+        # (``_binding_order``): a cache append fuses only where the presents are read after
+        # the attention.
+        self.order: dict[relax.Var, int] = {}
+        self.readers: dict[relax.Var, list[relax.Var | None]] = {}
+        self.binding: relax.Var | None = None  # the binding being visited
         self.analyzer = Analyzer()
         self.fused = 0
+        self.appended = 0
 
     # -- walking back through bindings ------------------------------------------------------
     def _value(self, expr: relax.Expr) -> relax.Expr:
@@ -275,10 +300,12 @@ class _Fuser(relax.PyExprMutator):
         k_perm = self._call(qk.args[1], "permute_dims")
         if k_perm is None or not _permutes(k_perm, _LAST_TWO):
             return None
-        return _Scores(qk.args[0], k_perm.args[0], scale, bias)
+        return _Scores(qk.args[0], k_perm.args[0], qk.args[1], scale, bias)
 
-    def fuse(self, product: relax.Call, out_heads_last: bool) -> relax.Expr | None:
-        """The call for ``product`` = ``softmax(..) @ v``, or None where it does not fit."""
+    def fuse(self, product: relax.Call, out_heads_last: bool,
+             product_var: relax.Var) -> tuple[relax.Expr, _CacheAppend | None] | None:
+        """The call for ``product`` = ``softmax(..) @ v`` (bound to ``product_var``) and the
+        cache append it makes, or None where it does not fit."""
         found = self._scores(product)
         if found is None:
             return None
@@ -303,9 +330,18 @@ class _Fuser(relax.PyExprMutator):
             [(s[3], head_dim) for s in shapes[1:]] + [(shapes[2][2], keys), (shapes[3][2], rows)]
         if not all(self.analyzer.can_prove_equal(x, y) for x, y in same):
             return None
-        views = [self._view(e) for e in (q, k, v)]
-        if not all(self._aligned(view.layout) for view in views):
-            return None
+        append = self._cache_append(k, v, found.k_transposed, product_var) \
+            if decode and _static(rows) >= 1 and APPEND_TO_CACHES else None
+        if append is not None:  # else (its operands misaligned or gone) the attention alone
+            views = [self._view(e) for e in (q, append.k_past, append.v_past, append.k_new,
+                                              append.v_new)]
+            if not all(self._aligned(view.layout) and self._visible(view.tensor)
+                       for view in views):
+                append = None
+        if append is None:
+            views = [self._view(e) for e in (q, k, v)]
+            if not all(self._aligned(view.layout) for view in views):
+                return None
         mask = bias if isinstance(bias, _KeyMask) else None
         causal = bias is not None and mask is None and self._causal(bias, rows, keys)
         bias_layout = ViewLayout(0, 0, 0, 0)
@@ -329,15 +365,56 @@ class _Fuser(relax.PyExprMutator):
         else:
             out_shape = [batch, heads, rows, head_dim]
             out_layout = ViewLayout(0, heads * rows * head_dim, rows * head_dim, head_dim)
-        layout = AttentionLayout(batch, heads, rows, keys, head_dim, *(v.layout for v in views),
-                                 out_layout, bias_layout)
+        cache = {}
+        if append is not None:
+            present = ViewLayout(0, heads * keys * head_dim, keys * head_dim, head_dim)
+            cache = {"past": _dims(append.k_past)[2], "k_new": views[3].layout,
+                     "v_new": views[4].layout, "k_present": present, "v_present": present}
+        layout = AttentionLayout(batch, heads, rows, keys, head_dim,
+                                 *(v.layout for v in views[:3]), out_layout, bias_layout,
+                                 **cache)
         function = AttentionFunction(bias=bias is not None and not causal, causal=causal,
-                                     decode=decode)
+                                     decode=decode, append=append is not None)
         args = [view.tensor for view in views] + ([bias] if function.bias else [])
         args += [relax.ShapeExpr(layout.to_shape()), tirx.FloatImm("float32", scale)]
         self.fused += 1
-        return relax.op.call_dps_packed(function.name, relax.Tuple(args),
-                                        relax.TensorType(out_shape, product.ty.dtype))
+        out_ty = relax.TensorType(out_shape, product.ty.dtype)
+        if append is not None:
+            self.appended += 1
+            out_ty = [out_ty, append.k_present.ty, append.v_present.ty]
+        return relax.op.call_dps_packed(function.name, relax.Tuple(args), out_ty), append
+
+    def _cache_append(self, k: relax.Expr, v: relax.Expr, k_transposed: relax.Expr,
+                      product_var: relax.Var) -> _CacheAppend | None:
+        """k and v as a cache append the decode kernel can make (``_CacheAppend``): each a
+        dataflow variable bound to ``concat([past, new], axis=2)``, with past and new of
+        one shape but their rows, and read, besides by this attention (k through
+        ``k_transposed``, v by the product), only after it: the call then writes them."""
+        now = self.order.get(self.binding)
+        if now is None or not self._once(k_transposed):  # inside an if; k^T read again
+            return None
+        parts = []
+        for present, own_reader in ((k, k_transposed), (v, product_var)):
+            concat = self._call(present, "concat")
+            if not isinstance(present, relax.DataflowVar) or concat is None or \
+                    not isinstance(concat.args[0], relax.Tuple) or \
+                    len(concat.args[0].fields) != 2 or int(concat.attrs.axis) not in (2, -2):
+                return None
+            if any(r is not None and not r.same_as(own_reader) and self.order.get(r, now) <= now
+                   for r in self.readers.get(present, [])):
+                return None
+            past, new = concat.args[0].fields
+            past_dims, new_dims, dims = _dims(past), _dims(new), _dims(present)
+            if past_dims is None or new_dims is None or not all(
+                    self.analyzer.can_prove_equal(past_dims[i], dims[i]) and
+                    self.analyzer.can_prove_equal(new_dims[i], dims[i]) for i in (0, 1, 3)):
+                return None
+            parts.append((present, past, new))
+        (k_present, k_past, k_new), (v_present, v_past, v_new) = parts
+        if not (self.analyzer.can_prove_equal(_dims(k_past)[2], _dims(v_past)[2]) and
+                self.analyzer.can_prove_equal(_dims(k_new)[2], _dims(v_new)[2])):
+            return None
+        return _CacheAppend(k_present, v_present, k_past, k_new, v_past, v_new)
 
     def _visible(self, operand: relax.Expr) -> bool:
         """Whether the call, emitted at the binding being visited, can read ``operand``: a
@@ -372,17 +449,28 @@ class _Fuser(relax.PyExprMutator):
 
     def _visit_binding(self, binding: relax.VarBinding) -> None:
         value, fused = binding.value, None
+        self.binding = binding.var
         if not isinstance(value, relax.Call):
             pass
         elif _heads_back(value) and self._once(value.args[0]):
             product = self._call(value.args[0], "matmul")
-            fused = self.fuse(product, out_heads_last=True) if product is not None else None
+            fused = self.fuse(product, True, value.args[0]) if product is not None else None
         elif value.op == _OPS["matmul"] and binding.var not in self.transposed:
-            fused = self.fuse(value, out_heads_last=False)
+            fused = self.fuse(value, False, binding.var)
         if fused is None:
             super().visit_var_binding_(binding)
             return
-        self.set_var_remap(binding.var, emit_as(self.builder_, binding.var, fused))
+        call, append = fused
+        if append is None:
+            self.set_var_remap(binding.var, emit_as(self.builder_, binding.var, call))
+            return
+        # The output and the present caches out of one call; the concats, unread, go.
+        results = self.builder_.emit(call, "attention_append")
+        self.set_var_remap(binding.var, emit_as(self.builder_, binding.var,
+                                                relax.TupleGetItem(results, 0)))
+        for index, present in ((1, append.k_present), (2, append.v_present)):
+            self.set_var_remap(present, self.builder_.emit(relax.TupleGetItem(results, index),
+                                                           present.name))
 
 
 def _permutes(call: relax.Call, axes: list[int]) -> bool:
@@ -407,6 +495,31 @@ def _transposed_once(func: relax.Function, reads: dict) -> set[relax.Var]:
 
     relax.analysis.post_order_visit(func, visit)
     return found
+
+
+def _binding_order(func: relax.Function) -> tuple[dict, dict]:
+    """The position of each binding of ``func``'s body (blocks in order), and for each
+    variable the bound variables of the bindings that read it (None: the body's result,
+    read after every binding). An ``if``'s branches are read at the binding of the if."""
+    order: dict[relax.Var, int] = {}
+    readers: dict[relax.Var, list] = {}
+
+    def read_by(expr: relax.Expr, reader) -> None:
+        found = set()
+        relax.analysis.post_order_visit(
+            expr, lambda e: isinstance(e, relax.Var) and found.add(e))
+        for var in found:
+            readers.setdefault(var, []).append(reader)
+
+    body = func.body
+    if isinstance(body, relax.SeqExpr):
+        for block in body.blocks:
+            for binding in block.bindings:
+                order[binding.var] = len(order)
+                read_by(binding.value, binding.var)
+        body = body.body
+    read_by(body, None)
+    return order, readers
 
 
 def _prim(expr: relax.Expr):
@@ -436,6 +549,10 @@ class FuseAttention:
     to fill; only a masked key whose score is not finite, an inf or NaN in its row of k,
     differs: NaN, where the ``where`` dropped it).
     The scores, their scale, the mask and the probabilities are never written to memory.
+    Where a decode step's k and v are ``concat([past, new], axis=2)`` (Hugging Face's present
+    caches) and nothing else reads them before the attention, the call is of the
+    ``_append`` function: it reads the past and the new rows where they are and writes the
+    presents itself, so the concats, left unread, go.
 
     Before (``s`` symbolic)::
 
@@ -471,6 +588,31 @@ class FuseAttention:
                                  0, 768, 64, 64,  0, 768 * p, 64 * p, 64,  0, 768 * p, 64 * p, 64,
                                  0, 768, 64, 64,  0, p, 0, p]), T.float32(0.125)),
                                 out_ty=R.Tensor((b, 12, 1, 64), "float32"))
+
+    The same step appending to its cache (k_new, v_new: heads of the step's qkv, as q),
+    before::
+
+        present_k = R.concat((past_k, k_new), axis=-2)                # (b, 12, p + 1, 64)
+        scores = R.matmul(q, R.permute_dims(present_k, [0, 1, 3, 2])) * R.const(0.125)
+        present_v = R.concat((past_v, v_new), axis=-2)
+        out = R.matmul(R.nn.softmax(scores + mask, axis=-1), present_v)
+        gv = (out, present_k, present_v)
+
+    After::
+
+        results = R.call_dps_packed("grape.decode_attention.fused_bias_append",
+                                    (qkv, past_k, past_v, qkv, qkv, mask, R.shape([b, 12,
+                                     1, p + 1, 64, p,         # sizes, the past's rows
+                                     ...,                     # q, k, v (the pasts), out, bias
+                                     768, 2304, 64, 2304,     # k_new
+                                     1536, 2304, 64, 2304,    # v_new
+                                     0, 768 * (p + 1), 64 * (p + 1), 64,  # k_present
+                                     0, 768 * (p + 1), 64 * (p + 1), 64]),  # v_present
+                                     T.float32(0.125)),
+                                    out_ty=R.Tuple(R.Tensor((b, 12, 1, 64)),
+                                                   R.Tensor((b, 12, p + 1, 64)),
+                                                   R.Tensor((b, 12, p + 1, 64))))
+        gv = (results[0], results[1], results[2])
     """
 
     def transform_module(self, mod: IRModule, ctx: PassContext) -> IRModule:
@@ -479,6 +621,7 @@ class FuseAttention:
             if isinstance(func, relax.Function):
                 fuser.reads = read_counts(func)
                 fuser.transposed = _transposed_once(func, fuser.reads)
+                fuser.order, fuser.readers = _binding_order(func)
                 before = fuser.fused
                 new = fuser.visit_expr(func)
                 if fuser.fused > before:

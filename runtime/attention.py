@@ -12,7 +12,11 @@ any other, re-pointed and re-shaped by the patch kernel in topology graphs.
 
 A query of fewer than ``DECODE_ROWS`` rows (a decode step's one), fp32 included, runs
 ``runtime/kernels/decode_attention.cu`` instead (``grape.decode_attention.*``): a block per
-query row reads each key and value row once.
+query row reads each key and value row once. Its ``*_append`` functions also append the
+step's new keys and values to the cache: they read the past cache and the new rows where
+they are, and blocks of their own (``copy_blocks``) write the present caches (``(out,
+k_present, v_present)``), which the model's ``concat`` would otherwise copy in kernels of its
+own.
 
 No score matrix is written. On the H200, GPT-2's fp16 prefill at 1024 tokens ran its kernels
 in 1445 us with it, 2107 without (ncu; bench/results/gpt2_prefill_kernels.fp16_1024.json and
@@ -49,7 +53,7 @@ ROWS_PER_BLOCK = 64  # kRows of attention.cu
 # Queries of fewer rows run the decode kernel: attention.cu's blocks of 64 rows would be
 # mostly idle, and its tensor-core tiles need 16-bit operands.
 DECODE_ROWS = ROWS_PER_BLOCK // 4
-HEAD_DIMS = (64, 128)  # the kernels compiled (GRAPE_ATTENTION, GRAPE_DECODE_ATTENTION instances)
+HEAD_DIMS = (64, 128)  # the kernels compiled (GRAPE_ATTENTION, GRAPE_DECODE_ATTENTION_BOTH instances)
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 DECODE_DTYPES = {"float32": "f32", **DTYPES}
 ALIGN_ELEMENTS = 8  # every stride and offset: the kernels load 16 bytes at a time
@@ -58,17 +62,20 @@ ALIGN_ELEMENTS = 8  # every stride and offset: the kernels load 16 bytes at a ti
 # SPLIT_BLOCKS blocks), combining them through a workspace of SPLIT_ROWS (batch, head, row)
 # entries. On the H200 a split costs about 2 us and a block's round of 256 keys 1.4 (fp16)
 # to 2.5 (fp32) at batch 1: splitting 257 keys was slower; 513 faster in fp32 and slower in
-# fp16; 1024 faster in both (bench/results/decode_attention.json).
+# fp16; 1024 faster in both (bench/results/decode_attention.1e3b04f.json).
 MAX_SPLITS = 8
 SPLIT_AFTER = 2
 # A row the decode kernel does not split, of more keys than its block's threads, runs its
 # _wide kernel (twice the warps: one round of keys where the block would take two) in these
-# dtypes. On the H200, fp32, head_dim 64 (bench/results/decode_attention.json, against its
+# dtypes. On the H200, fp32, head_dim 64 (bench/results/decode_attention.1e3b04f.json, against its
 # variant no_wide): 257 keys 5.27 against 6.15 us at batch 1 and 6.09 against 6.91 at batch
 # 8, 1024 keys at batch 8 14.61 against 17.04; in fp16 a build of 16 warps was slower at most
 # sizes (decode_attention.4f9ad6e.json, variant w16).
 WIDE_DECODE_DTYPES = ("float32",)
 SPLIT_BLOCKS = 128  # about the H200's 132 SMs: a split's combine costs more than a wave
+# The rows each thread of an _append kernel's copy block copies, of keys and of values
+# (kCopyPasses of decode_attention.cu), every load in flight before its stores.
+COPY_PASSES = 4
 SPLIT_ROWS = SPLIT_BLOCKS // 2  # the most rows that split (in two, at least)
 _SPLIT_PARTIAL_BYTES = SPLIT_ROWS * MAX_SPLITS * (max(HEAD_DIMS) + 2) * 4  # acc, max, sum
 _SPLIT_COUNTER_BYTES = SPLIT_ROWS * 4
@@ -84,12 +91,18 @@ class AttentionFunction:
     bias: bool
     causal: bool
     decode: bool = False
+    append: bool = False  # decode only: k and v are the past caches, the new rows appended
+
+    def __post_init__(self):
+        if self.append and not self.decode:
+            raise ValueError("only the decode kernel appends to a cache")
 
     @property
     def name(self) -> str:
         prefix = DECODE_FUNCTION_PREFIX if self.decode else FUNCTION_PREFIX
         return prefix + "_".join(
-            p for p in ("fused", "causal" if self.causal else "", "bias" if self.bias else "") if p)
+            p for p in ("fused", "causal" if self.causal else "", "bias" if self.bias else "",
+                        "append" if self.append else "") if p)
 
     @property
     def dtypes(self) -> dict[str, str]:
@@ -100,11 +113,13 @@ class AttentionFunction:
         """The name of its kernel for ``dtype`` and ``head_dim`` (``wide``: the decode
         kernel's of twice the warps, ``WIDE_DECODE_DTYPES``)."""
         kind = DECODE_LIBRARY if self.decode else LIBRARY
-        return f"grape_{kind}_{self.dtypes[dtype]}_d{head_dim}" + ("_wide" if wide else "")
+        return f"grape_{kind}_{self.dtypes[dtype]}_d{head_dim}" + ("_wide" if wide else "") + \
+            ("_append" if self.append else "")
 
 
-ATTENTION_FUNCTIONS = {f.name: f for f in (AttentionFunction(b, c, d) for b in (False, True)
-                                           for c in (False, True) for d in (False, True))}
+ATTENTION_FUNCTIONS = {f.name: f for f in (
+    AttentionFunction(b, c, d, a) for b in (False, True) for c in (False, True)
+    for d in (False, True) for a in ((False, True) if d else (False,)))}
 _FIRST_KERNEL = {  # the kernel loading a source looks up, a check that it is the right one
     SOURCE: AttentionFunction(False, False).kernel("float16", HEAD_DIMS[0]),
     DECODE_SOURCE: AttentionFunction(False, False, decode=True).kernel("float32", HEAD_DIMS[0])}
@@ -133,17 +148,32 @@ class AttentionLayout:
     keys: Any
     head_dim: Any
     q: ViewLayout
-    k: ViewLayout
+    k: ViewLayout  # appending: the past cache's
     v: ViewLayout
     out: ViewLayout
     bias: ViewLayout  # all 0 without a bias
+    # Appending (``AttentionFunction.append``): the past's rows, where the new rows are, and
+    # where the present caches (keys rows each) are written; else None.
+    past: Any = None
+    k_new: ViewLayout | None = None
+    v_new: ViewLayout | None = None
+    k_present: ViewLayout | None = None
+    v_present: ViewLayout | None = None
 
     VIEWS = ("q", "k", "v", "out", "bias")
     SIZES = ("batch", "heads", "rows", "keys", "head_dim")
+    APPEND_VIEWS = ("k_new", "v_new", "k_present", "v_present")
+
+    @property
+    def appends(self) -> bool:
+        return self.past is not None
 
     def to_shape(self) -> list:
         values = [getattr(self, n) for n in self.SIZES]
-        for view in self.VIEWS:
+        views = self.VIEWS + (self.APPEND_VIEWS if self.appends else ())
+        if self.appends:
+            values.append(self.past)
+        for view in views:
             values += [getattr(getattr(self, view), f.name) for f in fields(ViewLayout)]
         return values
 
@@ -152,11 +182,33 @@ class AttentionLayout:
         values = [int(v) for v in values]
         sizes = dict(zip(cls.SIZES, values))
         per_view = len(fields(ViewLayout))
-        views = {}
-        for i, view in enumerate(cls.VIEWS):
-            start = len(cls.SIZES) + i * per_view
-            views[view] = ViewLayout(*values[start:start + per_view])
-        return cls(**sizes, **views)
+        start = len(cls.SIZES)
+        views = cls.VIEWS
+        if len(values) == start + 1 + per_view * (len(cls.VIEWS) + len(cls.APPEND_VIEWS)):
+            sizes["past"] = values[start]
+            start += 1
+            views += cls.APPEND_VIEWS
+        elif len(values) != start + per_view * len(cls.VIEWS):
+            raise ValueError(f"an attention layout of {len(values)} values: expected "
+                             f"{start + per_view * len(cls.VIEWS)}, or "
+                             f"{start + 1 + per_view * (len(views) + len(cls.APPEND_VIEWS))} "
+                             "appending")
+        found = {}
+        for i, view in enumerate(views):
+            at = start + i * per_view
+            found[view] = ViewLayout(*values[at:at + per_view])
+        return cls(**sizes, **found)
+
+
+@dataclass(frozen=True)
+class CacheTensors:
+    """The tensors an _append function reads and writes besides q, k, v, bias and out: the
+    step's new rows, and the present caches it writes (``AttentionLayout.APPEND_VIEWS``)."""
+
+    k_new: Any
+    v_new: Any
+    k_present: Any
+    v_present: Any
 
 
 @dataclass(frozen=True)
@@ -187,28 +239,48 @@ def runs_wide(layout: AttentionLayout, dtype: str, threads: int, splits: int,
     return dtype in dtypes and splits == 1 and layout.keys > threads
 
 
+def copy_blocks(layout: AttentionLayout, threads: int, itemsize: int) -> int:
+    """The blocks along x an _append launch adds to copy the caches: ``COPY_PASSES`` rows
+    of ``threads`` a (batch, head) each, a row ``head_dim * itemsize / 16`` threads."""
+    rows = COPY_PASSES * threads * 16 // (layout.head_dim * itemsize)
+    return -(-layout.keys // rows)
+
+
 def kernel_arguments(function: AttentionFunction, layout: AttentionLayout,
                      addresses: Sequence[int], scale: float, split: KeySplit | None = None
                      ) -> list[tuple[str, Any]]:
     """The kernel's parameters as ``(kind, value)`` (``cuda_compile.kernel_params``):
     ``addresses`` those of q, k, v, the bias (0 without) and out, each at its view's
-    offset; the decode kernel's ``split`` last."""
-    values = [("u64", address) for address in addresses]
+    offset (appending, then k_new, v_new, k_present and v_present); the decode kernel's
+    ``split``, then what an _append kernel reads of the cache, last."""
+    values = [("u64", address) for address in addresses[:5]]
     values += [("i32", layout.rows), ("i32", layout.keys), ("i32", int(function.causal))]
-    for view in AttentionLayout.VIEWS:
-        strides = getattr(layout, view)
-        values += [("i64", strides.batch), ("i64", strides.head), ("i64", strides.row)]
+    values += _strides(layout, AttentionLayout.VIEWS)
     values.append(("f32", scale))
     if function.decode:
         values += [("u64", split.partials), ("u64", split.counters), ("i32", split.splits)]
+    if function.append:
+        values += [("u64", address) for address in addresses[5:]]
+        values.append(("i32", layout.past))
+        values += _strides(layout, AttentionLayout.APPEND_VIEWS)
     return values
 
 
+def _strides(layout: AttentionLayout, views: Sequence[str]) -> list[tuple[str, int]]:
+    """The batch, head and row strides of each of ``views``, as kernel parameters."""
+    out = []
+    for view in views:
+        strides = getattr(layout, view)
+        out += [("i64", strides.batch), ("i64", strides.head), ("i64", strides.row)]
+    return out
+
+
 def kernel_grid(function: AttentionFunction, layout: AttentionLayout,
-                split: KeySplit | None = None) -> tuple[int, int, int]:
-    """The kernel's grid: blocks of 64 query rows, or (decode) a block per row and split."""
+                split: KeySplit | None = None, copies: int = 0) -> tuple[int, int, int]:
+    """The kernel's grid: blocks of 64 query rows, or (decode) a block per row and split,
+    then (appending) ``copies`` copy blocks (``copy_blocks``), for each (head, batch)."""
     if function.decode:
-        return layout.rows * split.splits, layout.heads, layout.batch
+        return layout.rows * split.splits + copies, layout.heads, layout.batch
     return -(-layout.rows // ROWS_PER_BLOCK), layout.heads, layout.batch
 
 
@@ -278,13 +350,17 @@ class FusedAttention:
         return self._functions[name]
 
     def launch(self, function: AttentionFunction, q, k, v, bias, out, layout: AttentionLayout,
-               scale: float, stream: int) -> None:
-        """One launch on ``stream``: q, k, v, bias and out are the tensors passed."""
+               scale: float, stream: int, appended: CacheTensors | None = None) -> None:
+        """One launch on ``stream``: q, k, v, bias and out are the tensors passed;
+        ``appended`` those an _append function reads and writes besides."""
         dtype = str(out.dtype)
         if dtype not in function.dtypes or layout.head_dim not in HEAD_DIMS:
             raise ValueError(f"{function.name}: no kernel for {dtype} with head_dim "
                              f"{layout.head_dim} (kernels: {sorted(function.dtypes)}, "
                              f"{HEAD_DIMS})")
+        if function.append != (appended is not None) or function.append != layout.appends:
+            raise ValueError(f"{function.name}: the cache's tensors and layout are passed "
+                             "to the _append functions, and only to them")
         if layout.batch == 0 or layout.rows == 0:
             return
         if layout.keys == 0:  # a weighted sum over no keys: zeros, as the unfused product
@@ -292,11 +368,14 @@ class FusedAttention:
                   "cuMemsetD8Async")
             return
         size = nbytes_of((), dtype)  # an element's
-        q_at, k_at, v_at = (t.data_ptr() + getattr(layout, n).offset * size
-                            for t, n in ((q, "q"), (k, "k"), (v, "v")))
-        if (q_at | k_at | v_at) % 16:
-            raise ValueError(f"{function.name}: q, k and v must start on 16 bytes "
-                             f"(at {q_at:#x}, {k_at:#x}, {v_at:#x})")
+        read = [(q, "q"), (k, "k"), (v, "v")]
+        if appended is not None:
+            read += [(getattr(appended, n), n) for n in AttentionLayout.APPEND_VIEWS]
+        at = [t.data_ptr() + getattr(layout, n).offset * size for t, n in read]
+        misaligned = [f"{n} at {a:#x}" for (_, n), a in zip(read, at) if a % 16]
+        if misaligned:
+            raise ValueError(f"{function.name}: every view must start on 16 bytes "
+                             f"({', '.join(misaligned)})")
         handle, threads = self.function(function, dtype, layout.head_dim)
         split = None
         if function.decode:
@@ -305,12 +384,12 @@ class FusedAttention:
                              self._workspace + _SPLIT_PARTIAL_BYTES)
             if runs_wide(layout, dtype, threads, splits, self.wide_dtypes):
                 handle, threads = self.function(function, dtype, layout.head_dim, wide=True)
-        addresses = (q_at, k_at, v_at,
-                     0 if bias is None else bias.data_ptr() + layout.bias.offset * size,
-                     out.data_ptr() + layout.out.offset * size)
+        addresses = (*at[:3], 0 if bias is None else bias.data_ptr() + layout.bias.offset * size,
+                     out.data_ptr() + layout.out.offset * size, *at[3:])
         storage = kernel_params(kernel_arguments(function, layout, addresses, scale, split))
-        check(driver.cuLaunchKernel(handle, *kernel_grid(function, layout, split), threads, 1, 1,
-                                    0, stream, ctypes.addressof(storage[1]), 0),
+        copies = copy_blocks(layout, threads, size) if function.append else 0
+        check(driver.cuLaunchKernel(handle, *kernel_grid(function, layout, split, copies),
+                                    threads, 1, 1, 0, stream, ctypes.addressof(storage[1]), 0),
               f"cuLaunchKernel({function.name})")
 
     def active(self):
@@ -343,17 +422,24 @@ _INSTANCES = ThreadInstances(lambda _device_index: FusedAttention(_InstalledStor
 
 
 def _packed(function: AttentionFunction):
-    """The body of packed function ``function.name``: TVM's VM passes q, k, v, the bias if
-    any, the layout shape and the scale, then the output (destination passing)."""
+    """The body of packed function ``function.name``: TVM's VM passes q, k, v (appending:
+    the past caches, then k_new and v_new), the bias if any, the layout shape and the
+    scale, then the outputs (destination passing: out; appending, then k_present and
+    v_present)."""
     import tvm_ffi  # pylint: disable=import-outside-toplevel
 
     def call(*args: Any) -> None:
-        q, k, v, *rest, shape, scale, out = args
+        appended = None
+        if function.append:
+            q, k, v, k_new, v_new, *rest, shape, scale, out, k_present, v_present = args
+            appended = CacheTensors(k_new, v_new, k_present, v_present)
+        else:
+            q, k, v, *rest, shape, scale, out = args
         bias = rest[0] if function.bias else None
         stream = tvm_ffi.get_raw_stream(out.device)
         _INSTANCES.current(out.device.index).launch(
             function, q, k, v, bias, out, AttentionLayout.from_shape(shape), float(scale),
-            int(stream or 0))
+            int(stream or 0), appended)
 
     return call
 

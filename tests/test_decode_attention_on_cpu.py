@@ -22,8 +22,9 @@ import pytest
 
 from grape_tvm.runtime.attention import (DECODE_SOURCE, MAX_SPLITS, SPLIT_ROWS,
                                          WIDE_DECODE_DTYPES, AttentionFunction,
-                                         AttentionLayout, KeySplit, ViewLayout, decode_splits,
-                                         kernel_arguments, kernel_grid, runs_wide)
+                                         AttentionLayout, KeySplit, ViewLayout, copy_blocks,
+                                         decode_splits, kernel_arguments, kernel_grid,
+                                         runs_wide)
 from grape_tvm.runtime.cuda_compile import kernel_params
 from test_gemv_on_cpu import HEADER, _gxx_cxx20_float16
 
@@ -32,19 +33,21 @@ pytestmark = pytest.mark.skipif(not _gxx_cxx20_float16(),
 
 THREADS = 256  # the kernel's block (kWarps = 8); on a GPU, read from the function
 WIDE_THREADS = 512  # the _wide kernels' (kWideWarps = 16)
-# (dtype, head_dim, wide) -> (kernel, threads a block)
-KERNELS = {(dtype, d, wide): (AttentionFunction(False, False, decode=True).kernel(dtype, d, wide),
-                              WIDE_THREADS if wide else THREADS)
-           for dtype in ("float32", "float16") for d in (64, 128)
-           for wide in ((False, True) if dtype in WIDE_DECODE_DTYPES else (False,))}
+# (dtype, head_dim, wide, append) -> (kernel, threads a block)
+KERNELS = {(dtype, d, wide, append): (
+    AttentionFunction(False, False, decode=True, append=append).kernel(dtype, d, wide),
+    WIDE_THREADS if wide else THREADS)
+    for dtype in ("float32", "float16") for d in (64, 128)
+    for wide in ((False, True) if dtype in WIDE_DECODE_DTYPES else (False,))
+    for append in (False, True)}
 
 
 @pytest.fixture(scope="module")
 def kernels(tmp_path_factory) -> ctypes.CDLL:
     wrappers = "".join(
         f'extern "C" void run_{name}(void** a, unsigned gx, unsigned gy, unsigned gz) {{\n'
-        f"  launch([=]() {{ {name}({_arguments(dtype)}); }}, gx, gy, {threads}, 1, gz);\n"
-        "}\n" for (dtype, _, _), (name, threads) in KERNELS.items())
+        f"  launch([=]() {{ {name}({_arguments(dtype, append)}); }}, gx, gy, {threads}, 1, gz);\n"
+        "}\n" for (dtype, _, _, append), (name, threads) in KERNELS.items())
     code = (f'#include "{HEADER}"\nusing std::min;\n#define GRAPE_CPU_HALF 1\n'
             f'#include "{DECODE_SOURCE}"\n{wrappers}')
     workdir = tmp_path_factory.mktemp("decode_attention")
@@ -57,16 +60,21 @@ def kernels(tmp_path_factory) -> ctypes.CDLL:
     return ctypes.CDLL(str(lib))
 
 
-def _arguments(dtype: str) -> str:
+def _arguments(dtype: str, append: bool) -> str:
     """The kernel's arguments read from ``kernel_params``' array (runtime/attention.py's
     ``kernel_arguments``, in order): five pointers, three ints, fifteen strides, the scale,
-    the split's two pointers and its count."""
+    the split's two pointers and its count; appending, four pointers, the past's rows and
+    twelve strides."""
     element = "float" if dtype == "float32" else "__half"
     pointers = [f"({element}*)*(void**)a[{i}]" for i in range(5)]
     ints = [f"*(int*)a[{i}]" for i in range(5, 8)]
     strides = [f"*(long long*)a[{i}]" for i in range(8, 23)]
     split = ["(float*)*(void**)a[24]", "(unsigned*)*(void**)a[25]", "*(int*)a[26]"]
-    return ", ".join(pointers + ints + strides + ["*(float*)a[23]"] + split)
+    cache = []
+    if append:
+        cache = [f"({element}*)*(void**)a[{i}]" for i in range(27, 31)] + ["*(int*)a[31]"]
+        cache += [f"*(long long*)a[{i}]" for i in range(32, 44)]
+    return ", ".join(pointers + ints + strides + ["*(float*)a[23]"] + split + cache)
 
 
 @dataclass
@@ -88,15 +96,23 @@ class View:
 
 
 def _run(kernels, dtype, q: View, k: View, v: View, out: View, bias: View | None, shape,
-         keys: int, causal: bool, scale: float, reverse: bool, splits: int | None = None) -> int:
+         keys: int, causal: bool, scale: float, reverse: bool, splits: int | None = None,
+         append: dict[str, View] | None = None, past: int | None = None) -> int:
     """Launch the kernel as ``FusedAttention.launch`` does (its parameters, grid and split
-    from runtime/attention.py); the blocks a row took."""
+    from runtime/attention.py); the blocks a row took. ``append``: the _append kernel's
+    views by name (``AttentionLayout.APPEND_VIEWS``), k and v the past caches of ``past``
+    rows."""
     batch, heads, rows, head_dim = shape
     views = [ViewLayout(0, x.batch, x.head, x.row) for x in (q, k, v, out)]
     bias_view = ViewLayout(0, 0, 0, 0) if bias is None else ViewLayout(0, bias.batch, bias.head,
                                                                        bias.row)
-    layout = AttentionLayout(batch, heads, rows, keys, head_dim, *views, bias_view)
-    function = AttentionFunction(bias=bias is not None, causal=causal, decode=True)
+    cache = {} if append is None else {
+        n: ViewLayout(0, append[n].batch, append[n].head, append[n].row)
+        for n in AttentionLayout.APPEND_VIEWS}
+    layout = AttentionLayout(batch, heads, rows, keys, head_dim, *views, bias_view, past=past,
+                             **cache)
+    function = AttentionFunction(bias=bias is not None, causal=causal, decode=True,
+                                 append=append is not None)
     partials = np.full(SPLIT_ROWS * MAX_SPLITS * (head_dim + 2), np.nan, np.float32)
     counters = np.zeros(SPLIT_ROWS, np.uint32)
     split = KeySplit(splits or decode_splits(layout, THREADS), partials.ctypes.data,
@@ -105,10 +121,14 @@ def _run(kernels, dtype, q: View, k: View, v: View, out: View, bias: View | None
     addresses = [x.base[x.offset:].ctypes.data for x in (q, k, v)]
     addresses += [0 if bias is None else bias.base[bias.offset:].ctypes.data,
                   out.base[out.offset:].ctypes.data]
+    if append is not None:
+        addresses += [append[n].base[append[n].offset:].ctypes.data
+                      for n in AttentionLayout.APPEND_VIEWS]
     _boxes, array = kernel_params(kernel_arguments(function, layout, addresses, scale, split))
     ctypes.c_int.in_dll(kernels, "reverse_blocks").value = int(reverse)
-    name, _ = KERNELS[(dtype, head_dim, wide)]
-    getattr(kernels, f"run_{name}")(array, *kernel_grid(function, layout, split))
+    name, threads = KERNELS[(dtype, head_dim, wide, append is not None)]
+    copies = 0 if append is None else copy_blocks(layout, threads, q.base.itemsize)
+    getattr(kernels, f"run_{name}")(array, *kernel_grid(function, layout, split, copies))
     assert not counters.any()  # the last block of each row set its counter back to 0
     return split.splits
 
@@ -174,6 +194,71 @@ def test_decode_attention_equals_numpy(kernels, dtype, head_dim, batch, heads, r
         _run(kernels, dtype, q, k, v, out, bias, shape, keys, causal, scale, reverse, splits)
         got = out.read(shape).astype(np.float64)
         np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+
+
+APPEND_CASES = [  # dtype, head_dim, batch, heads, new rows, past, bias, causal, splits
+    ("float32", 64, 2, 3, 1, 0, True, False, None),    # no past: the new row alone
+    ("float32", 64, 2, 3, 1, 40, True, False, None),
+    ("float32", 64, 1, 2, 1, 299, True, False, 1),     # the wide _append kernel
+    ("float32", 64, 1, 2, 1, 599, False, False, None),  # split over 3 blocks a row
+    ("float32", 128, 1, 2, 1, 299, True, False, None),  # wide, a head_dim of 128
+    ("float32", 128, 2, 2, 1, 70, "masked", False, None),  # whole tiles masked: V still copied
+    ("float32", 64, 2, 3, 1, 1000, False, False, 1),   # wide: 8 copy blocks a (batch, head)
+    ("float32", 64, 2, 2, 3, 67, False, True, None),   # three new rows, causal
+    ("float32", 64, 2, 2, 3, 297, True, True, 4),      # causal and split
+    ("float16", 64, 2, 2, 1, 256, True, False, None),
+    ("float16", 128, 1, 3, 2, 30, False, True, None),
+]
+
+
+@pytest.mark.parametrize("dtype,head_dim,batch,heads,rows,past,with_bias,causal,splits",
+                         APPEND_CASES)
+def test_decode_attention_appending_to_the_cache_equals_numpy(
+        kernels, dtype, head_dim, batch, heads, rows, past, with_bias, causal, splits):
+    """The _append kernels: the new rows of k and v heads of a packed qkv (as q), the past
+    caches dense; the attention over concat(past, new) equals numpy's, and the present
+    caches written equal the concatenation, every element."""
+    rng = np.random.default_rng(past + rows)
+    keys = past + rows
+    shape = (batch, heads, rows, head_dim)
+    width = heads * head_dim
+    qkv = rng.standard_normal(batch * rows * 3 * width).astype(dtype)
+    q = View(qkv, 0, rows * 3 * width, head_dim, 3 * width)
+    new = {"k_new": View(qkv, width, rows * 3 * width, head_dim, 3 * width),
+           "v_new": View(qkv, 2 * width, rows * 3 * width, head_dim, 3 * width)}
+    past_k, past_v = (View(rng.standard_normal(batch * heads * past * head_dim + 8)
+                           .astype(dtype), 0, heads * past * head_dim, past * head_dim,
+                           head_dim) for _ in range(2))
+    present = {n: View(np.full(batch * heads * keys * head_dim, np.nan, dtype), 0,
+                       heads * keys * head_dim, keys * head_dim, head_dim)
+               for n in ("k_present", "v_present")}
+    bias = None
+    if with_bias:
+        values = (rng.standard_normal(batch * rows * keys) * 2).astype(dtype)
+        values[::5] = np.finfo(dtype).min
+        if with_bias == "masked":  # every key of the first two warps' tiles
+            values.reshape(batch, rows, keys)[..., :64] = -np.inf
+        bias = View(values, 0, rows * keys, 0, keys)
+    cache_shape = (batch, heads, past, head_dim)
+    want_k, want_v = (np.concatenate([old.read(cache_shape), new[n].read(shape)], axis=2)
+                      for old, n in ((past_k, "k_new"), (past_v, "v_new")))
+    scale = head_dim ** -0.5
+    want = _reference(q.read(shape), want_k, want_v,
+                      None if bias is None else bias.read((batch, heads, rows, keys)), scale,
+                      causal)
+    tolerance = 2e-5 if dtype == "float32" else 2e-3
+    for reverse in (False, True):
+        for view in present.values():
+            view.base[:] = np.nan
+        out = View(np.full(batch * rows * width, np.nan, dtype), 0, rows * width, head_dim,
+                   width)
+        _run(kernels, dtype, q, past_k, past_v, out, bias, shape, keys, causal, scale, reverse,
+             splits, {**new, **present}, past)
+        np.testing.assert_allclose(out.read(shape).astype(np.float64), want, rtol=tolerance,
+                                   atol=tolerance)
+        full = (batch, heads, keys, head_dim)
+        np.testing.assert_array_equal(present["k_present"].read(full), want_k)
+        np.testing.assert_array_equal(present["v_present"].read(full), want_v)
 
 
 def test_rows_with_every_key_masked_average_as_softmax_does(kernels):

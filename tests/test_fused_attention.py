@@ -20,8 +20,8 @@ from grape_tvm.runtime.attention import (DECODE_FUNCTION_PREFIX, DECODE_SOURCE, 
 from grape_tvm.runtime.cuda_compile import nvcc_available, source_key
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-from models import (attention_products, causal_attention, causal_attention_numpy,  # noqa: E402
-                    dense_attention)
+from models import (attention_products, cached_attention, causal_attention,  # noqa: E402
+                    causal_attention_numpy, dense_attention)
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
@@ -110,6 +110,133 @@ def test_decode_one_row_runs_the_decode_kernel(dtype):
     assert (layout.k.batch, layout.k.head, layout.k.row) == (12 * 10 * 64, 10 * 64, 64)
     assert (layout.bias.batch, layout.bias.head, layout.bias.row) == (10, 0, 10)
     assert (layout.out.batch, layout.out.head, layout.out.row) == (12 * 64, 64, 64)
+
+
+def _ops(mod: tvm.IRModule) -> set[str]:
+    ops = set()
+    relax.analysis.post_order_visit(mod["main"], lambda e: isinstance(e, relax.Call) and
+                                    hasattr(e.op, "name") and ops.add(e.op.name))
+    return ops
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16"])
+def test_a_decode_steps_cache_append_is_written_by_the_attention(dtype):
+    """GPT-2's present = concat(past, new) for k and v, read by the attention and returned:
+    one call of the _append function reads the pasts and the new rows in place (heads of
+    the qkv, as q) and writes the output and both presents; no concat is left."""
+    mod = cached_attention(dtype)
+    (call,) = _fused(mod)
+    assert call.args[0].global_symbol == "grape.decode_attention.fused_bias_append"
+    args = call.args[1].fields
+    assert [a.name for a in args[:6]] == ["lv", "past_k", "past_v", "lv", "lv", "mask"]
+    assert structural_equal(call.ty, mod["main"].ret_ty)  # (o, present_k, present_v)
+    assert "relax.concat" not in _ops(FuseAttention()(relax.transform.ConvertToDataflow()(mod)))
+    analyzer = tvm.sym.Analyzer()
+    for var in args[1].ty.shape.values[:3]:  # past_k: (b, 12, p, 64)
+        if not isinstance(var, tirx.IntImm):
+            analyzer.bind(var, tirx.const({"b": 2, "p": 10}[var.name], "int64"))
+    layout = AttentionLayout.from_shape([int(analyzer.simplify(v)) for v in args[-2].values])
+    assert (layout.keys, layout.past) == (11, 10)
+    row = 3 * 12 * 64
+    for view, want in ((layout.q, (0, row, 64, row)), (layout.k, (0, 12 * 640, 640, 64)),
+                       (layout.k_new, (768, row, 64, row)), (layout.v_new, (1536, row, 64, row)),
+                       (layout.k_present, (0, 12 * 704, 704, 64)),
+                       (layout.v_present, (0, 12 * 704, 704, 64))):
+        assert (view.offset, view.batch, view.head, view.row) == want
+
+
+def _present_read_early() -> tvm.IRModule:
+    """``cached_attention``'s step with present_k also summed before the scores: the concat
+    must run before the attention, which reads it as it is."""
+    func = cached_attention("float32")["main"]
+    bb = relax.BlockBuilder()
+    params = list(func.params)
+    with bb.function("main", params):
+        with bb.dataflow():
+            op = relax.op
+            b = func.params[1].ty.shape.values[0]
+            heads = bb.emit(op.reshape(params[0], (b, 1, 36, 64)))
+            q, k, v = (bb.emit(op.permute_dims(op.strided_slice(
+                heads, axes=[2], begin=[i * 12], end=[(i + 1) * 12]), [0, 2, 1, 3]))
+                for i in range(3))
+            present_k = bb.emit(op.concat([params[1], k], axis=-2))
+            total = bb.emit(op.sum(present_k))
+            scores = bb.emit(op.add(op.multiply(op.matmul(q, op.permute_dims(
+                present_k, [0, 1, 3, 2])), relax.const(0.125, "float32")), params[3]))
+            present_v = bb.emit(op.concat([params[2], v], axis=-2))
+            o = bb.emit(op.matmul(op.nn.softmax(scores, axis=-1), present_v))
+            out = bb.emit_output(relax.Tuple([o, present_k, present_v, total]))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+def _appending_in_a_branch() -> tvm.IRModule:
+    """``cached_attention``'s step as the then-branch of an ``if`` left in the function (as
+    ``OutlineBranches`` leaves a branch with an impure call); the else-branch appends
+    zeros."""
+    func = cached_attention("float32")["main"]
+    past_k, past_v = func.params[1], func.params[2]
+    b = past_k.ty.shape.values[0]
+    cond = relax.Var("cond", relax.TensorType((), "bool"))
+    (block,) = func.body.blocks
+    then = relax.SeqExpr([relax.DataflowBlock(list(block.bindings))], func.body.body)
+    bb = relax.BlockBuilder()
+    with bb.function("main", list(func.params) + [cond]):
+        zero_row = relax.op.zeros((b, 12, 1, 64), "float32")
+        otherwise = relax.Tuple([zero_row, relax.op.concat([past_k, zero_row], axis=-2),
+                                 relax.op.concat([past_v, zero_row], axis=-2)])
+        bb.emit_func_output(bb.emit(relax.If(cond, then, bb.normalize(otherwise))))
+    return bb.get()
+
+
+def test_an_attention_inside_a_branch_fuses_without_appending():
+    """The branch's bindings are not the function's: the attention fuses, reading the
+    concats' outputs (the pass once failed there looking its binding up)."""
+    (call,) = _fused(_appending_in_a_branch())
+    assert call.args[0].global_symbol == "grape.decode_attention.fused_bias"
+
+
+def test_k_transposed_read_again_keeps_the_concat_and_appends_nothing():
+    """permute_dims(present_k) read by something besides the scores: present_k must be
+    computed anyway, so the attention does not write it again."""
+    mod = cached_attention("float32")
+    func = mod["main"]
+    (block,) = func.body.blocks
+    transposed = next(b.var for b in block.bindings if isinstance(b.value, relax.Call) and
+                      b.value.op.name == "relax.permute_dims" and
+                      [int(a) for a in b.value.attrs.axes] == [0, 1, 3, 2])
+    bb = relax.BlockBuilder()
+    with bb.function("main", list(func.params)):
+        with bb.dataflow():
+            for binding in block.bindings:
+                if binding.var.same_as(block.bindings[-1].var):
+                    total = bb.emit(relax.op.sum(transposed))
+                    out = bb.emit_output(relax.Tuple(list(binding.value.fields) + [total]))
+                else:
+                    bb.emit_normalized(binding)
+        bb.emit_func_output(out)
+    (call,) = _fused(bb.get())
+    assert call.args[0].global_symbol == "grape.decode_attention.fused_bias"
+
+
+def test_the_append_can_be_left_to_the_concats(monkeypatch):
+    """``APPEND_TO_CACHES`` off (the benchmarks' A/B): the attention alone, the concats kept."""
+    from grape_tvm.passes import fused_attention  # pylint: disable=import-outside-toplevel
+
+    monkeypatch.setattr(fused_attention, "APPEND_TO_CACHES", False)
+    mod = cached_attention("float32")
+    (call,) = _fused(mod)
+    assert call.args[0].global_symbol == "grape.decode_attention.fused_bias"
+    assert "relax.concat" in _ops(FuseAttention()(relax.transform.ConvertToDataflow()(mod)))
+
+
+def test_a_present_read_before_the_attention_is_left_a_concat():
+    """A present read before the attention (by a sum here): the attention fuses without
+    appending, reading both concats' outputs dense."""
+    mod = _present_read_early()
+    (call,) = _fused(mod)
+    assert call.args[0].global_symbol == "grape.decode_attention.fused_bias"
+    assert "relax.concat" in _ops(FuseAttention()(relax.transform.ConvertToDataflow()(mod)))
 
 
 def _where_masked(fill: float) -> tvm.IRModule:

@@ -827,6 +827,65 @@ def test_decode_attention_equals_numpy(name):
 
 
 @pytest.mark.timeout(180, method="thread")
+@pytest.mark.parametrize("name", [f"cached_attention_{dtype}_d{head_dim}"
+                                  for dtype in ("float32", "float16") for head_dim in (64, 128)])
+def test_decode_attention_appending_to_the_cache_equals_numpy(name):
+    """A decode step appending its keys and values to the cache (``models.cached_attention``,
+    GPT-2's export): one call of the _append kernel writes the output and both present
+    caches. Each batch of 1, 3 and 8 decodes from pasts of 1 and 254 for 40 and 6 steps
+    (inside and past a warp's 32 keys and a block's 256), feeding the presents back as the
+    next step's past (the executor's own tensors, no copy), and once from 1022 (1023 keys,
+    split); all of it twice, the second time replaying the recordings of the first at new
+    inputs: every output and every present equals numpy's."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import cached_attention_numpy  # pylint: disable=import-outside-toplevel
+
+    executor = load(_artifact(f"{name}.cuda.grape"), "cuda")
+    kernels = {k for r in executor.manifest["plan"]["regions"] for k in r["kernels"]}
+    assert kernels == {"grape.decode_attention.fused_bias_append"}, kernels
+    dtype, head_dim = name.split("_")[2], int(name.split("_d")[-1])
+    rng = np.random.default_rng(11)
+    tolerance = 1e-5 if dtype == "float32" else 1e-2
+    worst, calls = 0.0, 0
+
+    def step(qkv, past_k, past_v, host_k, host_v):
+        nonlocal worst, calls
+        b, p = host_k.shape[0], host_k.shape[2]
+        mask = (rng.standard_normal((b, 1, 1, p + 1)) * 2).astype(dtype)
+        mask[..., 1::3] = np.finfo(dtype).min
+        got = executor.run({"qkv": qkv, "past_k": past_k, "past_v": past_v, "mask": mask},
+                           return_numpy=False)
+        calls += 1
+        want = cached_attention_numpy(qkv.astype(np.float64), host_k, host_v, mask)
+        o = got["o"].numpy().astype(np.float64)
+        error = float(np.abs(o - want[0]).max() / np.abs(want[0]).max())
+        worst = max(worst, error)
+        assert error <= tolerance, (name, b, p, error)
+        for key, expected in (("present_k", want[1]), ("present_v", want[2])):
+            np.testing.assert_array_equal(got[key].numpy(), expected.astype(dtype))
+        return got["present_k"], got["present_v"], want[1].astype(dtype), want[2].astype(dtype)
+
+    try:
+        for b in (1, 3, 8, 1, 3, 8):
+            for first, steps in ((1, 40), (254, 6), (1022, 1)):
+                host_k, host_v = (rng.standard_normal((b, 12, first, head_dim)).astype(dtype)
+                                  for _ in range(2))
+                past_k, past_v = host_k, host_v
+                for _ in range(steps):
+                    qkv = rng.standard_normal((b, 1, 3 * 12 * head_dim)).astype(dtype)
+                    past_k, past_v, host_k, host_v = step(qkv, past_k, past_v, host_k, host_v)
+        print(f"{name}: worst relative error {worst:.2e} over {calls} steps; {executor.stats}")
+        assert executor.stats.planned_calls == calls
+        assert executor.stats.region_replays == calls // 2  # the second round's
+    finally:
+        executor.close()
+
+
+@pytest.mark.timeout(180, method="thread")
 @pytest.mark.parametrize("name,heads", [("fused_attention_causal_d64", 12),
                                         ("fused_attention_bias_d64", 12),
                                         ("fused_attention_causal_d128", 4)])

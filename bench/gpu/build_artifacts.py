@@ -10,6 +10,8 @@
 - ``decode_attention_{float32,float16}_d{64,128}.cuda.grape``: ``models.attention_products``
   with a mask, on grape's decode attention kernel; ``attention_products_{float32,float16}``:
   the same without a mask at a head_dim of 80, cuBLASLt's two products (tests);
+  ``cached_attention_{float32,float16}_d{64,128}.cuda.grape``: ``models.cached_attention``,
+  the kernel appending to the cache (tests);
   ``decode_attention{,_w4}.cubin``: the decode attention kernel, 8 and 4 warps a block
   (``bench/decode_attention.py``).
 - ``library_{float32,float16}.cuda.grape``: a GPT-2 MLP whose matmuls are cuBLASLt calls
@@ -101,6 +103,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
     gpt2_decode_step,
     gpt2_output_names,
     attention_products,
+    cached_attention,
     causal_attention,
     dense_attention,
     library_layer,
@@ -461,7 +464,8 @@ def build_library(out: Path) -> None:
     """``models.library_layer`` and ``models.attention_products`` in fp32 and fp16: matmuls
     as cuBLASLt calls, and (``library_auto_*``) by default, grape's GEMV kernels for few
     rows (``library_auto_erf_*``: with an erf GELU; ``library_auto_norm_*``: and layer norms); ``models.wide_head`` in fp16, cuBLASLt's split calls; ``models.attention_products``
-    with a mask on grape's decode attention kernel (``decode_attention_*``);
+    with a mask on grape's decode attention kernel (``decode_attention_*``), and
+    ``models.cached_attention`` on its kernels appending to the cache (``cached_attention_*``);
     ``models.causal_attention`` in fp16, grape's fused attention (tests)."""
     for dtype in ("float32", "float16"):
         for matmul in ("cublaslt", "auto"):
@@ -493,6 +497,12 @@ def build_library(out: Path) -> None:
             module = _timed(name, lambda d=dtype, hd=head_dim: grape_tvm.build(
                 attention_products(d, head_dim=hd, mask=True), {"b": (1, 8), "p": (1, 1024)},
                 CUDA, output_names=["o"]))
+            module.export(out / f"{name}.cuda.grape")
+            # the same, appending the step's keys and values to the cache (_append kernels)
+            name = f"cached_attention_{dtype}_d{head_dim}"
+            module = _timed(name, lambda d=dtype, hd=head_dim: grape_tvm.build(
+                cached_attention(d, head_dim=hd), {"b": (1, 8), "p": (1, 1023)}, CUDA,
+                output_names=["o", "present_k", "present_v"]))
             module.export(out / f"{name}.cuda.grape")
     # grape's fused attention kernel (passes.FuseAttention): causal and with a bias input,
     # head dims 64 and 128.
@@ -656,7 +666,8 @@ def build_decode_variants(out: Path) -> None:
     """``decode_variants/``: GPT-2's decode step (``gpt2_decode``, as ``build_hf_models``
     builds it) with the GEMV kernels that hold their weights across the wait asking for no
     minimum of blocks an SM (``ptxas_default``: the build before it was asked) and for one
-    (``one_block``), for ``bench/decode_step_variants.py`` beside the default and
+    (``one_block``), and with the caches appended by concat kernels, not by the attention's
+    (``separate_append``), for ``bench/decode_step_variants.py`` beside the default and
     ``sequential_launch`` builds."""
     onnx_dir = _gpt2_decode_onnx(out)
     where = out / "decode_variants"
@@ -666,6 +677,10 @@ def build_decode_variants(out: Path) -> None:
             module = _timed(f"decode_variants/{name}", lambda: _compile_hf(
                 onnx_dir, "gpt2_decode", "gpt2_decode"))
         module.export(where / f"{name}.cuda.grape")
+    with cache_append_in_attention(False):
+        module = _timed("decode_variants/separate_append", lambda: _compile_hf(
+            onnx_dir, "gpt2_decode", "gpt2_decode"))
+    module.export(where / "separate_append.cuda.grape")
 
 
 def build_gemv_configs(out: Path) -> None:
@@ -693,6 +708,21 @@ def held_weights_min_blocks(blocks: int | None):
         yield
     finally:
         dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = saved
+
+
+@contextmanager
+def cache_append_in_attention(enabled: bool):
+    """Builds whose decode attention appends the step's keys and values to the caches
+    (grape's default), or leaves that to the model's concats (``passes.fused_attention``'s
+    ``APPEND_TO_CACHES``)."""
+    from grape_tvm.passes import fused_attention  # pylint: disable=import-outside-toplevel
+
+    saved = fused_attention.APPEND_TO_CACHES
+    fused_attention.APPEND_TO_CACHES = enabled
+    try:
+        yield
+    finally:
+        fused_attention.APPEND_TO_CACHES = saved
 
 
 # The builds of each chain, by folder ("": the default build): (dependent launch, minimum of

@@ -400,6 +400,7 @@ class _Fuser(relax.PyExprMutator):
                     not isinstance(concat.args[0], relax.Tuple) or \
                     len(concat.args[0].fields) != 2 or int(concat.attrs.axis) not in (2, -2):
                 return None
+            # A reader not among the function's bindings (inside an if) counts as before.
             if any(r is not None and not r.same_as(own_reader) and self.order.get(r, now) <= now
                    for r in self.readers.get(present, [])):
                 return None
@@ -464,7 +465,8 @@ class _Fuser(relax.PyExprMutator):
         if append is None:
             self.set_var_remap(binding.var, emit_as(self.builder_, binding.var, call))
             return
-        # The output and the present caches out of one call; the concats, unread, go.
+        # The output and the present caches out of one call. The concats and k^T, bound
+        # before and unread now, go with transform_module's remove_all_unused.
         results = self.builder_.emit(call, "attention_append")
         self.set_var_remap(binding.var, emit_as(self.builder_, binding.var,
                                                 relax.TupleGetItem(results, 0)))

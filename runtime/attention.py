@@ -53,7 +53,8 @@ ROWS_PER_BLOCK = 64  # kRows of attention.cu
 # Queries of fewer rows run the decode kernel: attention.cu's blocks of 64 rows would be
 # mostly idle, and its tensor-core tiles need 16-bit operands.
 DECODE_ROWS = ROWS_PER_BLOCK // 4
-HEAD_DIMS = (64, 128)  # the kernels compiled (GRAPE_ATTENTION, GRAPE_DECODE_ATTENTION_BOTH instances)
+# The kernels compiled (GRAPE_ATTENTION, GRAPE_DECODE_ATTENTION_BOTH instances).
+HEAD_DIMS = (64, 128)
 DTYPES = {"float16": "f16", "bfloat16": "bf16"}
 DECODE_DTYPES = {"float32": "f32", **DTYPES}
 ALIGN_ELEMENTS = 8  # every stride and offset: the kernels load 16 bytes at a time
@@ -148,7 +149,7 @@ class AttentionLayout:
     keys: Any
     head_dim: Any
     q: ViewLayout
-    k: ViewLayout  # appending: the past cache's
+    k: ViewLayout  # appending: the past cache's, ``past`` rows (``keys`` counts the new too)
     v: ViewLayout
     out: ViewLayout
     bias: ViewLayout  # all 0 without a bias
@@ -361,6 +362,9 @@ class FusedAttention:
         if function.append != (appended is not None) or function.append != layout.appends:
             raise ValueError(f"{function.name}: the cache's tensors and layout are passed "
                              "to the _append functions, and only to them")
+        if layout.appends and not 0 <= layout.past <= layout.keys:
+            raise ValueError(f"{function.name}: a past of {layout.past} rows for "
+                             f"{layout.keys} keys")
         if layout.batch == 0 or layout.rows == 0:
             return
         if layout.keys == 0:  # a weighted sum over no keys: zeros, as the unfused product

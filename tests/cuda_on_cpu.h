@@ -62,6 +62,25 @@ static inline half4 make_half4(half a, half b, half c, half d) { return {a, b, c
 static inline half __float2half_rn(float f) { return (half)f; }
 static inline half __float2half(float f) { return (half)f; }
 static inline float __half2float(half h) { return (float)h; }
+// bfloat16 as CUDA's cuda_bf16.h has it for the kernels here: stored as its 16 bits,
+// converted to and from float (round to nearest even, as __float2bfloat16_rn).
+struct __nv_bfloat16 {
+  unsigned short bits;
+  __nv_bfloat16() = default;
+  __nv_bfloat16(float f) {
+    unsigned u;
+    std::memcpy(&u, &f, 4);
+    bits = (unsigned short)((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  }
+  operator float() const {
+    unsigned u = (unsigned)bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+};
+static inline float __bfloat162float(__nv_bfloat16 h) { return (float)h; }
+static inline __nv_bfloat16 __float2bfloat16_rn(float f) { return __nv_bfloat16(f); }
 static inline unsigned __pack_half2(const half x, const half y) {
   unsigned short a, b;
   std::memcpy(&a, &x, 2);

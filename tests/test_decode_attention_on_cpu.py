@@ -37,7 +37,7 @@ WIDE_THREADS = 512  # the _wide kernels' (kWideWarps = 16)
 KERNELS = {(dtype, d, wide, append): (
     AttentionFunction(False, False, decode=True, append=append).kernel(dtype, d, wide),
     WIDE_THREADS if wide else THREADS)
-    for dtype in ("float32", "float16") for d in (64, 128)
+    for dtype in ("float32", "float16", "bfloat16") for d in (64, 128)
     for wide in ((False, True) if dtype in WIDE_DECODE_DTYPES else (False,))
     for append in (False, True)}
 
@@ -49,6 +49,7 @@ def kernels(tmp_path_factory) -> ctypes.CDLL:
         f"  launch([=]() {{ {name}({_arguments(dtype, append)}); }}, gx, gy, {threads}, 1, gz);\n"
         "}\n" for (dtype, _, _, append), (name, threads) in KERNELS.items())
     code = (f'#include "{HEADER}"\nusing std::min;\n#define GRAPE_CPU_HALF 1\n'
+            '#define GRAPE_CPU_BF16 1\n'
             f'#include "{DECODE_SOURCE}"\n{wrappers}')
     workdir = tmp_path_factory.mktemp("decode_attention")
     digest = hashlib.sha256((code + DECODE_SOURCE.read_text()).encode()).hexdigest()[:16]
@@ -65,7 +66,7 @@ def _arguments(dtype: str, append: bool) -> str:
     ``kernel_arguments``, in order): five pointers, three ints, fifteen strides, the scale,
     the split's two pointers and its count; appending, four pointers, the past's rows and
     twelve strides."""
-    element = "float" if dtype == "float32" else "__half"
+    element = {"float32": "float", "float16": "__half", "bfloat16": "__nv_bfloat16"}[dtype]
     pointers = [f"({element}*)*(void**)a[{i}]" for i in range(5)]
     ints = [f"*(int*)a[{i}]" for i in range(5, 8)]
     strides = [f"*(long long*)a[{i}]" for i in range(8, 23)]
@@ -259,6 +260,59 @@ def test_decode_attention_appending_to_the_cache_equals_numpy(
         full = (batch, heads, keys, head_dim)
         np.testing.assert_array_equal(present["k_present"].read(full), want_k)
         np.testing.assert_array_equal(present["v_present"].read(full), want_v)
+
+
+def _bf16(x) -> np.ndarray:
+    """float32 values as bfloat16 bits (uint16), rounded to nearest even as the kernels'
+    __float2bfloat16_rn."""
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _from_bf16(bits: np.ndarray) -> np.ndarray:
+    return (np.ascontiguousarray(bits).astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.mark.parametrize("head_dim,keys,past", [(64, 257, None), (128, 40, None),
+                                                (64, 300, 299), (128, 70, 69)])
+def test_bfloat16_kernels_equal_numpy(kernels, head_dim, keys, past):
+    """The bf16 kernels (numpy has no bfloat16: bits in uint16, the reference on the same
+    rounded values): the attention within 1e-2 of numpy's, and (``past``: the _append
+    kernel, the new row heads of the qkv) the presents equal to the concatenation."""
+    rng = np.random.default_rng(keys)
+    batch, heads = 2, 3
+    shape, width = (batch, heads, 1, head_dim), heads * head_dim
+    qkv = _bf16(rng.standard_normal(batch * 3 * width))
+    q = View(qkv, 0, 3 * width, head_dim, 3 * width)
+    cache_rows = keys if past is None else past
+    k, v = (View(_bf16(rng.standard_normal(batch * heads * cache_rows * head_dim)), 0,
+                 heads * cache_rows * head_dim, cache_rows * head_dim, head_dim)
+            for _ in range(2))
+    values = (rng.standard_normal(batch * keys) * 2).astype(np.float32)
+    values[::5] = -1e30  # masked keys
+    bias = View(_bf16(values), 0, keys, 0, keys)
+    cache, want_k, want_v = None, k, v
+    full = (batch, heads, keys, head_dim)
+    if past is not None:
+        cache = {"k_new": View(qkv, width, 3 * width, head_dim, 3 * width),
+                 "v_new": View(qkv, 2 * width, 3 * width, head_dim, 3 * width)}
+        cache.update({n: View(np.zeros(batch * heads * keys * head_dim, np.uint16), 0,
+                              heads * keys * head_dim, keys * head_dim, head_dim)
+                      for n in ("k_present", "v_present")})
+        want_k, want_v = (np.concatenate([old.read((batch, heads, past, head_dim)),
+                                          cache[n].read(shape)], axis=2)
+                          for old, n in ((k, "k_new"), (v, "v_new")))
+    else:
+        want_k, want_v = k.read(full), v.read(full)
+    want = _reference(_from_bf16(q.read(shape)), _from_bf16(want_k), _from_bf16(want_v),
+                      _from_bf16(bias.read((batch, heads, 1, keys))), head_dim ** -0.5, False)
+    out = View(np.zeros(batch * width, np.uint16), 0, width, head_dim, width)
+    _run(kernels, "bfloat16", q, k, v, out, bias, shape, keys, False, head_dim ** -0.5, False,
+         append=cache, past=past)
+    np.testing.assert_allclose(_from_bf16(out.read(shape)), want, rtol=1e-2, atol=1e-2)
+    if past is not None:
+        np.testing.assert_array_equal(cache["k_present"].read(full), want_k)
+        np.testing.assert_array_equal(cache["v_present"].read(full), want_v)
 
 
 def test_rows_with_every_key_masked_average_as_softmax_does(kernels):

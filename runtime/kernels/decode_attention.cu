@@ -478,7 +478,7 @@ GRAPE_DECODE_ATTENTION_BOTH(grape_decode_attention_f32_d128_wide, 128, float, kW
 GRAPE_DECODE_ATTENTION_BOTH(grape_decode_attention_f16_d64, 64, __half, kWarps)
 GRAPE_DECODE_ATTENTION_BOTH(grape_decode_attention_f16_d128, 128, __half, kWarps)
 #endif
-#ifdef __CUDACC__
+#if defined(__CUDACC__) || defined(GRAPE_CPU_BF16)
 GRAPE_DECODE_ATTENTION_BOTH(grape_decode_attention_bf16_d64, 64, __nv_bfloat16, kWarps)
 GRAPE_DECODE_ATTENTION_BOTH(grape_decode_attention_bf16_d128, 128, __nv_bfloat16, kWarps)
 #endif

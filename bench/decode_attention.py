@@ -15,15 +15,15 @@ matmul (what grape ran before: two cuBLAS products and a softmax kernel), and of
 values to the cache as GPT-2's export has it (the new row heads of the qkv, as q; a past of
 keys - 1 rows): grape's _append kernel (``grape_append_us``, the output and both presents
 written) against ``torch.cat`` of each cache and SDPA (``torch_cat_sdpa_us``): ``--reps``
-calls captured in one CUDA
-graph, replays timed by CUDA events (where K and V fit in the L2 they stay there
-between calls, as in a decode step, where the cache was just written). ``bound_us``: K's
-and V's bytes at ``--copy-tbps`` (HBM). Prints a table, writes ``decode_attention.json``.
+calls captured in one CUDA graph, replays timed by CUDA events (where K and V fit in the
+L2 they stay there between calls, as in a decode step, where the cache was just written).
+``bound_us``: K's and V's bytes at ``--copy-tbps`` (HBM). Prints a table, writes ``decode_attention.json``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -82,12 +82,10 @@ class Kernel:
 
     def launch_append(self, q, cache: "Cache", mask, out, scale: float) -> None:
         """The _append kernel: attention over concat(past, new), the presents written."""
-        layout = self.layout(q, cache.k_present, cache.v_present, mask, out)
-        layout = AttentionLayout(
-            layout.batch, layout.heads, layout.rows, layout.keys, layout.head_dim, layout.q,
-            _view(cache.k_past), _view(cache.v_past), layout.out, layout.bias,
-            past=cache.k_past.shape[2], **{n: _view(getattr(cache, n))
-                                           for n in AttentionLayout.APPEND_VIEWS})
+        layout = dataclasses.replace(
+            self.layout(q, cache.k_present, cache.v_present, mask, out),
+            k=_view(cache.k_past), v=_view(cache.v_past), past=cache.k_past.shape[2],
+            **{n: _view(getattr(cache, n)) for n in AttentionLayout.APPEND_VIEWS})
         appended = CacheTensors(*(RuntimeTensor(getattr(cache, n))
                                   for n in AttentionLayout.APPEND_VIEWS))
         self.runtime.launch(self.APPEND, *(RuntimeTensor(t) for t in (

@@ -108,7 +108,6 @@ class _Fuser(relax.PyExprMutator):
         self.binding: relax.Var | None = None  # the binding being visited
         self.analyzer = Analyzer()
         self.fused = 0
-        self.appended = 0
 
     # -- walking back through bindings ------------------------------------------------------
     def _value(self, expr: relax.Expr) -> relax.Expr:
@@ -332,12 +331,13 @@ class _Fuser(relax.PyExprMutator):
             return None
         append = self._cache_append(k, v, found.k_transposed, product_var) \
             if decode and _static(rows) >= 1 and APPEND_TO_CACHES else None
-        if append is not None:  # else (its operands misaligned or gone) the attention alone
-            views = [self._view(e) for e in (q, append.k_past, append.v_past, append.k_new,
-                                              append.v_new)]
+        new_views: list[_View] = []
+        if append is not None:  # k and v read from the pasts, the new rows besides
+            views = [self._view(e) for e in (q, append.k_past, append.v_past)]
+            new_views = [self._view(e) for e in (append.k_new, append.v_new)]
             if not all(self._aligned(view.layout) and self._visible(view.tensor)
-                       for view in views):
-                append = None
+                       for view in views + new_views):
+                append, new_views = None, []  # the attention alone, reading the concats
         if append is None:
             views = [self._view(e) for e in (q, k, v)]
             if not all(self._aligned(view.layout) for view in views):
@@ -368,19 +368,17 @@ class _Fuser(relax.PyExprMutator):
         cache = {}
         if append is not None:
             present = ViewLayout(0, heads * keys * head_dim, keys * head_dim, head_dim)
-            cache = {"past": _dims(append.k_past)[2], "k_new": views[3].layout,
-                     "v_new": views[4].layout, "k_present": present, "v_present": present}
+            cache = {"past": _dims(append.k_past)[2], "k_new": new_views[0].layout,
+                     "v_new": new_views[1].layout, "k_present": present, "v_present": present}
         layout = AttentionLayout(batch, heads, rows, keys, head_dim,
-                                 *(v.layout for v in views[:3]), out_layout, bias_layout,
-                                 **cache)
+                                 *(v.layout for v in views), out_layout, bias_layout, **cache)
         function = AttentionFunction(bias=bias is not None and not causal, causal=causal,
                                      decode=decode, append=append is not None)
-        args = [view.tensor for view in views] + ([bias] if function.bias else [])
+        args = [view.tensor for view in views + new_views] + ([bias] if function.bias else [])
         args += [relax.ShapeExpr(layout.to_shape()), tirx.FloatImm("float32", scale)]
         self.fused += 1
         out_ty = relax.TensorType(out_shape, product.ty.dtype)
         if append is not None:
-            self.appended += 1
             out_ty = [out_ty, append.k_present.ty, append.v_present.ty]
         return relax.op.call_dps_packed(function.name, relax.Tuple(args), out_ty), append
 

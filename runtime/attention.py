@@ -184,16 +184,16 @@ class AttentionLayout:
         sizes = dict(zip(cls.SIZES, values))
         per_view = len(fields(ViewLayout))
         start = len(cls.SIZES)
+        plain = start + per_view * len(cls.VIEWS)
+        appending = plain + 1 + per_view * len(cls.APPEND_VIEWS)
         views = cls.VIEWS
-        if len(values) == start + 1 + per_view * (len(cls.VIEWS) + len(cls.APPEND_VIEWS)):
+        if len(values) == appending:
             sizes["past"] = values[start]
             start += 1
             views += cls.APPEND_VIEWS
-        elif len(values) != start + per_view * len(cls.VIEWS):
-            raise ValueError(f"an attention layout of {len(values)} values: expected "
-                             f"{start + per_view * len(cls.VIEWS)}, or "
-                             f"{start + 1 + per_view * (len(views) + len(cls.APPEND_VIEWS))} "
-                             "appending")
+        elif len(values) != plain:
+            raise ValueError(f"an attention layout of {len(values)} values: expected {plain}, "
+                             f"or {appending} appending")
         found = {}
         for i, view in enumerate(views):
             at = start + i * per_view

@@ -147,6 +147,29 @@ def _reference(q, k, v, bias, scale, causal) -> np.ndarray:
     return weights / weights.sum(axis=-1, keepdims=True) @ v
 
 
+def _stored(x, dtype: str) -> np.ndarray:
+    """Float values as the kernels' ``dtype`` holds them; bfloat16 (numpy has none) as its
+    bits in uint16, rounded to nearest even as __float2bfloat16_rn."""
+    if dtype != "bfloat16":
+        return np.asarray(x).astype(dtype)
+    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def _real(stored: np.ndarray, dtype: str) -> np.ndarray:
+    """``_stored`` values as float64."""
+    if dtype == "bfloat16":
+        stored = (np.ascontiguousarray(stored).astype(np.uint32) << 16).view(np.float32)
+    return stored.astype(np.float64)
+
+
+def _lowest(dtype: str) -> float:
+    """The dtype's lowest finite value (Hugging Face's masked keys)."""
+    return -3.3895314e38 if dtype == "bfloat16" else float(np.finfo(dtype).min)
+
+
+TOLERANCE = {"float32": 2e-5, "float16": 2e-3, "bfloat16": 1e-2}
+
 CASES = [  # dtype, head_dim, batch, heads, rows, keys, bias, causal, splits (None: the runtime's)
     ("float32", 64, 2, 3, 1, 1, False, False, None),
     ("float32", 64, 2, 3, 1, 33, True, False, None),
@@ -163,6 +186,8 @@ CASES = [  # dtype, head_dim, batch, heads, rows, keys, bias, causal, splits (No
     ("float16", 64, 2, 2, 1, 257, True, False, None),
     ("float16", 64, 1, 3, 4, 9, False, True, None),
     ("float16", 128, 1, 2, 1, 520, True, False, None),
+    ("bfloat16", 64, 2, 3, 1, 257, True, False, None),
+    ("bfloat16", 128, 2, 3, 1, 40, True, False, None),
 ]
 
 
@@ -174,27 +199,26 @@ def test_decode_attention_equals_numpy(kernels, dtype, head_dim, batch, heads, r
     width = heads * head_dim
     # q: heads of a packed [batch, rows, 3 * width] qkv; k, v: dense [batch, heads, keys, d]
     # caches; out: [batch, rows, heads, head_dim]; bias: [batch, 1, rows, keys].
-    qkv = rng.standard_normal(batch * rows * 3 * width).astype(dtype)
+    qkv = _stored(rng.standard_normal(batch * rows * 3 * width), dtype)
     q = View(qkv, 0, rows * 3 * width, head_dim, 3 * width)
-    k, v = (View(rng.standard_normal(batch * heads * keys * head_dim).astype(dtype), 0,
+    k, v = (View(_stored(rng.standard_normal(batch * heads * keys * head_dim), dtype), 0,
                  heads * keys * head_dim, keys * head_dim, head_dim) for _ in range(2))
     bias = None
     if with_bias:
-        values = (rng.standard_normal(batch * rows * keys) * 2).astype(dtype)
-        values[::5] = np.finfo(dtype).min  # masked keys, as Hugging Face's masks have them
-        bias = View(values, 0, rows * keys, 0, keys)
+        values = rng.standard_normal(batch * rows * keys) * 2
+        values[::5] = _lowest(dtype)  # masked keys, as Hugging Face's masks have them
+        bias = View(_stored(values, dtype), 0, rows * keys, 0, keys)
     scale = head_dim ** -0.5
-    want = _reference(q.read(shape), k.read((batch, heads, keys, head_dim)),
-                      v.read((batch, heads, keys, head_dim)),
-                      None if bias is None else bias.read((batch, heads, rows, keys)), scale,
-                      causal)
-    tolerance = 2e-5 if dtype == "float32" else 2e-3
+    want = _reference(*(_real(x.read(s), dtype) for x, s in (
+        (q, shape), (k, (batch, heads, keys, head_dim)), (v, (batch, heads, keys, head_dim)))),
+        None if bias is None else _real(bias.read((batch, heads, rows, keys)), dtype), scale,
+        causal)
     for reverse in (False, True):
-        flat = np.full(batch * rows * width, np.nan, dtype)
+        flat = _stored(np.full(batch * rows * width, np.nan), dtype)
         out = View(flat, 0, rows * width, head_dim, width)
         _run(kernels, dtype, q, k, v, out, bias, shape, keys, causal, scale, reverse, splits)
-        got = out.read(shape).astype(np.float64)
-        np.testing.assert_allclose(got, want, rtol=tolerance, atol=tolerance)
+        np.testing.assert_allclose(_real(out.read(shape), dtype), want,
+                                   rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
 APPEND_CASES = [  # dtype, head_dim, batch, heads, new rows, past, bias, causal, splits
@@ -209,6 +233,8 @@ APPEND_CASES = [  # dtype, head_dim, batch, heads, new rows, past, bias, causal,
     ("float32", 64, 2, 2, 3, 297, True, True, 4),      # causal and split
     ("float16", 64, 2, 2, 1, 256, True, False, None),
     ("float16", 128, 1, 3, 2, 30, False, True, None),
+    ("bfloat16", 64, 2, 3, 1, 299, True, False, None),
+    ("bfloat16", 128, 2, 3, 1, 69, True, False, None),
 ]
 
 
@@ -223,96 +249,42 @@ def test_decode_attention_appending_to_the_cache_equals_numpy(
     keys = past + rows
     shape = (batch, heads, rows, head_dim)
     width = heads * head_dim
-    qkv = rng.standard_normal(batch * rows * 3 * width).astype(dtype)
+    qkv = _stored(rng.standard_normal(batch * rows * 3 * width), dtype)
     q = View(qkv, 0, rows * 3 * width, head_dim, 3 * width)
     new = {"k_new": View(qkv, width, rows * 3 * width, head_dim, 3 * width),
            "v_new": View(qkv, 2 * width, rows * 3 * width, head_dim, 3 * width)}
-    past_k, past_v = (View(rng.standard_normal(batch * heads * past * head_dim + 8)
-                           .astype(dtype), 0, heads * past * head_dim, past * head_dim,
+    past_k, past_v = (View(_stored(rng.standard_normal(batch * heads * past * head_dim + 8),
+                                   dtype), 0, heads * past * head_dim, past * head_dim,
                            head_dim) for _ in range(2))
-    present = {n: View(np.full(batch * heads * keys * head_dim, np.nan, dtype), 0,
-                       heads * keys * head_dim, keys * head_dim, head_dim)
+    unset = _stored(np.full(batch * heads * keys * head_dim, np.nan), dtype)
+    present = {n: View(unset.copy(), 0, heads * keys * head_dim, keys * head_dim, head_dim)
                for n in ("k_present", "v_present")}
     bias = None
     if with_bias:
-        values = (rng.standard_normal(batch * rows * keys) * 2).astype(dtype)
-        values[::5] = np.finfo(dtype).min
+        values = rng.standard_normal(batch * rows * keys) * 2
+        values[::5] = _lowest(dtype)
         if with_bias == "masked":  # every key of the first two warps' tiles
             values.reshape(batch, rows, keys)[..., :64] = -np.inf
-        bias = View(values, 0, rows * keys, 0, keys)
+        bias = View(_stored(values, dtype), 0, rows * keys, 0, keys)
     cache_shape = (batch, heads, past, head_dim)
     want_k, want_v = (np.concatenate([old.read(cache_shape), new[n].read(shape)], axis=2)
                       for old, n in ((past_k, "k_new"), (past_v, "v_new")))
     scale = head_dim ** -0.5
-    want = _reference(q.read(shape), want_k, want_v,
-                      None if bias is None else bias.read((batch, heads, rows, keys)), scale,
-                      causal)
-    tolerance = 2e-5 if dtype == "float32" else 2e-3
+    want = _reference(_real(q.read(shape), dtype), _real(want_k, dtype), _real(want_v, dtype),
+                      None if bias is None else _real(bias.read((batch, heads, rows, keys)),
+                                                      dtype), scale, causal)
     for reverse in (False, True):
         for view in present.values():
-            view.base[:] = np.nan
-        out = View(np.full(batch * rows * width, np.nan, dtype), 0, rows * width, head_dim,
-                   width)
+            view.base[:] = unset
+        out = View(_stored(np.full(batch * rows * width, np.nan), dtype), 0, rows * width,
+                   head_dim, width)
         _run(kernels, dtype, q, past_k, past_v, out, bias, shape, keys, causal, scale, reverse,
              splits, {**new, **present}, past)
-        np.testing.assert_allclose(out.read(shape).astype(np.float64), want, rtol=tolerance,
-                                   atol=tolerance)
+        np.testing.assert_allclose(_real(out.read(shape), dtype), want,
+                                   rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
         full = (batch, heads, keys, head_dim)
         np.testing.assert_array_equal(present["k_present"].read(full), want_k)
         np.testing.assert_array_equal(present["v_present"].read(full), want_v)
-
-
-def _bf16(x) -> np.ndarray:
-    """float32 values as bfloat16 bits (uint16), rounded to nearest even as the kernels'
-    __float2bfloat16_rn."""
-    u = np.asarray(x, np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-
-
-def _from_bf16(bits: np.ndarray) -> np.ndarray:
-    return (np.ascontiguousarray(bits).astype(np.uint32) << 16).view(np.float32)
-
-
-@pytest.mark.parametrize("head_dim,keys,past", [(64, 257, None), (128, 40, None),
-                                                (64, 300, 299), (128, 70, 69)])
-def test_bfloat16_kernels_equal_numpy(kernels, head_dim, keys, past):
-    """The bf16 kernels (numpy has no bfloat16: bits in uint16, the reference on the same
-    rounded values): the attention within 1e-2 of numpy's, and (``past``: the _append
-    kernel, the new row heads of the qkv) the presents equal to the concatenation."""
-    rng = np.random.default_rng(keys)
-    batch, heads = 2, 3
-    shape, width = (batch, heads, 1, head_dim), heads * head_dim
-    qkv = _bf16(rng.standard_normal(batch * 3 * width))
-    q = View(qkv, 0, 3 * width, head_dim, 3 * width)
-    cache_rows = keys if past is None else past
-    k, v = (View(_bf16(rng.standard_normal(batch * heads * cache_rows * head_dim)), 0,
-                 heads * cache_rows * head_dim, cache_rows * head_dim, head_dim)
-            for _ in range(2))
-    values = (rng.standard_normal(batch * keys) * 2).astype(np.float32)
-    values[::5] = -1e30  # masked keys
-    bias = View(_bf16(values), 0, keys, 0, keys)
-    cache, want_k, want_v = None, k, v
-    full = (batch, heads, keys, head_dim)
-    if past is not None:
-        cache = {"k_new": View(qkv, width, 3 * width, head_dim, 3 * width),
-                 "v_new": View(qkv, 2 * width, 3 * width, head_dim, 3 * width)}
-        cache.update({n: View(np.zeros(batch * heads * keys * head_dim, np.uint16), 0,
-                              heads * keys * head_dim, keys * head_dim, head_dim)
-                      for n in ("k_present", "v_present")})
-        want_k, want_v = (np.concatenate([old.read((batch, heads, past, head_dim)),
-                                          cache[n].read(shape)], axis=2)
-                          for old, n in ((k, "k_new"), (v, "v_new")))
-    else:
-        want_k, want_v = k.read(full), v.read(full)
-    want = _reference(_from_bf16(q.read(shape)), _from_bf16(want_k), _from_bf16(want_v),
-                      _from_bf16(bias.read((batch, heads, 1, keys))), head_dim ** -0.5, False)
-    out = View(np.zeros(batch * width, np.uint16), 0, width, head_dim, width)
-    _run(kernels, "bfloat16", q, k, v, out, bias, shape, keys, False, head_dim ** -0.5, False,
-         append=cache, past=past)
-    np.testing.assert_allclose(_from_bf16(out.read(shape)), want, rtol=1e-2, atol=1e-2)
-    if past is not None:
-        np.testing.assert_array_equal(cache["k_present"].read(full), want_k)
-        np.testing.assert_array_equal(cache["v_present"].read(full), want_v)
 
 
 def test_rows_with_every_key_masked_average_as_softmax_does(kernels):

@@ -145,27 +145,27 @@ def test_a_decode_steps_cache_append_is_written_by_the_attention(dtype):
         assert (view.offset, view.batch, view.head, view.row) == want
 
 
-def _present_read_early() -> tvm.IRModule:
-    """``cached_attention``'s step with present_k also summed before the scores: the concat
-    must run before the attention, which reads it as it is."""
+def _cached_step_also_summing(op_name: str, axes=None) -> tvm.IRModule:
+    """``cached_attention``'s step with the output of its first ``op_name`` binding (of
+    these ``axes``) also summed right after it, the sum returned too."""
     func = cached_attention("float32")["main"]
+    (block,) = func.body.blocks
+
+    def read_again(binding) -> bool:
+        value = binding.value
+        return isinstance(value, relax.Call) and value.op.name == op_name and \
+            (axes is None or [int(a) for a in value.attrs.axes] == axes)
+
     bb = relax.BlockBuilder()
-    params = list(func.params)
-    with bb.function("main", params):
+    total = None
+    with bb.function("main", list(func.params)):
         with bb.dataflow():
-            op = relax.op
-            b = func.params[1].ty.shape.values[0]
-            heads = bb.emit(op.reshape(params[0], (b, 1, 36, 64)))
-            q, k, v = (bb.emit(op.permute_dims(op.strided_slice(
-                heads, axes=[2], begin=[i * 12], end=[(i + 1) * 12]), [0, 2, 1, 3]))
-                for i in range(3))
-            present_k = bb.emit(op.concat([params[1], k], axis=-2))
-            total = bb.emit(op.sum(present_k))
-            scores = bb.emit(op.add(op.multiply(op.matmul(q, op.permute_dims(
-                present_k, [0, 1, 3, 2])), relax.const(0.125, "float32")), params[3]))
-            present_v = bb.emit(op.concat([params[2], v], axis=-2))
-            o = bb.emit(op.matmul(op.nn.softmax(scores, axis=-1), present_v))
-            out = bb.emit_output(relax.Tuple([o, present_k, present_v, total]))
+            for binding in block.bindings[:-1]:
+                bb.emit_normalized(binding)
+                if total is None and read_again(binding):
+                    total = bb.emit(relax.op.sum(binding.var))
+            outputs = list(block.bindings[-1].value.fields) + [total]
+            out = bb.emit_output(relax.Tuple(outputs))
         bb.emit_func_output(out)
     return bb.get()
 
@@ -199,23 +199,7 @@ def test_an_attention_inside_a_branch_fuses_without_appending():
 def test_k_transposed_read_again_keeps_the_concat_and_appends_nothing():
     """permute_dims(present_k) read by something besides the scores: present_k must be
     computed anyway, so the attention does not write it again."""
-    mod = cached_attention("float32")
-    func = mod["main"]
-    (block,) = func.body.blocks
-    transposed = next(b.var for b in block.bindings if isinstance(b.value, relax.Call) and
-                      b.value.op.name == "relax.permute_dims" and
-                      [int(a) for a in b.value.attrs.axes] == [0, 1, 3, 2])
-    bb = relax.BlockBuilder()
-    with bb.function("main", list(func.params)):
-        with bb.dataflow():
-            for binding in block.bindings:
-                if binding.var.same_as(block.bindings[-1].var):
-                    total = bb.emit(relax.op.sum(transposed))
-                    out = bb.emit_output(relax.Tuple(list(binding.value.fields) + [total]))
-                else:
-                    bb.emit_normalized(binding)
-        bb.emit_func_output(out)
-    (call,) = _fused(bb.get())
+    (call,) = _fused(_cached_step_also_summing("relax.permute_dims", [0, 1, 3, 2]))
     assert call.args[0].global_symbol == "grape.decode_attention.fused_bias"
 
 
@@ -233,7 +217,7 @@ def test_the_append_can_be_left_to_the_concats(monkeypatch):
 def test_a_present_read_before_the_attention_is_left_a_concat():
     """A present read before the attention (by a sum here): the attention fuses without
     appending, reading both concats' outputs dense."""
-    mod = _present_read_early()
+    mod = _cached_step_also_summing("relax.concat")  # present_k, before the scores
     (call,) = _fused(mod)
     assert call.args[0].global_symbol == "grape.decode_attention.fused_bias"
     assert "relax.concat" in _ops(FuseAttention()(relax.transform.ConvertToDataflow()(mod)))

@@ -696,33 +696,33 @@ CHAIN_BYTES = 150_000_000
 
 
 @contextmanager
+def _build_constant(module, name: str, value):
+    """Builds made meanwhile with ``module.name`` set to ``value`` (None: left as it is):
+    the A/B switches the passes read when they run."""
+    saved = getattr(module, name)
+    if value is not None:
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
 def held_weights_min_blocks(blocks: int | None):
     """Builds whose GEMV kernels that hold their weights across the wait ask for ``blocks``
     blocks an SM (0: no minimum, ptxas's default; None: grape's default)."""
     from grape_tvm.passes import dependent_launch  # pylint: disable=import-outside-toplevel
 
-    saved = dependent_launch.WEIGHTS_HELD_MIN_BLOCKS
-    if blocks is not None:
-        dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = blocks
-    try:
-        yield
-    finally:
-        dependent_launch.WEIGHTS_HELD_MIN_BLOCKS = saved
+    return _build_constant(dependent_launch, "WEIGHTS_HELD_MIN_BLOCKS", blocks)
 
 
-@contextmanager
 def cache_append_in_attention(enabled: bool):
     """Builds whose decode attention appends the step's keys and values to the caches
     (grape's default), or leaves that to the model's concats (``passes.fused_attention``'s
     ``APPEND_TO_CACHES``)."""
     from grape_tvm.passes import fused_attention  # pylint: disable=import-outside-toplevel
 
-    saved = fused_attention.APPEND_TO_CACHES
-    fused_attention.APPEND_TO_CACHES = enabled
-    try:
-        yield
-    finally:
-        fused_attention.APPEND_TO_CACHES = saved
+    return _build_constant(fused_attention, "APPEND_TO_CACHES", enabled)
 
 
 # The builds of each chain, by folder ("": the default build): (dependent launch, minimum of

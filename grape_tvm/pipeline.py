@@ -17,7 +17,7 @@ from grape_tvm.passes import (BoundShapeRanges, BranchesToConditionalRegions,
                               FuseIntoInplaceWrites,
                               FuseWeightTranspose, HoistBranchStorage,
                               HoistReductionInit,
-                              KernelLaunchBounds,
+                              KernelAttributes,
                               IfToSelect,
                               InlineBranches, OutlineBranches,
                               LiftGraphRegions, NameDerivedDims, NarrowIndices,
@@ -241,14 +241,15 @@ TIR_PIPELINE = "grape"
 
 
 def grape_tir_pipeline():
-    """TVM's default TIR pipeline, with ``KernelLaunchBounds`` first among the passes that
+    """TVM's default TIR pipeline, with ``KernelAttributes`` first among the passes that
     finish the device kernels: ``tvm.compile(mod, target, relax_pipeline="grape",
     tir_pipeline="grape")``. (TVM's own TIR pipeline builds grape's kernels too, without
-    the minimum of blocks an SM that ``ProgrammaticDependentLaunch`` asks for some.)"""
+    the attributes ``ProgrammaticDependentLaunch`` asks for some: those GEMVs then load
+    their weights after the wait.)"""
     lower, finalize_host, finalize_device = tvm.tirx.get_tir_pipeline("default")
 
     def finalize_kernels():
-        return tvm.ir.transform.Sequential([KernelLaunchBounds(), finalize_device()])
+        return tvm.ir.transform.Sequential([KernelAttributes(), finalize_device()])
 
     return lower, finalize_host, finalize_kernels
 

@@ -45,9 +45,9 @@ Each pass does one job and composes with ``tvm.transform.Sequential``:
   sharding propagation can place (``compile_onnx(tensor_parallel=N)``).
 - ``NarrowIndices``: 32-bit indices in GPU kernels whose buffers stay below 2^31 elements.
 - ``ProgrammaticDependentLaunch``: every GPU kernel launched while the one before it ends
-  (sm_90+), a GEMV's weights loaded before it waits for that kernel; ``KernelLaunchBounds``
-  (grape's TIR pipeline, on the device kernels) gives such a kernel the minimum of blocks an
-  SM the pass marked it with.
+  (sm_90+), a GEMV's weights loaded before it waits for that kernel; ``KernelAttributes``
+  (grape's TIR pipeline, on the device kernels) gives such a kernel the attributes the pass
+  marked it with (coherent loads, a minimum of blocks an SM).
 - ``FuseAttention``: 16-bit ``softmax(q k^T * scale + bias) v`` as one call of grape's fused
   attention kernel (q, k, v read in place from a qkv product, a causal mask as its causal
   mode; CUDA); a decode step's (a few query rows, fp32 too) as one call of its decode
@@ -93,7 +93,7 @@ from .megatron import InputForVarlessCalls, MegatronError, ShardMegatron
 from .fused_attention import FuseAttention
 from .narrow_indices import NarrowIndices
 from .dependent_launch import ProgrammaticDependentLaunch
-from .launch_bounds import KernelLaunchBounds
+from .kernel_attributes import KernelAttributes
 from .weight_transpose import FuseWeightTranspose, StoreWeightsTransposed
 from .gpu_schedules import TolerantRule, default_gpu_rules, gpu_legalize_passes
 from .if_to_select import IfToSelect
@@ -138,7 +138,7 @@ __all__ = [
     "FuseAttention",
     "NarrowIndices",
     "ProgrammaticDependentLaunch",
-    "KernelLaunchBounds",
+    "KernelAttributes",
     "FusedScalarsAsDims",
     "GraphPlan",
     "HoistBranchStorage",

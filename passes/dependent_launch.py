@@ -13,7 +13,7 @@ from tvm.ir.transform import PassContext, module_pass
 from tvm.script import tirx as T
 from tvm_ffi.structural import structural_mutate, structural_walk
 
-from .launch_bounds import min_blocks_mark
+from .kernel_attributes import coherent_loads_mark, min_blocks_mark
 
 # TVM's launch-parameter tag (src/runtime/metadata.h, spelled as TVM spells it): its CUDA
 # module launches a kernel carrying it with programmatic stream serialization.
@@ -24,12 +24,9 @@ MIN_ARCH = 90  # griddepcontrol: PTX ISA 7.8, sm_90
 # model's weights, and may run before the wait (a GEMV's weights into registers).
 WEIGHTS_FIRST = "grape_weights_before_wait"
 # The minimum of blocks an SM (``__launch_bounds__``) of a kernel that loads its weights
-# before the wait; 0: none. Left to its default, ptxas keeps a kernel's registers few by
-# issuing loads late, below the wait: GPT-2's MLP down projection, 48 floats of weights a
-# thread, compiled to 32 registers (110 with a minimum). Two blocks cap a thread of 256 at
-# 128 registers, where one let the 8-row kernels take 254. On the H200, in chains of GEMVs
-# read from HBM (bench/results/gemv_chain.json): 0.61x to 0.95x the time without a minimum
-# at M = 8, 0.88x to 1.07x at M = 1; GPT-2's decode step 0.99x (decode_step_variants.1e3b04f.json).
+# before the wait; 0: none. On the H200, in chains of GEMVs read from HBM
+# (bench/results/gemv_chain.json, coherent loads): 0.89x to 1.05x the time without a minimum
+# at M = 1, 0.74x to 1.05x at M = 8; a minimum of one block 0.97x to 1.01x and 0.78x to 1.04x.
 WEIGHTS_HELD_MIN_BLOCKS = 2
 _CALL_TIR = Op.get("relax.call_tir")
 _CALL_TIR_INPLACE = Op.get("relax.call_tir_inplace")
@@ -91,8 +88,8 @@ def _wait_after_weights(body: tirx.Stmt) -> tirx.Stmt | None:
 def _with_prologue(body: tirx.Stmt, weights_first: bool) -> tuple[tirx.Stmt, int]:
     """``body`` with each kernel's outermost thread binding starting with
     ``launch_dependents``, then the wait (after the weights' loads where ``weights_first``
-    and the kernel loads them first, the kernel then marked with its minimum of blocks an
-    SM), and the number of kernels."""
+    and the kernel loads them first, the kernel then marked for coherent loads and with its
+    minimum of blocks an SM), and the number of kernels."""
     kernels = 0
 
     def on_for(loop, mutator):
@@ -104,7 +101,7 @@ def _with_prologue(body: tirx.Stmt, weights_first: bool) -> tuple[tirx.Stmt, int
         if held is None:
             waits_first = tirx.SeqStmt([_wait(), loop.body])
             return _with_loop_body(loop, tirx.SeqStmt([_launch_dependents(), waits_first]))
-        body = tirx.SeqStmt([_launch_dependents(), held])
+        body = coherent_loads_mark(tirx.SeqStmt([_launch_dependents(), held]))
         if WEIGHTS_HELD_MIN_BLOCKS:
             body = min_blocks_mark(WEIGHTS_HELD_MIN_BLOCKS, body)
         return _with_loop_body(loop, body)
@@ -257,10 +254,15 @@ class ProgrammaticDependentLaunch:
 
     One exception to "wait first": a kernel whose schedule loads the model's weights first,
     in a block marked ``WEIGHTS_FIRST`` (``DecodeGemv``'s GEMV kernels), waits right after
-    those loads, which are then in flight while the kernel before it ends; the kernel
-    asks for a minimum of ``WEIGHTS_HELD_MIN_BLOCKS`` blocks an SM
-    (``launch_bounds.min_blocks_mark``), which keeps ptxas from moving the loads below the
-    wait to save registers. Only where
+    those loads, which are then in flight while the kernel before it ends. Such a kernel is
+    marked (``kernel_attributes``) for coherent loads, its pointer parameters without
+    ``__restrict__``: ptxas schedules the wait (SASS ``ACQBULK``) freely around the
+    non-coherent loads nvcc makes of reads through ``__restrict__`` pointers the kernel never
+    writes (``ld.global.nc``). It put the wait above every weight load, whatever the PTX's
+    order, and where coherent loads held the wait down it moved the activations' ``.nc``
+    loads above it (a read of the kernel before's output before it ended); coherent loads
+    it keeps on their side (tests/test_dependent_launch.py reads the SASS). The kernel also
+    asks for a minimum of ``WEIGHTS_HELD_MIN_BLOCKS`` blocks an SM. Only where
     nothing the call runs writes them: at every call of the PrimFunc, the marked block's
     buffer is a constant or a parameter of ``main`` at a position of ``weights`` (bound
     once by the caller) that the module only passes to kernels as a read-only argument.

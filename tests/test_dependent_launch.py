@@ -10,6 +10,9 @@ it)."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,8 +27,10 @@ from grape_tvm.compiler import _cuda_sources, _lower
 from test_gemv import CUDA, _cuda, _kernel_body, _lowered
 from test_gemv_on_cpu import DEFINITION
 from grape_tvm.passes import ProgrammaticDependentLaunch
-from grape_tvm.passes.launch_bounds import (MIN_BLOCKS_MARK, MIN_BLOCKS_PER_SM, KernelLaunchBounds,
-                                           min_blocks_mark)
+from grape_tvm.passes.kernel_attributes import (KERNEL_ATTRIBUTE_MARK, MIN_BLOCKS_PER_SM, NO_ALIAS,
+                                               KernelAttributes, coherent_loads_mark,
+                                               min_blocks_mark)
+from grape_tvm.runtime.cuda_compile import nvcc_available
 from grape_tvm.passes.dependent_launch import (KERNEL_LAUNCH_PARAMS, PDL_LAUNCH_TAG,
                                                WEIGHTS_HELD_MIN_BLOCKS,
                                                _RelaxUses, _weights_of, _with_loop_body,
@@ -180,38 +185,110 @@ def test_a_gemv_waits_before_weights_that_are_not_the_models(weight, bound):
 
 
 @pytest.mark.parametrize("bound", [["w"], []])
-def test_each_gemv_holding_its_weights_asks_for_blocks_an_sm(bound):
+def test_each_gemv_holding_its_weights_asks_for_coherent_loads_and_blocks_an_sm(bound):
     """Through ``build`` (grape's TIR pipeline, not TVM's): each kernel that loads its
-    weights before the wait asks for a minimum of blocks an SM, and no other does; ptxas
-    would otherwise move the loads below the wait to save registers."""
+    weights before the wait has no ``__restrict__`` parameter and asks for a minimum of
+    blocks an SM; every other kernel keeps TVM's ``__restrict__``."""
     module = grape_tvm.build(_linear("param"), {"m": (1, 64)}, CUDA, output_names=["y"],
                              weights=bound, prebuild_cubin=False)
     source = "".join(_cuda_sources(module.executable))
-    assert MIN_BLOCKS_MARK not in source
-    bounds = {m.group(1): m.group(0) for m in DEFINITION.finditer(source)}
+    assert KERNEL_ATTRIBUTE_MARK not in source
+    signatures = {m.group(1): m.group(0) for m in DEFINITION.finditer(source)}
     holds = {name: "w_local" in body and _waits_after_the_weights(body)
-             for name, body in ((n, _kernel_body(source, n).split("{", 1)[1]) for n in bounds)}
+             for name, body in ((n, _kernel_body(source, n).split("{", 1)[1]) for n in signatures)}
     assert sum(holds.values()) == (4 if bound else 0)  # the buckets of 1, 2, 4 and 8 rows
     for name, held in holds.items():
-        assert (f", {WEIGHTS_HELD_MIN_BLOCKS}) " in bounds[name]) == held, name
+        assert (f", {WEIGHTS_HELD_MIN_BLOCKS}) " in signatures[name]) == held, name
+        assert ("__restrict__" in signatures[name]) != held, name
 
 
-def test_kernel_launch_bounds_takes_the_mark_into_the_kernels_attributes():
+def _nvdisasm() -> str | None:
+    """NVIDIA's disassembler: on PATH, or from the nvidia-cuda-nvdisasm wheel (test extra)."""
+    found = shutil.which("nvdisasm")
+    if found:
+        return found
+    try:
+        import nvidia  # pylint: disable=import-outside-toplevel
+    except ImportError:
+        return None
+    wheel = [p / "cu13" / "bin" / "nvdisasm" for p in map(Path, nvidia.__path__)]
+    return next((str(p) for p in wheel if p.is_file()), None)
+
+
+def _sass(cubin: bytes, tmp_path: Path) -> dict[str, list[str]]:
+    """Each kernel's SASS instructions in a cubin (predicate left out), by kernel name."""
+    path = tmp_path / "kernels.cubin"
+    path.write_bytes(cubin)
+    text = subprocess.run([_nvdisasm(), "-c", str(path)], check=True, capture_output=True,
+                          text=True).stdout
+    kernels: dict[str, list[str]] = {}
+    current = None
+    for line in text.splitlines():
+        section = re.match(r"\.text\.(\w+):", line)
+        if section:
+            current = kernels.setdefault(section.group(1), [])
+        instruction = re.match(r"\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([^;]+);", line)
+        if instruction and current is not None:
+            current.append(instruction.group(1).strip())
+    return kernels
+
+
+@pytest.mark.skipif(not nvcc_available() or _nvdisasm() is None,
+                    reason="needs nvcc and nvdisasm (the nvidia-cuda-nvdisasm wheel)")
+@pytest.mark.parametrize("bound", [["w"], []])
+def test_ptxas_keeps_the_weights_loads_before_the_wait_and_every_other_load_after(bound,
+                                                                                  tmp_path):
+    """What the SASS does, which is what runs: ptxas (sm_90, nvcc 13.0) schedules the wait
+    (``ACQBULK``) freely around non-coherent loads (``LDG.E.*.CONSTANT``, which nvcc makes of
+    loads through ``__restrict__`` pointers the kernel never writes): with TVM's
+    ``__restrict__`` parameters it put the wait first, above the weights' loads, in every
+    GEMV kernel. Each kernel holding its weights loads exactly its weights before the wait,
+    with coherent loads only (none can move across the wait, the activations' neither);
+    every other kernel loads nothing before it."""
+    module = grape_tvm.build(_linear("param"), {"m": (1, 64)}, CUDA, output_names=["y"],
+                             weights=bound)
+    source = "".join(_cuda_sources(module.executable))
+    sass = {}
+    for cubin in module.cubins.values():
+        sass.update(_sass(cubin, tmp_path))
+    held = 0
+    for match in DEFINITION.finditer(source):
+        name = match.group(1)
+        statements = _statements(_kernel_body(source, name).split("{", 1)[1])
+        weight_loads = sum(s.startswith("*(float4*)(w_local")
+                           for s in statements[:statements.index(WAIT)])
+        instructions = sass[name]
+        wait = instructions.index("ACQBULK")
+        before = [i for i in instructions[:wait] if i.startswith("LDG")]
+        assert len(before) == weight_loads, (name, instructions[:wait + 1])
+        if weight_loads:
+            held += 1
+            assert not any(".CONSTANT" in i for i in instructions if i.startswith("LDG")), name
+    assert held == (4 if bound else 0)  # the buckets of 1, 2, 4 and 8 rows
+
+
+def test_kernel_attributes_takes_the_marks_into_the_kernels_attributes():
     @T.prim_func
     def kernel(A: T.Buffer((256,), "float32")):
-        T.func_attr({"global_symbol": "kernel"})
+        T.func_attr({"global_symbol": "kernel", "tirx.noalias": True})
         for tx in T.thread_binding(256, thread="threadIdx.x"):
             A[tx] = T.float32(1)
 
     loop = kernel.body
-    marked = kernel.with_body(_with_loop_body(loop, min_blocks_mark(3, loop.body)))
-    assert MIN_BLOCKS_MARK in marked.script()
-    done = KernelLaunchBounds()(tvm.IRModule({"kernel": marked}))["kernel"]
+    marked = kernel.with_body(_with_loop_body(
+        loop, min_blocks_mark(3, coherent_loads_mark(loop.body))))
+    assert KERNEL_ATTRIBUTE_MARK in marked.script()
+    done = KernelAttributes()(tvm.IRModule({"kernel": marked}))["kernel"]
     assert int(done.attrs[MIN_BLOCKS_PER_SM]) == 3
-    assert MIN_BLOCKS_MARK not in done.script()
+    assert not bool(done.attrs[NO_ALIAS])
+    assert KERNEL_ATTRIBUTE_MARK not in done.script()
     assert structural_equal(done.body, kernel.body)
-    unmarked = KernelLaunchBounds()(tvm.IRModule({"kernel": kernel}))["kernel"]
-    assert MIN_BLOCKS_PER_SM not in (unmarked.attrs or {})
+    unmarked = KernelAttributes()(tvm.IRModule({"kernel": kernel}))["kernel"]
+    assert MIN_BLOCKS_PER_SM not in unmarked.attrs and bool(unmarked.attrs[NO_ALIAS])
+    twice = kernel.with_body(_with_loop_body(
+        loop, min_blocks_mark(3, min_blocks_mark(2, loop.body))))
+    with pytest.raises(Exception, match="marked both"):
+        KernelAttributes()(tvm.IRModule({"kernel": twice}))
 
 
 def test_without_dependent_launch_no_kernel_waits():

@@ -116,7 +116,7 @@ from models import (  # noqa: E402  pylint: disable=wrong-import-position
 )
 
 import grape_tvm  # noqa: E402  pylint: disable=wrong-import-position
-from grape_tvm.compiler import _relax_signature, package  # noqa: E402  pylint: disable=wrong-import-position
+from grape_tvm.compiler import _cuda_sources, _relax_signature, package  # noqa: E402  pylint: disable=wrong-import-position
 from grape_tvm.runtime.signature import ShapeRange  # noqa: E402  pylint: disable=wrong-import-position
 
 CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
@@ -644,10 +644,16 @@ def build_decode_attention_cubins(out: Path) -> None:
 
 
 def build_pdl_chain(out: Path) -> None:
-    """``pdl_chain``: the executable of ``bench/kernels/pdl_chain.cu`` (``bench/pdl_chain.py``)."""
+    """``pdl_chain``: the executable of ``bench/kernels/pdl_chain.cu`` (``bench/pdl_chain.py``),
+    with grape's own m = 1 GEMV kernels for GPT-2's fp32 MLP (its chain ``grape_mlp``): the
+    CUDA source of a one-layer ``mlp_chain_relax`` build, written beside it and included."""
+    module = grape_tvm.build(mlp_chain_relax(1), MATMUL_DIMS, CUDA, output_names=["y"],
+                             weights=["w1_0", "b1_0", "w2_0", "b2_0"])
+    kernels = out / "pdl_chain_grape_mlp.cuh"
+    kernels.write_text("\n".join(_cuda_sources(module.executable)))
     source = ROOT / "bench" / "kernels" / "pdl_chain.cu"
-    subprocess.run(["nvcc", "-arch=sm_90", "-O3", "-std=c++17", "-o", str(out / "pdl_chain"),
-                    str(source)], check=True)
+    subprocess.run(["nvcc", "-arch=sm_90", "-O3", "-std=c++17", f'-DGRAPE_KERNELS="{kernels.resolve()}"',
+                    "-o", str(out / "pdl_chain"), str(source)], check=True)
 
 
 def build_sequential_launch(out: Path) -> None:

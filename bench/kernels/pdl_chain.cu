@@ -12,7 +12,9 @@
 //   lines_l2   as pdl, and a GEMV's lanes prefetch its rows' 128-byte lines into L2 first;
 //   lines_l1   the same into L1.
 // Weights are never written, so reading them before the wait is safe; the activations are read
-// after it. Prints one JSON object: us per layer for each variant, and each variant's largest
+// after it. The chains: the layer above, its two GEMVs alone (4 warps a block, and 8), and,
+// where GRAPE_KERNELS names grape's generated CUDA source, grape's m = 1 GEMV kernels for the
+// MLP, alone and each beside the probe's (plain and pdl only: they choose their own loads). Prints one JSON object: us per layer for each variant, and each variant's largest
 // difference from the plain variant's output (bench/pdl_chain.py runs it and tabulates). Built
 // with `nvcc -arch=sm_90 -O3` (bench/gpu/build_artifacts.py's pdl_chain step).
 #include <cuda_runtime.h>
@@ -21,6 +23,14 @@
 #include <cstdio>
 #include <cstdlib>
 #include <vector>
+
+#ifdef GRAPE_KERNELS
+#ifdef GRAPE_NO_LAUNCH_BOUNDS  // grape's kernels as ptxas compiles them with no minimum of blocks
+#undef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+#include GRAPE_KERNELS  // grape's generated CUDA source (see enqueue_grape)
+#endif
 
 enum Mode { PLAIN = 0, PDL = 1, PREFETCH = 2, REGISTERS = 3, LINES_L2 = 4, LINES_L1 = 5 };
 // bench/pdl_chain.py reads these names
@@ -149,11 +159,11 @@ struct Buffers {
 };
 
 template <typename... Args>
-static void launch(void (*kernel)(Args...), int grid, int block, bool pdl, cudaStream_t stream,
-                   Args... args) {
+static void launch_grid(void (*kernel)(Args...), dim3 grid, dim3 block, bool pdl,
+                        cudaStream_t stream, Args... args) {
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(grid);
-  config.blockDim = dim3(block);
+  config.gridDim = grid;
+  config.blockDim = block;
   config.stream = stream;
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -163,11 +173,17 @@ static void launch(void (*kernel)(Args...), int grid, int block, bool pdl, cudaS
   CHECK(cudaLaunchKernelEx(&config, kernel, args...));
 }
 
+template <typename... Args>
+static void launch(void (*kernel)(Args...), int grid, int block, bool pdl, cudaStream_t stream,
+                   Args... args) {
+  launch_grid(kernel, dim3(grid), dim3(block), pdl, stream, args...);
+}
+
 template <int MODE>
 static void enqueue_step(const std::vector<Layer>& layers, const Buffers& buf, bool gemv_only,
-                         cudaStream_t stream) {
+                         int warps, cudaStream_t stream) {
   const bool pdl = MODE != PLAIN;
-  const int threads = kWarps * 32;
+  const int threads = warps * 32;
   for (const Layer& l : layers) {
     const float* in = buf.h;
     if (!gemv_only) {
@@ -175,28 +191,83 @@ static void enqueue_step(const std::vector<Layer>& layers, const Buffers& buf, b
              buf.normed, kWidth);
       in = buf.normed;
     }
-    launch(gemv<MODE, kWidth / 128>, kHidden / kWarps, threads, pdl, stream, in,
+    launch(gemv<MODE, kWidth / 128>, kHidden / warps, threads, pdl, stream, in,
            (const float4*)l.w_up, (const float*)l.b_up, buf.up, kHidden);
     const float* mid = buf.up;
     if (!gemv_only) {
       launch(gelu<MODE>, kHidden / 256, 256, pdl, stream, (const float*)buf.up, buf.act, kHidden);
       mid = buf.act;
     }
-    launch(gemv<MODE, kHidden / 128>, kWidth / kWarps, threads, pdl, stream, mid,
+    launch(gemv<MODE, kHidden / 128>, kWidth / warps, threads, pdl, stream, mid,
            (const float4*)l.w_down, (const float*)l.b_down, buf.h, kWidth);
   }
 }
 
-static void enqueue(int mode, const std::vector<Layer>& layers, const Buffers& buf,
-                    bool gemv_only, cudaStream_t stream) {
-  switch (mode) {
-    case PLAIN: enqueue_step<PLAIN>(layers, buf, gemv_only, stream); break;
-    case PDL: enqueue_step<PDL>(layers, buf, gemv_only, stream); break;
-    case PREFETCH: enqueue_step<PREFETCH>(layers, buf, gemv_only, stream); break;
-    case REGISTERS: enqueue_step<REGISTERS>(layers, buf, gemv_only, stream); break;
-    case LINES_L2: enqueue_step<LINES_L2>(layers, buf, gemv_only, stream); break;
-    default: enqueue_step<LINES_L1>(layers, buf, gemv_only, stream); break;
+#ifdef GRAPE_KERNELS
+// grape's own m = 1 GEMV kernels for GPT-2's MLP, as its build generates them (the header is
+// written by bench/gpu/build_artifacts.py's pdl_chain step): up with bias and GELU, grid 384
+// of (32, 8); down with bias and the residual, grid 192 of (64, 4). They load their weights
+// before griddepcontrol.wait themselves; plain launches them without the attribute (the
+// instructions are then no-ops), pdl with it. ``grape_up`` / ``grape_down``: grape's kernel
+// for that GEMV, else the probe's (its registers mode under pdl).
+static void enqueue_grape(const std::vector<Layer>& layers, const Buffers& buf, bool pdl,
+                          bool grape_up, bool grape_down, cudaStream_t stream) {
+  const int64_t m = 1;
+  const int threads = kWarps * 32;
+  for (const Layer& l : layers) {
+    if (grape_up)
+      launch_grid(matmul_bias_gelu_nt_gemv_kernel, dim3(384), dim3(32, 8), pdl, stream, l.b_up,
+                  buf.up, l.w_up, buf.h, m);
+    else
+      launch(pdl ? gemv<REGISTERS, kWidth / 128> : gemv<PLAIN, kWidth / 128>, kHidden / kWarps,
+             threads, pdl, stream, (const float*)buf.h, (const float4*)l.w_up,
+             (const float*)l.b_up, buf.up, kHidden);
+    if (grape_down)
+      launch_grid(matmul_bias_residual_nt_gemv_kernel, dim3(192), dim3(64, 4), pdl, stream,
+                  l.b_down, buf.h, buf.h, l.w_down, buf.up, m);
+    else
+      launch(pdl ? gemv<REGISTERS, kHidden / 128> : gemv<PLAIN, kHidden / 128>, kWidth / kWarps,
+             threads, pdl, stream, (const float*)buf.up, (const float4*)l.w_down,
+             (const float*)l.b_down, buf.h, kWidth);
   }
+}
+#endif
+
+// The chains timed: GEMVs of 4 warps (the probe's), of 8 warps, and grape's own kernels.
+enum Chain { NORM_GEMV_GELU_GEMV, GEMV_GEMV, GEMV_GEMV_8_WARPS, GRAPE_MLP, GRAPE_UP, GRAPE_DOWN };
+static const char* kChainNames[] = {"norm_gemv_gelu_gemv", "gemv_gemv", "gemv_gemv_8_warps",
+                                    "grape_mlp", "grape_up", "grape_down"};
+
+template <int MODE>
+static void enqueue_chain(int chain, const std::vector<Layer>& layers, const Buffers& buf,
+                          cudaStream_t stream) {
+#ifdef GRAPE_KERNELS
+  if (chain >= GRAPE_MLP)
+    return enqueue_grape(layers, buf, MODE != PLAIN, chain != GRAPE_DOWN, chain != GRAPE_UP,
+                         stream);
+#endif
+  enqueue_step<MODE>(layers, buf, chain != NORM_GEMV_GELU_GEMV,
+                     chain == GEMV_GEMV_8_WARPS ? 8 : kWarps, stream);
+}
+
+static void enqueue(int mode, int chain, const std::vector<Layer>& layers, const Buffers& buf,
+                    cudaStream_t stream) {
+  switch (mode) {
+    case PLAIN: enqueue_chain<PLAIN>(chain, layers, buf, stream); break;
+    case PDL: enqueue_chain<PDL>(chain, layers, buf, stream); break;
+    case PREFETCH: enqueue_chain<PREFETCH>(chain, layers, buf, stream); break;
+    case REGISTERS: enqueue_chain<REGISTERS>(chain, layers, buf, stream); break;
+    case LINES_L2: enqueue_chain<LINES_L2>(chain, layers, buf, stream); break;
+    default: enqueue_chain<LINES_L1>(chain, layers, buf, stream); break;
+  }
+}
+
+// The modes each chain runs: every mode on the probe's chains; plain, pdl and registers on
+// the 8-warp one; plain and pdl on grape's (its kernels choose what they load before waiting).
+static bool runs(int chain, int mode) {
+  if (chain == GEMV_GEMV_8_WARPS) return mode == PLAIN || mode == PDL || mode == REGISTERS;
+  if (chain >= GRAPE_MLP) return mode == PLAIN || mode == PDL;
+  return true;
 }
 
 static float* device_random(size_t n, float scale, unsigned seed) {
@@ -236,15 +307,20 @@ int main(int argc, char** argv) {
 
   std::printf("{\"reps\": %d, \"layers\": %d, \"weight_bytes_per_layer\": %zu, \"chains\": {",
               reps, kLayers, 2 * sizeof(float) * kHidden * kWidth);
-  for (int gemv_only = 0; gemv_only < 2; ++gemv_only) {
-    std::printf("%s\"%s\": {", gemv_only ? ", " : "",
-                gemv_only ? "gemv_gemv" : "norm_gemv_gelu_gemv");
+#ifdef GRAPE_KERNELS
+  const int chains = GRAPE_DOWN + 1;
+#else
+  const int chains = GRAPE_MLP;
+#endif
+  for (int chain = 0; chain < chains; ++chain) {
+    std::printf("%s\"%s\": {", chain ? ", " : "", kChainNames[chain]);
     std::vector<float> reference(kWidth), result(kWidth);
     for (int mode = PLAIN; mode <= kLastMode; ++mode) {
+      if (!runs(chain, mode)) continue;
       cudaGraph_t graph;
       cudaGraphExec_t exec;
       CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-      enqueue(mode, layers, buf, gemv_only, stream);
+      enqueue(mode, chain, layers, buf, stream);
       CHECK(cudaStreamEndCapture(stream, &graph));
       CHECK(cudaGraphInstantiate(&exec, graph, 0));
       // One step from the same input: the output of every variant must match the plain one's.

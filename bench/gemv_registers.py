@@ -1,11 +1,14 @@
 """Registers of grape's GEMV kernels by ``ProgrammaticDependentLaunch``'s minimum of blocks an
-SM (``WEIGHTS_HELD_MIN_BLOCKS``), as ptxas reports them: what the minimum is for.
+SM (``WEIGHTS_HELD_MIN_BLOCKS``), as ptxas reports them.
 
 Builds one layer of GPT-2's MLP (``models.mlp_chain_relax``, fp32, weights bound once) for
 sm_90 with no minimum (ptxas's default), one block and two, compiles each build's CUDA source
 with ``nvcc -Xptxas -v`` and prints each GEMV kernel's registers and spills (one kernel per
 bucket of rows: 1, 2, 4, 8). Holding a thread's weights in flight across the wait takes a
 register per float: 48 for the MLP down projection at one row, 24 for the up projection.
+With the kernels' coherent loads (no ``__restrict__``) ptxas keeps them in flight with no
+minimum too (70 registers for the down projection); with ``.nc`` loads it had issued them
+after the wait, in 32 (``gemv_registers.nc_loads.json``).
 Runs where nvcc is (the CPU machine); writes ``gemv_registers.json``.
 
     python3 bench/gemv_registers.py --out bench/results

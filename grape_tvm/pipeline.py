@@ -216,7 +216,8 @@ def grape_pipeline(target: tvm.target.Target | None = None,
                    matmul: str | None = None, weights: Sequence[int] = (),
                    dependent_launch: bool = True) -> tvm.transform.Pass:
     """The pass ``tvm.compile(mod, target, relax_pipeline=grape_pipeline(...),
-    tir_pipeline="grape")`` takes (``grape_tir_pipeline``: the kernels' launch bounds).
+    tir_pipeline="grape")`` takes (``grape_tir_pipeline``: the kernel attributes the GEMVs
+    holding their weights across the wait need, coherent loads and launch bounds).
 
     ``select_ops``: branches of at most this many operators become selects (``IfToSelect``);
     0 keeps every ``if``. ``matmul``: "auto" (CUDA's default: "cublaslt", with grape's GEMV

@@ -25,8 +25,9 @@ MIN_ARCH = 90  # griddepcontrol: PTX ISA 7.8, sm_90
 WEIGHTS_FIRST = "grape_weights_before_wait"
 # The minimum of blocks an SM (``__launch_bounds__``) of a kernel that loads its weights
 # before the wait; 0: none. On the H200, in chains of GEMVs read from HBM
-# (bench/results/gemv_chain.json, coherent loads): 0.89x to 1.05x the time without a minimum
-# at M = 1, 0.74x to 1.05x at M = 8; a minimum of one block 0.97x to 1.01x and 0.78x to 1.04x.
+# (bench/results/gemv_chain.json, coherent loads), this minimum of two took 0.89x to 1.05x
+# the time of no minimum at M = 1 and 0.74x to 1.04x at M = 8, and 0.97x to 1.01x and 0.78x
+# to 1.04x the time of a minimum of one.
 WEIGHTS_HELD_MIN_BLOCKS = 2
 _CALL_TIR = Op.get("relax.call_tir")
 _CALL_TIR_INPLACE = Op.get("relax.call_tir_inplace")
@@ -50,6 +51,12 @@ def _launch_dependents() -> tirx.Stmt:
 def _wait() -> tirx.Stmt:
     # Until every kernel this one depends on has finished and its writes are visible.
     return tirx.Evaluate(T.ptx.griddepcontrol.wait())
+
+
+def _fence() -> tirx.Stmt:
+    # membar.cta: ptxas keeps the kernel's ld.global.nc loads below it, where it schedules
+    # them freely around the wait alone (see ProgrammaticDependentLaunch).
+    return tirx.Evaluate(tirx.call_extern("void", "__threadfence_block"))
 
 
 def _with_loop_body(loop: tirx.For, body: tirx.Stmt) -> tirx.For:
@@ -87,9 +94,9 @@ def _wait_after_weights(body: tirx.Stmt) -> tirx.Stmt | None:
 
 def _with_prologue(body: tirx.Stmt, weights_first: bool) -> tuple[tirx.Stmt, int]:
     """``body`` with each kernel's outermost thread binding starting with
-    ``launch_dependents``, then the wait (after the weights' loads where ``weights_first``
-    and the kernel loads them first, the kernel then marked for coherent loads and with its
-    minimum of blocks an SM), and the number of kernels."""
+    ``launch_dependents``, then the wait and a fence, or, where ``weights_first`` and the
+    kernel loads its weights first, those loads then the wait (the kernel then marked for
+    coherent loads and its minimum of blocks an SM), and the number of kernels."""
     kernels = 0
 
     def on_for(loop, mutator):
@@ -99,7 +106,7 @@ def _with_prologue(body: tirx.Stmt, weights_first: bool) -> tuple[tirx.Stmt, int
         kernels += 1
         held = _wait_after_weights(loop.body) if weights_first else None
         if held is None:
-            waits_first = tirx.SeqStmt([_wait(), loop.body])
+            waits_first = tirx.SeqStmt([_wait(), _fence(), loop.body])
             return _with_loop_body(loop, tirx.SeqStmt([_launch_dependents(), waits_first]))
         body = coherent_loads_mark(tirx.SeqStmt([_launch_dependents(), held]))
         if WEIGHTS_HELD_MIN_BLOCKS:
@@ -240,6 +247,7 @@ class ProgrammaticDependentLaunch:
             for bx in T.thread_binding(8, thread="blockIdx.x"):
                 T.ptx.griddepcontrol.launch_dependents()
                 T.ptx.griddepcontrol.wait()
+                T.call_extern("void", "__threadfence_block")
                 for tx in T.thread_binding(128, thread="threadIdx.x"):
                     B[bx * 128 + tx] = A[bx * 128 + tx] + T.float32(1)
 
@@ -252,17 +260,25 @@ class ProgrammaticDependentLaunch:
     attribute (``T.launch_thread``). Only for CUDA targets of sm_90 and up: the
     instructions do not exist below.
 
+    "Before any memory access" has to hold in SASS, where ptxas (nvcc 13.0, sm_90) schedules
+    the wait (``ACQBULK``) freely around the ``ld.global.nc`` loads nvcc makes of reads
+    through TVM's ``__restrict__`` pointers that a kernel never writes: in a GEMV kernel of
+    a few rows it put a load of the kernel before's output above the wait (``ld.global.nc``
+    also promises data that does not change while the kernel runs, which a kernel before
+    that has not ended does not keep). A fence after the wait (``__threadfence_block``,
+    ``membar.cta``: nothing is in flight to wait for) keeps them below it; coherent loads
+    everywhere did too, but cost GPT-2's prefill about 185 us a call on the H200, fp32 and
+    fp16 (bench/README.md, 12-04 second session). Both are what ptxas was seen to do, not
+    PTX guarantees: tests/test_dependent_launch.py reads the SASS with ``nvdisasm``.
+
     One exception to "wait first": a kernel whose schedule loads the model's weights first,
-    in a block marked ``WEIGHTS_FIRST`` (``DecodeGemv``'s GEMV kernels), waits right after
+    in a block marked ``WEIGHTS_FIRST`` (``DecodeGemv``'s and ``GemvForFewRows``'s GEMV
+    kernels, those computing a row norm first among them), waits right after
     those loads, which are then in flight while the kernel before it ends. Such a kernel is
-    marked (``kernel_attributes``) for coherent loads, its pointer parameters without
-    ``__restrict__``: ptxas schedules the wait (SASS ``ACQBULK``) freely around the
-    non-coherent loads nvcc makes of reads through ``__restrict__`` pointers the kernel never
-    writes (``ld.global.nc``). It put the wait above every weight load, whatever the PTX's
-    order, and where coherent loads held the wait down it moved the activations' ``.nc``
-    loads above it (a read of the kernel before's output before it ended); coherent loads
-    it keeps on their side (tests/test_dependent_launch.py reads the SASS). The kernel also
-    asks for a minimum of ``WEIGHTS_HELD_MIN_BLOCKS`` blocks an SM. Only where
+    marked (``kernel_attributes.coherent_loads_mark``) for pointer parameters without
+    ``__restrict__``: with ``.nc`` loads ptxas put the wait above every weight load, whatever
+    the PTX's order; coherent loads, weights' and activations', it keeps on their side. It
+    also asks for a minimum of ``WEIGHTS_HELD_MIN_BLOCKS`` blocks an SM. Only where
     nothing the call runs writes them: at every call of the PrimFunc, the marked block's
     buffer is a constant or a parameter of ``main`` at a position of ``weights`` (bound
     once by the caller) that the module only passes to kernels as a read-only argument.

@@ -48,6 +48,10 @@ GEMV_MARK = "grape_gemv_rows"  # block annotation: a GEMV kernel's partial sums,
 # 32-bit registers; GPT-2's layers need 12 to 48 in fp32 (48 for the MLP down projection,
 # K = 3072: 64 threads along K, one row a thread).
 WEIGHT_REGISTER_BYTES = 256
+# Whether a one-row GEMV that computes a row norm's statistics first loads its weights before
+# them too (``_weights_first_in_block``); off, it waits first (the A/B build of
+# bench/gpu/build_artifacts.py's decode_variants).
+WEIGHTS_BEFORE_NORM = True
 
 
 @dataclass(frozen=True)
@@ -372,6 +376,10 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig,
 
         stats = sum_k f(x[m, k], stats before)          shared; every thread a share of k
         ... x_reg[k..] = norm(x[m, k..], stats, gamma[k..], beta[k..])
+
+    Where a thread's share of the weights fits its registers (``weights_first``) it is
+    loaded first, before phase 1 (``_weights_in_registers``), or before a prologue's
+    statistics (``_weights_first_in_block``).
     """
     sch = s_tir.Schedule(func)
     # a row norm before the matmul: its output block, kept until x's registers (or padding
@@ -457,10 +465,11 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig,
         cached["x"] = ku
     elif "x" in pads:
         sch.compute_inline(pads.pop("x"))
-    # (a prologue's statistics read x first: the wait comes before them, and the weights'
-    # early loads would buy nothing)
-    if weights_first(shape, c) and "w" not in pads and not prologue:
-        _weights_in_registers(sch, partial, found.weight.source, tx)
+    if weights_first(shape, c) and "w" not in pads and (WEIGHTS_BEFORE_NORM or not prologue):
+        if prologue:  # first in the block, before the row statistics that read x
+            _weights_first_in_block(sch, partial, found.weight.source, bx, c)
+        else:
+            _weights_in_registers(sch, partial, found.weight.source, tx)
         del cached["w"]
         sch.unroll(ko)
     for operand, loop in cached.items():
@@ -512,7 +521,8 @@ def schedule_gemv(func: tirx.PrimFunc, shape: GemvShape, config: GemvConfig,
 
 def weights_first(shape: GemvShape, config: GemvConfig) -> bool:
     """Whether a kernel of ``config`` loads its thread's whole share of the weights into
-    registers before anything else (``_weights_in_registers``): weights ``[N, K]``, at
+    registers before anything else (``_weights_in_registers``, or
+    ``_weights_first_in_block`` before a row norm's statistics): weights ``[N, K]``, at
     most ``WEIGHT_REGISTER_BYTES`` a thread."""
     if shape.layout != "nk":
         return False
@@ -520,26 +530,67 @@ def weights_first(shape: GemvShape, config: GemvConfig) -> bool:
     return config.per_thread_n * (shape.k // config.threads_k) * size <= WEIGHT_REGISTER_BYTES
 
 
-def _weights_in_registers(sch: s_tir.Schedule, partial, weight: tirx.Buffer, thread) -> None:
-    """The thread's share of the weights (``per_thread_n`` rows, K / threads_k of each) in
-    registers, loaded first under ``thread`` as 16-byte vectors, then summed from there.
-
-    Loaded before the kernel reads anything another kernel wrote, they are in flight while
-    the kernel waits for the kernel before it (``ProgrammaticDependentLaunch`` puts its wait
-    after the block marked ``WEIGHTS_FIRST``). The cache is indexed by (n, k lane, k-step,
-    unrolled step, element of the vector), of which a thread touches ``per_thread_n`` rows
-    and one k lane: TVM keeps that much, in registers, where ``cache_read``'s region would
-    span the strided k of the whole row."""
-    index = next(i for i, r in enumerate(sch.get(partial).reads) if r.source.same_as(weight))
-    # partial's iters: (tk, row of M, n, ko, ku, kv)
-    reg = sch.reindex_cache_read(partial, index, "local",
-                                 lambda tk, m, n, ko, ku, kv: (n, tk, ko, ku, kv))
-    sch.compute_at(reg, thread, preserve_unit_loops=True)
+def _weights_cache(sch: s_tir.Schedule, partial, weight: tirx.Buffer):
+    """The register cache of the thread's share of the weights (``per_thread_n`` rows,
+    K / threads_k of each), marked ``WEIGHTS_FIRST``: ``ProgrammaticDependentLaunch`` puts
+    the kernel's wait after it, so the loads are in flight while the kernel waits for the
+    kernel before it. Indexed by (n, k lane, k-step, unrolled step, element of the vector),
+    of which a thread touches ``per_thread_n`` rows and one k lane: TVM keeps that much, in
+    registers, where ``cache_read``'s region would span the strided k of the whole row."""
+    block = sch.get(partial)
+    index = next(i for i, r in enumerate(block.reads) if r.source.same_as(weight))
+    # partial's iters: (tk, row of M, n, ko, ku, kv); one static row has none of M's
+    if len(block.iter_vars) == 6:
+        reg = sch.reindex_cache_read(partial, index, "local",
+                                     lambda tk, m, n, ko, ku, kv: (n, tk, ko, ku, kv))
+    else:
+        reg = sch.reindex_cache_read(partial, index, "local",
+                                     lambda tk, n, ko, ku, kv: (n, tk, ko, ku, kv))
     sch.annotate(reg, WEIGHTS_FIRST, 1)
+    return reg
+
+
+def _weights_in_registers(sch: s_tir.Schedule, partial, weight: tirx.Buffer, thread) -> None:
+    """The weights' register cache (``_weights_cache``) loaded first under the partial
+    sums' ``thread`` loop, as 16-byte vectors, then summed from there."""
+    reg = _weights_cache(sch, partial, weight)
+    sch.compute_at(reg, thread, preserve_unit_loops=True)
     *outer, lanes = sch.get_loops(reg)[4:]  # below blockIdx.y/x, threadIdx.y/x
     for loop in outer:
         sch.unroll(loop)
     sch.vectorize(lanes)
+
+
+def _weights_first_in_block(sch: s_tir.Schedule, partial, weight: tirx.Buffer, bx,
+                            config: GemvConfig) -> None:
+    """The weights' register cache (``_weights_cache``) loaded first in the block (under
+    ``bx``), before a row norm's statistics, which read x and so come after the wait: its
+    loops bound to the threads as the partial sums' are, each thread loading the share it
+    sums. One row a block (the prologue's)::
+
+        blockIdx.x:
+          threads (tn, tk): w_reg[vn][ko][ku][kv] = w[n.., k..]    16-byte loads
+          (the wait)
+          stats = ...                                               the row's statistics
+          threads (tn, tk): acc += norm(x[k..]) * w_reg[..]
+    """
+    c = config
+    reg = _weights_cache(sch, partial, weight)
+    sch.compute_at(reg, bx, preserve_unit_loops=True)
+    loops = sch.get_loops(reg)[2:]  # below blockIdx.y/x: (tk, n, ko, ku, kv), the row's unit dropped
+    extents = [_static(sch.get(loop).extent) for loop in loops]
+    if len(loops) != 5 or extents[:2] != [c.threads_k, c.cols]:
+        raise ValueError(f"the weights' cache has loops of extents {extents}, expected "
+                         f"(threads_k {c.threads_k}, cols {c.cols}, k-steps, unroll, vector)")
+    tk, n, ko, ku, kv = loops
+    tn, vn = sch.split(n, [c.threads_n, c.per_thread_n])
+    sch.reorder(tn, tk, ko, ku, vn, kv)
+    ty, tx = sch.split(sch.fuse(tn, tk), [c.threads // c.group, c.group])
+    sch.bind(ty, "threadIdx.y")
+    sch.bind(tx, "threadIdx.x")
+    for loop in (ko, ku, vn):
+        sch.unroll(loop)
+    sch.vectorize(kv)
 
 
 def _row_stats_in_block(sch: s_tir.Schedule, normed: str, bx, ty_extent: int,

@@ -99,6 +99,7 @@ thread_local int lane_id, warp_id;
 
 static inline void __syncthreads() { block_barrier->arrive_and_wait(); }
 static inline void __threadfence() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
+static inline void __threadfence_block() { __atomic_thread_fence(__ATOMIC_SEQ_CST); }
 static inline unsigned atomicAdd(unsigned* at, unsigned value) {
   return __atomic_fetch_add(at, value, __ATOMIC_SEQ_CST);
 }

@@ -2,10 +2,10 @@
 build lets its dependents launch and waits for the kernel before it first; a GEMV reads its
 weights before that wait only where they are the model's weights (constants, or parameters
 of ``main`` bound once) and nothing in the call writes them. Checked on tiny modules, on
-TVM's lowering (the launch tag the CUDA runtime reads) and on the CUDA source. The kernels'
-results with the prologue are checked on the CPU (tests/test_gemv_on_cpu.py runs them
-through the pipeline) and on the GPU (tests/test_gpu.py: every CUDA artifact is built with
-it)."""
+TVM's lowering (the launch tag the CUDA runtime reads), on the CUDA source, and on the SASS
+ptxas makes of it (read with nvdisasm: what the GPU runs). The kernels' results with the
+prologue are checked on the CPU (tests/test_gemv_on_cpu.py runs them through the pipeline)
+and on the GPU (tests/test_gpu.py: every CUDA artifact is built with it)."""
 
 from __future__ import annotations
 
@@ -35,6 +35,7 @@ from grape_tvm.passes.dependent_launch import (KERNEL_LAUNCH_PARAMS, PDL_LAUNCH_
                                                WEIGHTS_HELD_MIN_BLOCKS,
                                                _RelaxUses, _weights_of, _with_loop_body,
                                                supports_dependent_launch)
+from grape_tvm.passes.gemv_schedule import BUCKETS
 
 LAUNCH = "tvm_builtin_ptx_griddepcontrol_launch_dependents();"
 WAIT = "tvm_builtin_ptx_griddepcontrol_wait();"
@@ -119,9 +120,11 @@ def test_the_architectures_with_griddepcontrol(arch, supported):
     assert supports_dependent_launch(tvm.target.Target({"kind": "cuda", "arch": arch})) == supported
 
 
-def _linear(weight: str, k: int = 768, n: int = 256) -> tvm.IRModule:
+def _linear(weight: str, k: int = 768, n: int = 256, normed: bool = False) -> tvm.IRModule:
     """``gelu(x @ w.T + b)`` with x: (m, k) and w: (n, k), whose ``w`` is ``weight``:
-    "param" (``main``'s), "constant", or "computed" (``w * 2`` inside the call)."""
+    "param" (``main``'s), "constant", or "computed" (``w * 2`` inside the call); ``normed``:
+    of ``layer_norm(x)`` (its scale and shift ``main``'s last parameters), which the
+    one-row GEMV kernel computes itself."""
     m = tirx.Var("m", "int64")
     x = relax.Var("x", relax.TensorType((m, k), "float32"))
     b = relax.Var("b", relax.TensorType((n,), "float32"))
@@ -132,11 +135,16 @@ def _linear(weight: str, k: int = 768, n: int = 256) -> tvm.IRModule:
     else:
         w = relax.Var("w", relax.TensorType((n, k), "float32"))
         params.append(w)
+    scale, shift = (relax.Var(name, relax.TensorType((k,), "float32")) for name in ("g", "s"))
+    if normed:
+        params += [scale, shift]
     bb = relax.BlockBuilder()
     with bb.function("main", params):
         with bb.dataflow():
             if weight == "computed":
                 w = bb.emit(relax.op.multiply(w, relax.const(2.0, "float32")))
+            if normed:
+                x = bb.emit(relax.op.nn.layer_norm(x, scale, shift, axes=[-1], epsilon=1e-5))
             y = relax.op.add(relax.op.matmul(x, relax.op.permute_dims(w)), b)
             out = bb.emit_output(relax.op.nn.gelu(y))
         bb.emit_func_output(out)
@@ -196,7 +204,7 @@ def test_each_gemv_holding_its_weights_asks_for_coherent_loads_and_blocks_an_sm(
     signatures = {m.group(1): m.group(0) for m in DEFINITION.finditer(source)}
     holds = {name: "w_local" in body and _waits_after_the_weights(body)
              for name, body in ((n, _kernel_body(source, n).split("{", 1)[1]) for n in signatures)}
-    assert sum(holds.values()) == (4 if bound else 0)  # the buckets of 1, 2, 4 and 8 rows
+    assert sum(holds.values()) == (len(BUCKETS) if bound else 0)
     for name, held in holds.items():
         assert (f", {WEIGHTS_HELD_MIN_BLOCKS}) " in signatures[name]) == held, name
         assert ("__restrict__" in signatures[name]) != held, name
@@ -211,8 +219,8 @@ def _nvdisasm() -> str | None:
         import nvidia  # pylint: disable=import-outside-toplevel
     except ImportError:
         return None
-    wheel = [p / "cu13" / "bin" / "nvdisasm" for p in map(Path, nvidia.__path__)]
-    return next((str(p) for p in wheel if p.is_file()), None)
+    wheel = sorted(p for root in map(Path, nvidia.__path__) for p in root.glob("*/bin/nvdisasm"))
+    return str(wheel[-1]) if wheel else None
 
 
 def _sass(cubin: bytes, tmp_path: Path) -> dict[str, list[str]]:
@@ -227,35 +235,63 @@ def _sass(cubin: bytes, tmp_path: Path) -> dict[str, list[str]]:
         section = re.match(r"\.text\.(\w+):", line)
         if section:
             current = kernels.setdefault(section.group(1), [])
-        instruction = re.match(r"\s*/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([^;]+);", line)
+        instruction = re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([^;]+);", line)
         if instruction and current is not None:
             current.append(instruction.group(1).strip())
     return kernels
 
 
-@pytest.mark.skipif(not nvcc_available() or _nvdisasm() is None,
-                    reason="needs nvcc and nvdisasm (the nvidia-cuda-nvdisasm wheel)")
-@pytest.mark.parametrize("bound", [["w"], []])
-def test_ptxas_keeps_the_weights_loads_before_the_wait_and_every_other_load_after(bound,
-                                                                                  tmp_path):
+def _kernel_chain() -> tvm.IRModule:
+    """``gelu(exp(x) @ w + b)`` with x: (m, 256), w: (256, 512) stored [K, N]: the matmul
+    reads the output of the kernel before it (above 8 rows in dlight's Matmul kernel,
+    ``matmul="grape"``); w not bound, its GEMV kernel of 5 to 8 rows loaded it, through
+    ``__restrict__``, above a wait with no fence after it."""
+    m = tirx.Var("m", "int64")
+    x = relax.Var("x", relax.TensorType((m, 256), "float32"))
+    w = relax.Var("w", relax.TensorType((256, 512), "float32"))
+    b = relax.Var("b", relax.TensorType((512,), "float32"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, b]):
+        with bb.dataflow():
+            produced = bb.emit(relax.op.exp(x))
+            y = relax.op.add(relax.op.matmul(produced, w), b)
+            out = bb.emit_output(relax.op.nn.gelu(y))
+        bb.emit_func_output(out)
+    return bb.get()
+
+
+@pytest.mark.skipif(not nvcc_available(), reason="needs nvcc")
+@pytest.mark.parametrize("model, bound, matmul", [
+    ("linear", ["w"], "grape"), ("linear", [], "grape"), ("normed", ["w"], None),
+    ("chain", ["w"], "grape"), ("chain", [], "grape")])
+def test_in_sass_no_kernel_loads_before_its_wait_but_the_weights_it_holds(model, bound, matmul,
+                                                                          tmp_path):
     """What the SASS does, which is what runs: ptxas (sm_90, nvcc 13.0) schedules the wait
     (``ACQBULK``) freely around non-coherent loads (``LDG.E.*.CONSTANT``, which nvcc makes of
-    loads through ``__restrict__`` pointers the kernel never writes): with TVM's
-    ``__restrict__`` parameters it put the wait first, above the weights' loads, in every
-    GEMV kernel. Each kernel holding its weights loads exactly its weights before the wait,
-    with coherent loads only (none can move across the wait, the activations' neither);
-    every other kernel loads nothing before it."""
-    module = grape_tvm.build(_linear("param"), {"m": (1, 64)}, CUDA, output_names=["y"],
-                             weights=bound)
+    loads through ``__restrict__`` pointers the kernel never writes). With TVM's
+    ``__restrict__`` parameters it put the wait above the weights' loads in every GEMV
+    kernel holding them, and, with the wait alone, a load of the kernel before's output
+    above it in a GEMV kernel of a few rows (``chain``, w not bound). A kernel holding its
+    weights loads coherently only and issues exactly its weight loads before the wait (a
+    count: coherent loads stay on their side of it); every other kernel, behind its wait
+    and fence, none. ``normed``: the one-row kernel computes a layer norm's statistics of
+    x first, after its wait (built with the default ``matmul``: ``matmul="grape"`` leaves
+    the norm a kernel of its own); ``chain``: a kernel before the matmul, whose rows above
+    8 run dlight's kernel."""
+    assert _nvdisasm(), "nvdisasm not found: install the test extra (nvidia-cuda-nvdisasm)"
+    mod = _kernel_chain() if model == "chain" else _linear("param", normed=model == "normed")
+    module = grape_tvm.build(mod, {"m": (1, 64)}, CUDA, output_names=["y"], weights=bound,
+                             matmul=matmul)
     source = "".join(_cuda_sources(module.executable))
     sass = {}
     for cubin in module.cubins.values():
         sass.update(_sass(cubin, tmp_path))
-    held = 0
+    held = normed = 0
     for match in DEFINITION.finditer(source):
         name = match.group(1)
         statements = _statements(_kernel_body(source, name).split("{", 1)[1])
-        weight_loads = sum(s.startswith("*(float4*)(w_local")
+        # the weights' loads of grape's GEMV kernels (TVM names their registers w_local)
+        weight_loads = sum(re.match(r"\*\(float4\*\)\(w\w*_local", s) is not None
                            for s in statements[:statements.index(WAIT)])
         instructions = sass[name]
         wait = instructions.index("ACQBULK")
@@ -263,8 +299,33 @@ def test_ptxas_keeps_the_weights_loads_before_the_wait_and_every_other_load_afte
         assert len(before) == weight_loads, (name, instructions[:wait + 1])
         if weight_loads:
             held += 1
-            assert not any(".CONSTANT" in i for i in instructions if i.startswith("LDG")), name
-    assert held == (4 if bound else 0)  # the buckets of 1, 2, 4 and 8 rows
+            normed += any("x_ptr[" in st for st in statements)  # x's statistics, not normed
+            loads = [i for i in instructions if i.startswith("LDG")]
+            assert not any(".CONSTANT" in i for i in loads), (name, loads)
+    assert held == (len(BUCKETS) if bound else 0)
+    assert normed == (model == "normed")
+
+
+@pytest.mark.parametrize("normed", [False, True])
+def test_a_gemv_of_one_static_row_loads_its_weights_first(normed):
+    """x: (1, K), static (a decode step of batch 1): the kernel's partial sums have no row
+    iter, and the weights' register cache is made from the other five (the six-iter map
+    alone failed in ReindexCacheRead, the build with it)."""
+    x = relax.Var("x", relax.TensorType((1, 256), "float32"))
+    w = relax.Var("w", relax.TensorType((128, 256), "float32"))
+    scale, shift = (relax.Var(name, relax.TensorType((256,), "float32")) for name in ("g", "s"))
+    bb = relax.BlockBuilder()
+    with bb.function("main", [x, w, scale, shift]):
+        with bb.dataflow():
+            if normed:
+                x = bb.emit(relax.op.nn.layer_norm(x, scale, shift, axes=[-1], epsilon=1e-5))
+            y = bb.emit_output(relax.op.matmul(x, relax.op.permute_dims(w)))
+        bb.emit_func_output(y)
+    lowered = _lower(bb.get(), CUDA, {}, weights=(1,))
+    (func,) = [f for g, f in lowered.functions_items()
+               if isinstance(f, tirx.PrimFunc) and g.name_hint.endswith("_gemv")]
+    (body,) = _kernel_bodies(func).values()
+    assert _waits_after_the_weights(body)
 
 
 def test_kernel_attributes_takes_the_marks_into_the_kernels_attributes():

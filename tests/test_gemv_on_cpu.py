@@ -27,7 +27,7 @@ from tvm import tirx
 from tvm_ffi.structural import structural_walk
 
 from grape_tvm.passes import DecodeGemv
-from grape_tvm.passes.dependent_launch import PDL_LAUNCH_TAG
+from grape_tvm.passes.dependent_launch import PDL_LAUNCH_TAG, WEIGHTS_FIRST
 from grape_tvm.passes.gemv_schedule import gemv_config, match_gemv
 from test_gemv import CUDA, _lowered, _matmul, _the_kernel
 
@@ -247,10 +247,11 @@ def test_static_rows_one_kernel_equals_numpy(rows, tmp_path_factory):
     np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
 
 
-def _normed_matmul(kind: str, k: int, n: int, dtype: str, layout: str):
+def _normed_matmul(kind: str, k: int, n: int, dtype: str, layout: str, bound: bool = False):
     """``y = norm(x) @ w`` with x: (m, k) (w stored [N, K] for "nk", as given for "kn"):
     ``kind`` "layer" (``nn.layer_norm``) or "rms" (x * rsqrt(mean(x * x, keepdims) + eps)
-    * g, as a decoder writes it out), lowered by grape's pipeline for CUDA."""
+    * g, as a decoder writes it out), lowered by grape's pipeline for CUDA; ``bound``: w a
+    weight bound once (an "nk" kernel then loads it first, before its wait)."""
     from tvm import relax  # pylint: disable=import-outside-toplevel
 
     from grape_tvm.compiler import _lower  # pylint: disable=import-outside-toplevel
@@ -272,23 +273,27 @@ def _normed_matmul(kind: str, k: int, n: int, dtype: str, layout: str):
             weight = op.permute_dims(w) if layout == "nk" else w
             y = bb.emit_output(op.matmul(normed, weight))
         bb.emit_func_output(y)
-    lowered = _lower(bb.get(), CUDA, {"m": (1, 64)})
+    lowered = _lower(bb.get(), CUDA, {"m": (1, 64)}, weights=(3,) if bound else ())
     (name,) = [g.name_hint for g, f in lowered.functions_items()
                if isinstance(f, tirx.PrimFunc) and g.name_hint.endswith("_gemv")]
     return name, lowered[name]
 
 
-@pytest.mark.parametrize("kind,k,n,dtype,layout", [
-    ("layer", 256, 128, "float32", "nk"), ("layer", 96, 128, "float32", "nk"),
-    ("layer", 768, 768, "float32", "kn"), ("layer", 256, 128, "float16", "nk"),
-    ("rms", 256, 128, "float32", "nk")])
+@pytest.mark.parametrize("kind,k,n,dtype,layout,bound", [
+    ("layer", 256, 128, "float32", "nk", False), ("layer", 96, 128, "float32", "nk", False),
+    ("layer", 768, 768, "float32", "kn", False), ("layer", 256, 128, "float16", "nk", False),
+    ("rms", 256, 128, "float32", "nk", False), ("layer", 768, 256, "float32", "nk", True),
+    ("layer", 256, 128, "float16", "nk", True), ("rms", 256, 128, "float32", "nk", True)])
 def test_a_norm_computed_by_the_one_row_gemv_kernel_equals_numpy(kind, k, n, dtype, layout,
-                                                                  tmp_path_factory):
+                                                                  bound, tmp_path_factory):
     """The one-row GEMV kernel with a row norm's prologue (``passes/few_rows_gemv.py``): its
     statistics summed across the block (96 wide: fewer elements than threads; 768 with
     512 threads: a remainder), x normalized as it is read; a layer norm and an RMS norm
-    whose statistic keeps its unit dim, fp32 and fp16, against numpy in float64."""
-    name, func = _normed_matmul(kind, k, n, dtype, layout)
+    whose statistic keeps its unit dim, fp32 and fp16, against numpy in float64. With w
+    bound (``bound``) the kernel loads its weights first, before the statistics."""
+    name, func = _normed_matmul(kind, k, n, dtype, layout, bound)
+    if bound:
+        assert WEIGHTS_FIRST in func.script()
     assert ("layer_norm" if kind == "layer" else "mean") in name, name
     kernels = CpuKernels(func, tmp_path_factory.getbasetemp())
     rng = np.random.default_rng(k)

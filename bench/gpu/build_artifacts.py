@@ -34,10 +34,11 @@
   and TVM's own builds of them, ``gpt2_{prefill,decode}.{tvm_vm,tvm_cuda_graph}.cuda.grape``
   (``hf_baselines.json`` says how each was built, or why not), for ``bench/hf_models.py``;
   the same in fp16: ``gpt2_{prefill,decode}_fp16*`` (``hf_models.py --dtype float16``).
-- ``decode_variants/{ptxas_default,one_block}.cuda.grape``: GPT-2's decode step with the
-  GEMV kernels that hold their weights across the wait asking for no minimum of blocks an
-  SM, and for one (``bench/decode_step_variants.py``).
-- ``pdl_chain``: the executable of ``bench/kernels/pdl_chain.cu`` (``bench/pdl_chain.py``).
+- ``decode_variants/{norm_waits_first,separate_append}.cuda.grape``: GPT-2's decode step
+  with the GEMVs that compute a layer norm first waiting before their weights' loads, and
+  with the caches appended by concat kernels (``bench/decode_step_variants.py``).
+- ``pdl_chain``: the executable of ``bench/kernels/pdl_chain.cu`` (``bench/pdl_chain.py``),
+  with grape's generated GEMV kernels of GPT-2's MLP (``pdl_chain_grape_mlp.cuh``).
 - ``gemv_chain/``: chains of GEMVs at GPT-2's shapes, weights bound once, default and
   ``CHAIN_BUILDS`` builds (``bench/gemv_chain.py``).
 - ``sequential_launch/{decoder.loop,gpt2_decode}.cuda.grape``: the same two built without
@@ -670,19 +671,17 @@ def build_sequential_launch(out: Path) -> None:
 
 def build_decode_variants(out: Path) -> None:
     """``decode_variants/``: GPT-2's decode step (``gpt2_decode``, as ``build_hf_models``
-    builds it) with the GEMV kernels that hold their weights across the wait asking for no
-    minimum of blocks an SM (``ptxas_default``: the build before it was asked) and for one
-    (``one_block``), and with the caches appended by concat kernels, not by the attention's
-    (``separate_append``), for ``bench/decode_step_variants.py`` beside the default and
-    ``sequential_launch`` builds."""
+    builds it) with the GEMVs that compute a layer norm first waiting before their weights'
+    loads (``norm_waits_first``: the build before they loaded them first), and with the
+    caches appended by concat kernels, not by the attention's (``separate_append``), for
+    ``bench/decode_step_variants.py`` beside the default and ``sequential_launch`` builds."""
     onnx_dir = _gpt2_decode_onnx(out)
     where = out / "decode_variants"
     where.mkdir(parents=True, exist_ok=True)
-    for name, blocks in (("ptxas_default", 0), ("one_block", 1)):
-        with held_weights_min_blocks(blocks):
-            module = _timed(f"decode_variants/{name}", lambda: _compile_hf(
-                onnx_dir, "gpt2_decode", "gpt2_decode"))
-        module.export(where / f"{name}.cuda.grape")
+    with weights_before_norm(False):
+        module = _timed("decode_variants/norm_waits_first", lambda: _compile_hf(
+            onnx_dir, "gpt2_decode", "gpt2_decode"))
+    module.export(where / "norm_waits_first.cuda.grape")
     with cache_append_in_attention(False):
         module = _timed("decode_variants/separate_append", lambda: _compile_hf(
             onnx_dir, "gpt2_decode", "gpt2_decode"))
@@ -720,6 +719,14 @@ def held_weights_min_blocks(blocks: int | None):
     from grape_tvm.passes import dependent_launch  # pylint: disable=import-outside-toplevel
 
     return _build_constant(dependent_launch, "WEIGHTS_HELD_MIN_BLOCKS", blocks)
+
+
+def weights_before_norm(enabled: bool):
+    """Builds whose one-row GEMVs that compute a row norm first load their weights before it
+    (grape's default), or wait first (``passes.gemv_schedule``'s ``WEIGHTS_BEFORE_NORM``)."""
+    from grape_tvm.passes import gemv_schedule  # pylint: disable=import-outside-toplevel
+
+    return _build_constant(gemv_schedule, "WEIGHTS_BEFORE_NORM", enabled)
 
 
 def cache_append_in_attention(enabled: bool):

@@ -85,8 +85,8 @@ want pdl_chain && { python3 -P bench/pdl_chain.py --binary build/gpu/pdl_chain -
 # grape's GEMVs as a decode step runs them (chains in one graph, weights from HBM), with and
 # without programmatic dependent launch, against cuBLAS on the same weights.
 want gemv_chain && { python3 -P bench/gemv_chain.py --dir build/gpu/gemv_chain --out "$out" || status=1; }
-# GPT-2's decode step built five ways (default, sequential_launch, decode_variants' three).
-want decode_variants && { python3 -P bench/decode_step_variants.py --weights build/gpu/gpt2_decode.weights.json --variant default=build/gpu/gpt2_decode.cuda.grape --variant sequential=build/gpu/sequential_launch/gpt2_decode.cuda.grape --variant ptxas_default=build/gpu/decode_variants/ptxas_default.cuda.grape --variant one_block=build/gpu/decode_variants/one_block.cuda.grape --variant separate_append=build/gpu/decode_variants/separate_append.cuda.grape --out "$out" || status=1; }
+# GPT-2's decode step built four ways (default, sequential_launch, decode_variants' two).
+want decode_variants && { python3 -P bench/decode_step_variants.py --weights build/gpu/gpt2_decode.weights.json --variant default=build/gpu/gpt2_decode.cuda.grape --variant sequential=build/gpu/sequential_launch/gpt2_decode.cuda.grape --variant norm_waits_first=build/gpu/decode_variants/norm_waits_first.cuda.grape --variant separate_append=build/gpu/decode_variants/separate_append.cuda.grape --out "$out" || status=1; }
 want decode_loop && { python3 -P bench/decode_loop.py --artifacts build/gpu --out "$out" ${GRAPE_DECODE_LOOP_ARGS:-} || status=1; }
 want branches && { python3 -P bench/branches.py --artifacts build/gpu --out "$out" ${GRAPE_BRANCHES_ARGS:-} || status=1; }
 want zoo && { python3 -P bench/zoo/gpu.py --artifacts build/gpu/zoo --out "$out" ${GRAPE_ZOO_ARGS:-} || status=1; }

@@ -14,8 +14,9 @@
 // Weights are never written, so reading them before the wait is safe; the activations are read
 // after it. The chains: the layer above, its two GEMVs alone (4 warps a block, and 8), and,
 // where GRAPE_KERNELS names grape's generated CUDA source, grape's m = 1 GEMV kernels for the
-// MLP, alone and each beside the probe's (plain and pdl only: they choose their own loads). Prints one JSON object: us per layer for each variant, and each variant's largest
-// difference from the plain variant's output (bench/pdl_chain.py runs it and tabulates). Built
+// MLP, alone and each beside the probe's (plain and pdl only: they choose their own loads).
+// Prints one JSON object: us per layer for each variant, and each variant's largest difference
+// from its chain's plain variant's output (bench/pdl_chain.py runs it and tabulates). Built
 // with `nvcc -arch=sm_90 -O3` (bench/gpu/build_artifacts.py's pdl_chain step).
 #include <cuda_runtime.h>
 
@@ -25,10 +26,6 @@
 #include <vector>
 
 #ifdef GRAPE_KERNELS
-#ifdef GRAPE_NO_LAUNCH_BOUNDS  // grape's kernels as ptxas compiles them with no minimum of blocks
-#undef __launch_bounds__
-#define __launch_bounds__(...)
-#endif
 #include GRAPE_KERNELS  // grape's generated CUDA source (see enqueue_grape)
 #endif
 
@@ -209,7 +206,11 @@ static void enqueue_step(const std::vector<Layer>& layers, const Buffers& buf, b
 // of (32, 8); down with bias and the residual, grid 192 of (64, 4). They load their weights
 // before griddepcontrol.wait themselves; plain launches them without the attribute (the
 // instructions are then no-ops), pdl with it. ``grape_up`` / ``grape_down``: grape's kernel
-// for that GEMV, else the probe's (its registers mode under pdl).
+// for that GEMV, else the probe's (its registers mode under pdl). The grids, blocks and
+// argument orders are those of the generated kernels' signatures (a change there must be
+// made here too). The down projection adds the residual in place, as grape's in-place
+// fusion does: its output and residual are one buffer (bench/results/pdl_chain.nc_loads.json
+// was run on kernels whose parameters were __restrict__, which that breaks).
 static void enqueue_grape(const std::vector<Layer>& layers, const Buffers& buf, bool pdl,
                           bool grape_up, bool grape_down, cudaStream_t stream) {
   const int64_t m = 1;

@@ -68,7 +68,7 @@ class KernelAttributes:
         def on_attr(stmt, mutator):
             if stmt.attr_key != KERNEL_ATTRIBUTE_MARK:
                 return mutator.default_mutate(stmt)
-            key, value = str(stmt.node.value), int(stmt.value)
+            key, value = stmt.node.value, int(stmt.value)
             if found.setdefault(key, value) != value:
                 raise ValueError(f"kernel attribute {key} marked both {found[key]} and {value}")
             return mutator.mutate(stmt.body)

@@ -191,6 +191,24 @@ CASES = [  # dtype, head_dim, batch, heads, rows, keys, bias, causal, splits (No
 ]
 
 
+def _packed_q(rng, batch: int, rows: int, width: int, head_dim: int, dtype: str):
+    """A packed [batch, rows, 3 * width] qkv, and q: its first ``width`` columns as heads."""
+    qkv = _stored(rng.standard_normal(batch * rows * 3 * width), dtype)
+    return qkv, View(qkv, 0, rows * 3 * width, head_dim, 3 * width)
+
+
+def _mask_bias(rng, batch: int, rows: int, keys: int, dtype: str,
+               first_tiles_masked: bool = False) -> View:
+    """A [batch, 1, rows, keys] bias: random, every fifth key masked with the dtype's lowest
+    value (as Hugging Face's masks have them); ``first_tiles_masked``: every key of the
+    first two warps' tiles too (-inf)."""
+    values = rng.standard_normal(batch * rows * keys) * 2
+    values[::5] = _lowest(dtype)
+    if first_tiles_masked:
+        values.reshape(batch, rows, keys)[..., :64] = -np.inf
+    return View(_stored(values, dtype), 0, rows * keys, 0, keys)
+
+
 @pytest.mark.parametrize("dtype,head_dim,batch,heads,rows,keys,with_bias,causal,splits", CASES)
 def test_decode_attention_equals_numpy(kernels, dtype, head_dim, batch, heads, rows, keys,
                                        with_bias, causal, splits):
@@ -199,15 +217,10 @@ def test_decode_attention_equals_numpy(kernels, dtype, head_dim, batch, heads, r
     width = heads * head_dim
     # q: heads of a packed [batch, rows, 3 * width] qkv; k, v: dense [batch, heads, keys, d]
     # caches; out: [batch, rows, heads, head_dim]; bias: [batch, 1, rows, keys].
-    qkv = _stored(rng.standard_normal(batch * rows * 3 * width), dtype)
-    q = View(qkv, 0, rows * 3 * width, head_dim, 3 * width)
+    _, q = _packed_q(rng, batch, rows, width, head_dim, dtype)
     k, v = (View(_stored(rng.standard_normal(batch * heads * keys * head_dim), dtype), 0,
                  heads * keys * head_dim, keys * head_dim, head_dim) for _ in range(2))
-    bias = None
-    if with_bias:
-        values = rng.standard_normal(batch * rows * keys) * 2
-        values[::5] = _lowest(dtype)  # masked keys, as Hugging Face's masks have them
-        bias = View(_stored(values, dtype), 0, rows * keys, 0, keys)
+    bias = _mask_bias(rng, batch, rows, keys, dtype) if with_bias else None
     scale = head_dim ** -0.5
     want = _reference(*(_real(x.read(s), dtype) for x, s in (
         (q, shape), (k, (batch, heads, keys, head_dim)), (v, (batch, heads, keys, head_dim)))),
@@ -249,8 +262,7 @@ def test_decode_attention_appending_to_the_cache_equals_numpy(
     keys = past + rows
     shape = (batch, heads, rows, head_dim)
     width = heads * head_dim
-    qkv = _stored(rng.standard_normal(batch * rows * 3 * width), dtype)
-    q = View(qkv, 0, rows * 3 * width, head_dim, 3 * width)
+    qkv, q = _packed_q(rng, batch, rows, width, head_dim, dtype)
     new = {"k_new": View(qkv, width, rows * 3 * width, head_dim, 3 * width),
            "v_new": View(qkv, 2 * width, rows * 3 * width, head_dim, 3 * width)}
     past_k, past_v = (View(_stored(rng.standard_normal(batch * heads * past * head_dim + 8),
@@ -259,13 +271,7 @@ def test_decode_attention_appending_to_the_cache_equals_numpy(
     unset = _stored(np.full(batch * heads * keys * head_dim, np.nan), dtype)
     present = {n: View(unset.copy(), 0, heads * keys * head_dim, keys * head_dim, head_dim)
                for n in ("k_present", "v_present")}
-    bias = None
-    if with_bias:
-        values = rng.standard_normal(batch * rows * keys) * 2
-        values[::5] = _lowest(dtype)
-        if with_bias == "masked":  # every key of the first two warps' tiles
-            values.reshape(batch, rows, keys)[..., :64] = -np.inf
-        bias = View(_stored(values, dtype), 0, rows * keys, 0, keys)
+    bias = _mask_bias(rng, batch, rows, keys, dtype, with_bias == "masked") if with_bias else None
     cache_shape = (batch, heads, past, head_dim)
     want_k, want_v = (np.concatenate([old.read(cache_shape), new[n].read(shape)], axis=2)
                       for old, n in ((past_k, "k_new"), (past_v, "v_new")))

@@ -170,21 +170,31 @@ def measure_gpu_busy(h: Harness, ns: list[int], launches: int = 50) -> dict:
 
 
 def measure_host_overhead(h: Harness, ns: list[int], calls: int = 200) -> dict:
-    """Microseconds from grape's call entry to the return of its launch (no sync)."""
+    """Microseconds from grape's call entry to the return of its launch (no sync), with
+    calls repeating an earlier call's inputs made again from what it kept (``ready``) and
+    without (``GraphExecutor.keep_ready_calls`` off: every call plans and writes its launch
+    records), in turns of 25 calls, one executor, each call's n drawn at random."""
     rng = np.random.default_rng(1)
-    times, phases = [], {}
-    for n in rng.choice(ns, size=calls):
-        x_tvm, _ = h.inputs(int(n))
-        h.grape.backend.synchronize()
-        t0 = time.perf_counter()
-        h.grape.run({"x": x_tvm}, return_numpy=False)
-        times.append((time.perf_counter() - t0) * 1e6)
-        for phase, us in h.grape.stats.last_host_us.items():
-            phases.setdefault(phase, []).append(us)
+    times: dict[bool, list[float]] = {True: [], False: []}
+    phases: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
+    for turn in range(2 * calls // 25):
+        ready = turn % 2 == 0
+        h.grape.keep_ready_calls = ready
+        for n in rng.choice(ns, size=25):
+            x_tvm, _ = h.inputs(int(n))
+            h.grape.backend.synchronize()
+            t0 = time.perf_counter()
+            h.grape.run({"x": x_tvm}, return_numpy=False)
+            times[ready].append((time.perf_counter() - t0) * 1e6)
+            for phase, us in h.grape.stats.last_host_us.items():
+                phases[ready].setdefault(phase, []).append(us)
+    h.grape.keep_ready_calls = True
     h.grape.backend.synchronize()
     _profile_host(h, ns)
-    return {"median": statistics.median(times), "p90": float(np.percentile(times, 90)),
-            "phases": {phase: statistics.median(v) for phase, v in phases.items()}}
+    return {key: {"median": statistics.median(times[ready]),
+                  "p90": float(np.percentile(times[ready], 90)),
+                  "phases": {phase: statistics.median(v) for phase, v in phases[ready].items()}}
+            for key, ready in (("ready", True), ("no_ready", False))}
 
 
 def measure_queued(h: Harness, ns: list[int], calls: int = 300) -> dict:
@@ -329,9 +339,12 @@ def main() -> None:
     latency = measure_latency(h, ns, args.reps)
     busy = measure_gpu_busy(h, ns)
     print(f"  {'gpu_busy (floor)':22s} " + " ".join(f"{busy[str(n)]:8.0f}" for n in ns))
-    host = measure_host_overhead(h, ns)
-    print(f"host us per call: median {host['median']:.1f}, p90 {host['p90']:.1f}; median by "
-          "phase: " + ", ".join(f"{k} {v:.1f}" for k, v in host["phases"].items()), flush=True)
+    hosts = measure_host_overhead(h, ns)
+    host = hosts["ready"]
+    for key, figures in hosts.items():
+        print(f"host us per call ({key}): median {figures['median']:.1f}, p90 "
+              f"{figures['p90']:.1f}; median by phase: "
+              + ", ".join(f"{k} {v:.1f}" for k, v in figures["phases"].items()), flush=True)
     queued = measure_queued(h, [n for n in (1, 16, 256) if n in ns])
     err = max_error_every_n(h)
     memory, cold, detail = measure_memory_and_cold_start(args.artifacts, h)
@@ -342,8 +355,11 @@ def main() -> None:
         "model": f"{DEPTH} blocks x + gelu(layer_norm(x) @ W + b), width {WIDTH}, fp32, n = 1..{HI}",
         "latency_us": latency,
         "gpu_busy_us": busy,
-        "host_overhead_us": {"grape": host["median"], "grape_p90": host["p90"]},
+        "host_overhead_us": {"grape": host["median"], "grape_p90": host["p90"],
+                             "grape_no_ready": hosts["no_ready"]["median"],
+                             "grape_no_ready_p90": hosts["no_ready"]["p90"]},
         "host_phases_us": host["phases"],
+        "host_phases_no_ready_us": hosts["no_ready"]["phases"],
         "queued": queued,
         "graph_memory_bytes": memory,
         "cold_start_s": cold,

@@ -7,7 +7,9 @@ one process, so that the binding's share of the host path is known. Also what co
 the copy when few words of the record change (a new row and one moved address, as when n
 changes on every call): the copy of a small record, from pageable and from pinned memory,
 and stream memory operations writing the words themselves (``cuStreamWriteValue*``, or two
-writes in one ``cuStreamBatchMemOp``).
+writes in one ``cuStreamBatchMemOp``). And a kernel node's parameters set in the
+instantiated graph (``cuGraphExecKernelNodeSetParams``), which is how a call made again
+points the patch node at its launch record kept on the device.
 
     python3 bench/driver_calls.py --out OUT_DIR
 """
@@ -90,6 +92,7 @@ def main() -> None:
         },
     }
     result["us_per_call"].update(_small_writes(driver, check, libcuda, stream, buffer, sync))
+    result["us_per_call"].update(_node_param_updates(driver, check, stream, buffer, sync))
     for name, us in result["us_per_call"].items():
         print(f"  {name:40s} {us:6.2f} us")
     driver.cuGraphExecDestroy(exec_)
@@ -140,6 +143,45 @@ def _small_writes(driver, check, libcuda, stream, buffer, sync) -> dict[str, flo
             continue
         out[name] = _time(call, CALLS, sync)
     check(driver.cuMemFreeHost(pinned))
+    return out
+
+
+def _node_param_updates(driver, check, stream, buffer, sync) -> dict[str, float]:
+    """A kernel node's parameters set in the instantiated graph from the host (a record's
+    address could be passed so, instead of copying the record), alternating between two
+    prepared sets, with and without the launch after it: ``grape_fill`` writing 16 bytes,
+    the one node of its graph."""
+    from grape_tvm.runtime.cuda_compile import CubinStore, kernel_params  # pylint: disable=import-outside-toplevel
+    from grape_tvm.runtime.topology_graph import PatchKernel, kernel_node_params  # pylint: disable=import-outside-toplevel
+
+    device = check(driver.cuCtxGetDevice())
+    major = check(driver.cuDeviceGetAttribute(
+        driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR, device))
+    minor = check(driver.cuDeviceGetAttribute(
+        driver.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR, device))
+    kernel = PatchKernel(CubinStore(f"sm_{major}{minor}"))
+    storages = [kernel_params([("u64", int(buffer)), ("u64", 16), ("u64", 16), ("u64", 1),
+                               ("u32", value), ("u32", 1)]) for value in (1, 2)]
+    params = [kernel_node_params(kernel.fill, 1, 256, 0, storage) for storage in storages]
+    graph = check(driver.cuGraphCreate(0))
+    node = check(driver.cuGraphAddKernelNode(graph, None, 0, params[0]))
+    exec_ = check(driver.cuGraphInstantiate(graph, 0))
+    turn = [0]
+
+    def set_params():
+        turn[0] ^= 1
+        check(driver.cuGraphExecKernelNodeSetParams(exec_, node, params[turn[0]]))
+
+    def set_and_launch():
+        set_params()
+        check(driver.cuGraphLaunch(exec_, stream))
+
+    out = {"cuGraphExecKernelNodeSetParams cuda-python": _time(set_params, CALLS, sync),
+           "cuGraphExecKernelNodeSetParams + cuGraphLaunch cuda-python":
+               _time(set_and_launch, CALLS, sync)}
+    driver.cuGraphExecDestroy(exec_)
+    driver.cuGraphDestroy(graph)
+    kernel.close()
     return out
 
 

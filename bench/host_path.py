@@ -5,7 +5,9 @@ here for the CPU (llvm, TVM's kernels replayed without the VM) unless ``--artifa
 built one (``build/gpu/blocks24.grape.cuda.grape`` on the GPU host, ``--device cuda``).
 Inputs live on the device; calls are not synchronized, so the figures are the host's own.
 Two sequences: the same n every call (the launch record does not change), and n drawn at
-random per call (a new row, a new record, each call). On the CPU ``driver`` is the time
+random per call (a new row, a new record, each call); each input tensor is passed again
+and again, so calls are made again from what an earlier call kept (``_no_ready``: with
+``GraphExecutor.keep_ready_calls`` off, every call plans and writes its records). On the CPU ``driver`` is the time
 in TVM's kernels themselves.
 
     python3 bench/host_path.py [--device cuda --artifact build/gpu/blocks24.grape.cuda.grape]
@@ -83,11 +85,14 @@ def main() -> None:
               "backend": executor.backend.name,
               "same_n": measure(executor, [16], args.calls, 0),
               "random_n": measure(executor, [1, 2, 4, 8, 16, 32, 64], args.calls, 1)}
+    executor.keep_ready_calls = False  # every call plans and writes its launch records
+    result["same_n_no_ready"] = measure(executor, [16], args.calls, 0)
+    result["random_n_no_ready"] = measure(executor, [1, 2, 4, 8, 16, 32, 64], args.calls, 1)
     executor.close()
-    print(f"{'sequence':10s} {'median':>8s} {'p90':>8s} " + " ".join(f"{p:>8s}" for p in PHASES))
-    for name in ("same_n", "random_n"):
+    print(f"{'sequence':17s} {'median':>8s} {'p90':>8s} " + " ".join(f"{p:>8s}" for p in PHASES))
+    for name in ("same_n", "random_n", "same_n_no_ready", "random_n_no_ready"):
         r = result[name]
-        print(f"{name:10s} {r['total_us']['median']:8.1f} {r['total_us']['p90']:8.1f} "
+        print(f"{name:17s} {r['total_us']['median']:8.1f} {r['total_us']['p90']:8.1f} "
               + " ".join(f"{r['phases_us'][p]:8.1f}" for p in PHASES))
     path = args.out / f"host_path_{args.device}.json"
     path.write_text(json.dumps(result, indent=2))

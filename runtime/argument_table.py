@@ -154,6 +154,10 @@ class TopologyGroups:
             self.where.move_to_end(shape)
         return found
 
+    def touch(self, shape: Hashable) -> None:
+        """Mark a shape held as the most recently used (what ``lookup`` does on a hit)."""
+        self.where.move_to_end(shape)
+
     def add(self, shape: Hashable, records: Sequence[NodeRecord]) -> Placement:
         """Place a shape's records: in the table of its topology, or in a new one."""
         topology = topology_of(records)

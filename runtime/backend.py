@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 
 class RegionBackend(Protocol):
@@ -33,6 +33,12 @@ class RegionBackend(Protocol):
         ``caller``: a key equal to the last launch's when only ``moving`` arguments may
         have changed address. ``guards``: ``(condition, expect)`` pairs; the region runs
         only if each 1-byte condition is ``expect``."""
+
+    def ready(self, region: str, shape: tuple) -> Callable[[], None] | None:
+        """Right after a ``replay`` of ``region`` at ``shape``: a callable that makes that
+        very launch again (same arguments and guards) with less host work, valid until
+        the backend records again; None if the backend keeps none (the executor then
+        replays)."""
 
     def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> Any:
         """Start recording ``region`` at ``shape``; TVM's VM issues it next."""

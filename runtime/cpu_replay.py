@@ -129,6 +129,10 @@ class CpuReplayBackend:
         self.launches += 1
         return True  # a guard that fails: the call is done, with nothing run
 
+    def ready(self, region: str, shape: tuple) -> None:
+        """No launch kept ready here: a replay runs the kernels on its arguments as given."""
+        return None
+
     def begin(self, region: str, shape: tuple, region_args: Sequence[Any]) -> CallRecorder:
         return CallRecorder(region, shape, region_args)
 

@@ -39,7 +39,8 @@ from .cuda_driver import check, driver
 from .cuda_graph import (Capture, CapturedGraph, CapturedNodes, OwnedGraph, UnkeptGraph,
                          check_memsets, find_pointer_slots, node_records,
                          read_nodes)
-from .topology_graph import PatchKernel, TopologyGraph, guard_address, memsets_as_kernels
+from .topology_graph import (PatchKernel, ReadyRecord, TopologyGraph, guard_address,
+                             memsets_as_kernels)
 
 MODES = ("topology", "per-shape")
 DEVICE_UPDATE_DRIVER = 12040  # CUDA 12.4: device-updatable kernel nodes
@@ -56,6 +57,27 @@ class _RegionGraphs:
 
     groups: TopologyGroups
     graphs: list[TopologyGraph]
+
+
+class ReadyLaunch:
+    """One replay of a topology graph, made again exactly (same row and arguments): its
+    launch record kept as the replay left it (``ReadyRecord``). Valid until the backend
+    records again, which may evict or move the row; the executor keeps it no longer."""
+
+    __slots__ = ("backend", "graph", "record", "groups", "shape")
+
+    def __init__(self, backend: "CudaGraphBackend", graph: TopologyGraph, record: ReadyRecord,
+                 groups: TopologyGroups, shape: tuple):
+        self.backend, self.graph, self.record = backend, graph, record
+        self.groups, self.shape = groups, shape
+
+    def __call__(self) -> None:
+        self.groups.touch(self.shape)  # recently used, as a replay's lookup would mark it
+        backend = self.backend
+        start = time.perf_counter_ns()
+        self.graph.launch_ready(self.record, backend.stream)
+        backend.driver_ns += time.perf_counter_ns() - start
+        backend.launches += 1
 
 
 class CudaGraphBackend:
@@ -224,6 +246,21 @@ class CudaGraphBackend:
         self.driver_ns += time.perf_counter_ns() - start
         self.launches += 1
         return True
+
+    def ready(self, region: str, shape: tuple) -> "ReadyLaunch | None":
+        """The launch of ``region`` at ``shape`` just replayed, to be made again as it was
+        (``ReadyLaunch``). None in per-shape mode, whose replays re-point nodes from the
+        host anyway, and for a guarded launch: a failed guard leaves the graph's nodes
+        disabled from the device, and whether a host-side update of the graph keeps that
+        is not documented (``TopologyGraph.launch_ready``)."""
+        graphs = self._regions.get(region)
+        found = graphs.groups.where.get(shape) if graphs is not None else None
+        if found is None:
+            return None
+        graph = graphs.graphs[found[0]]
+        if graph.launch_guarded:
+            return None
+        return ReadyLaunch(self, graph, graph.ready_record(), graphs.groups, shape)
 
     def _guards_hold(self, guards: Sequence[tuple[Any, Any]]) -> bool:
         """Read the guards on the host: a per-shape graph has no patch kernel to skip its

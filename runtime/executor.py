@@ -18,7 +18,7 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
 from .backend import RegionBackend
-from .call_plan import BufferPool, Placement, PlannedCall, TensorFacts, free_side
+from .call_plan import BufferPool, LaunchArgs, Placement, PlannedCall, TensorFacts, free_side
 from .call_program import CONDITIONAL_PREFIX, REGION_PREFIX, CallProgram, Launch, guarded_calls
 from .progress import Progress
 from .signature import InputError, Signature, nbytes, nbytes_of
@@ -65,6 +65,7 @@ class CallStats:
     region_replays: int = 0
     region_recordings: int = 0
     planned_calls: int = 0  # calls that ran without the VM
+    ready_calls: int = 0  # of those, made again as an earlier call with the same inputs was
     h2d_bytes: int = 0  # host arrays copied to the device (numpy inputs)
     d2h_bytes: int = 0  # outputs copied back to numpy
     d2d_bytes: int = 0  # device copies the executor made (out= on the VM path)
@@ -142,23 +143,48 @@ class _Recording:
 
 
 @dataclass(eq=False, slots=True)
+class _ReadyCall:
+    """A planned call made again with the very inputs of the call that left it: its plan,
+    side and placement as that call found them, and per launch what the backend keeps to
+    make it again (``RegionBackend.ready``; None: replayed from its argument list). Valid
+    while the pool keeps its generation and the backend records nothing new (which may
+    evict or move a recording): ``epoch`` is ``CallStats.region_recordings`` then."""
+
+    planned: PlannedCall
+    key: tuple
+    side: int
+    placement: Placement
+    launches: tuple  # per launch of ``placement``: the backend's ready launch, or None
+    outputs: list  # ``PlannedCall.outputs`` of that call
+    epoch: int
+    # Whether a launch is replayed from its argument list (which must hold the inputs).
+    replays_arguments: bool = field(init=False)
+
+    def __post_init__(self):
+        self.replays_arguments = None in self.launches
+
+
+@dataclass(eq=False, slots=True)
 class _Prepared:
-    """A call's inputs (``items``: the mapping's (name, value) pairs, every value a TVM
-    tensor read in place) and what checking them gave: the entry function's arguments,
-    the dims key, the facts of the tensors passed, and those facts by the tensors' ``id``
-    (``checked``). Passed again as they are, they are not checked again; ``first``, the
-    first value, is what the executor finds them by."""
+    """A call's inputs (``items``: the mapping's (name, value) pairs) and what checking
+    them gave: the entry function's arguments, the dims key, the facts of the tensors
+    passed, and those facts by the tensors' ``id`` (``checked``). ``reusable``: every
+    value is a TVM tensor read in place, so that passed again as they are, they are not
+    checked again (``first``, the first value, is what the executor finds them by) and the
+    call can be made again as it was (``ready``)."""
 
     items: tuple
     args: list
-    key: tuple
-    passed: list[TensorFacts]
+    key: tuple | None
+    passed: Sequence[TensorFacts]
     checked: dict[int, TensorFacts]
+    reusable: bool = True
+    repeated: bool = False  # passed again since: worth keeping ``ready`` for
+    ready: _ReadyCall | None = None
+    first: Any = field(init=False)  # the first value: what the input set is found by
 
-    @property
-    def first(self) -> Any:
-        """The first value: what the input set is found by."""
-        return self.items[0][1] if self.items else None
+    def __post_init__(self):
+        self.first = self.items[0][1] if self.items else None
 
     def passed_as(self, inputs: Mapping[str, Any]) -> bool:
         """Whether ``inputs`` are these very values under these names."""
@@ -259,6 +285,11 @@ class GraphExecutor:
         # alive than those.
         self._prepared: dict[int, _Prepared] = {}
         self._filled: Placement | None = None  # the placement holding the last call's inputs
+        self._filled_by: _Prepared | None = None  # whose inputs they are (None: unknown)
+        # A call passing the very tensors of an earlier one is made again from what that
+        # call kept (``_ReadyCall``). Off: every call plans and writes its launch records
+        # (bench/argument_tables.py measures both in one run).
+        self.keep_ready_calls = True
         self._dims_of: dict[tuple, tuple] = {}
 
     # -- calls ---------------------------------------------------------------------------
@@ -288,7 +319,7 @@ class GraphExecutor:
             self._plans.clear()
             self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
             self._prepared = {}
-            self._last_prepared = self._filled = None
+            self._last_prepared = self._filled = self._filled_by = None
             self.bound_version += 1
 
     @property
@@ -321,13 +352,21 @@ class GraphExecutor:
             stats = self.stats
             stats.begin_call()
             start = time.perf_counter_ns()
-            args, key, passed = self._prepare(inputs)
+            prepared = self._prepare(inputs)
             targets = self._prepare_out(out) if out else _NO_TARGETS
             checked = time.perf_counter_ns()
             phases = {"checks": checked - start}
             launches = self.backend.launches
             try:
-                outputs = self._call(args, key, passed, targets, phases, checked)
+                ready = prepared.ready
+                # Made again as it was while nothing it stands on moved: the pool's buffers
+                # (its generation) and the backend's recordings (none made since).
+                if ready is not None and not targets and self.keep_ready_calls and \
+                        ready.placement.generation == self._pool.generation and \
+                        ready.epoch == stats.region_recordings:
+                    outputs = self._run_ready(prepared, ready, phases, checked)
+                else:
+                    outputs = self._call(prepared, targets, phases, checked)
                 if return_numpy:
                     with self.backend.stream_context():
                         outputs = _to_numpy(outputs)
@@ -356,17 +395,20 @@ class GraphExecutor:
             targets[names.index(name)] = self._as_tensor(f"out[{name!r}]", value, copy=False)
         return targets
 
-    def _call(self, args: list, key: tuple | None, passed: list, out: dict[int, Any],
-              phases: dict[str, int], start: int):
+    def _call(self, prepared: _Prepared, out: dict[int, Any], phases: dict[str, int],
+              start: int):
+        if not out:  # outdated (an out= call leaves it: its lists are filled again)
+            prepared.ready = None  # made again below if this call keeps one
+        args, key = prepared.args, prepared.key
         planned = self._planned(key, args)
         if planned is not None:
-            side = self._output_side(passed, out)
+            side = self._output_side(prepared.passed, out)
             if side is not None:
                 if out:
                     self._check_out(out, planned)
-                outputs = self._run_planned(planned, key, args, side, out, phases, start)
+                outputs = self._run_planned(planned, prepared, side, out, phases, start)
                 if outputs is not None:
-                    return self._name_outputs([list(outputs)] if self._one_sequence else outputs)
+                    return self._planned_outputs(outputs)
         self._returned = {}
         values = self._call_vm(args, key, out)
         phases["vm"] = time.perf_counter_ns() - start
@@ -416,21 +458,28 @@ class GraphExecutor:
             taken = (taken or set()) | {pool.where(tensor) for tensor in out.values()}
         return 0 if taken is None else free_side(taken)
 
-    def _run_planned(self, planned: PlannedCall, key: tuple, args: list, side: int,
+    def _planned_outputs(self, outputs: list) -> dict[str, tvm.runtime.Tensor] | list:
+        return self._name_outputs([list(outputs)] if self._one_sequence else outputs)
+
+    def _run_planned(self, planned: PlannedCall, prepared: _Prepared, side: int,
                      out: dict[int, Any], phases: dict[str, int], start: int) -> list | None:
-        """Launch every region of ``planned``; None if the VM must run this call instead."""
+        """Launch every region of ``planned``; None if the VM must run this call instead.
+        A call that can be made again as it was (``_Prepared.reusable``, no ``out=``) and
+        repeats an earlier one's inputs keeps what that takes in ``prepared.ready`` if it
+        recorded nothing (a decode step's inputs, new each step, keep nothing)."""
         backend, stats = self.backend, self.stats
         addresses_only = backend.addresses_only
+        args = prepared.args
         epoch = stats.region_recordings
         if planned.verified != epoch and not planned.recorded(backend):
-            if not self._record_guarded(planned, key, args, side):
+            if not self._record_guarded(planned, prepared.key, args, side):
                 return None
         placement = planned.placed(self._pool, side, addresses_only)
-        if self._filled is not placement:
-            if self._filled is not None:
-                self._filled.release_inputs()  # only the last call's inputs stay referenced
-            self._filled = placement
+        self._hold_inputs_in(placement)
+        self._filled_by = None  # filled below: until the call is done, no one's inputs
         redirect = planned.redirect(out) if out else None
+        keep = self.keep_ready_calls and prepared.reusable and prepared.repeated and not out
+        ready_launches = []
         driver = backend.driver_ns
         launched = time.perf_counter_ns()
         replays = 0
@@ -440,19 +489,98 @@ class GraphExecutor:
             if backend.replay(spec.region, spec.shape, launch.values, launch.caller,
                               launch.moving, launch.guards):
                 replays += 1
+                if keep:  # right after the replay it makes again
+                    ready_launches.append(backend.ready(spec.region, spec.shape))
             else:
                 self._record_launch(planned, spec, args, side, redirect)
+                keep = False  # a recording may evict or move the rows replayed before it
         end = time.perf_counter_ns()
-        driver = backend.driver_ns - driver
+        if prepared.reusable and not out:  # the lists hold the tensors of a set kept
+            self._filled_by = prepared
+        self._planned_call_done(placement, phases, start, launched, end,
+                                backend.driver_ns - driver, replays, out)
         if stats.region_recordings == epoch:  # none made now, so none evicted
             planned.verified = epoch
+        outputs = planned.outputs(placement.outputs, args, out)
+        if keep and stats.region_recordings == epoch:
+            prepared.ready = _ReadyCall(planned, prepared.key, side, placement,
+                                        tuple(ready_launches), outputs, epoch)
+        return outputs
+
+    def _run_ready(self, prepared: _Prepared, ready: _ReadyCall, phases: dict[str, int],
+                   start: int):
+        """Make a call again as ``ready`` says: no plan looked up, no side chosen, no
+        argument written unless a launch is replayed from its argument list."""
+        backend, placement = self.backend, ready.placement
+        if ready.replays_arguments:
+            self._fill_ready(prepared, ready)
+        elif self._filled is not None:  # no argument list holds this call's inputs
+            self._hold_inputs_in(None)
+        try:  # least recently used last, as a planned call's dims would be
+            self._plans.move_to_end(ready.key)
+        except KeyError:  # given up (``max_shapes``): the backend's recordings are still held
+            pass
+        driver = backend.driver_ns
+        launched = time.perf_counter_ns()
+        replays = 0
+        stats = self.stats
+        for launch, again in zip(placement.launches, ready.launches, strict=True):
+            if again is not None and stats.region_recordings == ready.epoch:
+                again()
+                replays += 1
+                continue
+            if again is not None:  # after a recording below: rows may have moved
+                self._fill_ready(prepared, ready)
+            if self._replay_or_record(prepared, ready, launch):
+                replays += 1
+        end = time.perf_counter_ns()
+        self._planned_call_done(placement, phases, start, launched, end,
+                                backend.driver_ns - driver, replays, None)
+        stats.ready_calls += 1
+        return self._planned_outputs(ready.outputs)
+
+    def _fill_ready(self, prepared: _Prepared, ready: _ReadyCall) -> None:
+        """Put ``prepared``'s inputs into the argument lists of ``ready``'s placement,
+        unless they hold them already."""
+        self._hold_inputs_in(ready.placement)
+        if self._filled_by is not prepared:
+            for launch in ready.placement.launches:
+                ready.planned.fill(launch, prepared.args, None, self.backend.addresses_only)
+            self._filled_by = prepared
+
+    def _replay_or_record(self, prepared: _Prepared, ready: _ReadyCall,
+                          launch: LaunchArgs) -> bool:
+        """A launch of a ready call replayed from its argument list (True): one the backend
+        keeps no ready launch for, or any after a recording. Recorded if its recording is
+        gone, which it cannot be while ``ready`` is valid: a recording evicts others only
+        when it is made."""
+        spec = launch.launch
+        if self.backend.replay(spec.region, spec.shape, launch.values, launch.caller,
+                               launch.moving, launch.guards):
+            return True
+        self._record_launch(ready.planned, spec, prepared.args, ready.side, None)
+        return False
+
+    def _planned_call_done(self, placement: Placement, phases: dict[str, int], start: int,
+                           launched: int, end: int, driver: int, replays: int,
+                           out: dict[int, Any] | None) -> None:
+        """A planned call's host time by phase, what it returned, and its counts."""
         phases["plan"] = launched - start
         phases["driver"] = driver
         phases["record"] = end - launched - driver
         self._returned = placement.described if not out else {}
-        stats.planned_calls += 1
-        stats.region_replays += replays
-        return planned.outputs(placement.outputs, args, out)
+        self.stats.planned_calls += 1
+        self.stats.region_replays += replays
+
+    def _hold_inputs_in(self, placement: Placement | None) -> None:
+        """``placement``'s argument lists are the ones to hold a call's inputs from now on:
+        the lists that held the last call's let them go, so that only the last call's
+        inputs stay referenced."""
+        if self._filled is placement:
+            return
+        if self._filled is not None:
+            self._filled.release_inputs()
+        self._filled, self._filled_by = placement, None
 
     def _record_guarded(self, planned: PlannedCall, key: tuple, args: list, side: int) -> bool:
         """Record, without running them, the guarded launches not recorded yet (the regions
@@ -569,26 +697,28 @@ class GraphExecutor:
                 raise InputError(f"out[{name!r}] is {target.dtype}{tuple(target.shape)}, this "
                                  f"call's output is {dtype}{shape}")
 
-    def _prepare(self, inputs) -> tuple[list[tvm.runtime.Tensor], tuple | None,
-                                        Sequence[TensorFacts]]:
+    def _prepare(self, inputs) -> _Prepared:
         """The entry function's arguments, the call's dims key, and the facts of the
-        tensors passed."""
+        tensors passed: found again for inputs passed before as they are."""
         if self.signature is None:
             args = [self._as_tensor(f"#{i}", v) for i, v in enumerate(inputs)]
-            return args, None, ()  # no program: the VM runs it, no side to choose
+            # No program: the VM runs it, no side to choose.
+            return _Prepared((), args, None, (), {}, reusable=False)
         if type(inputs) is not dict and not isinstance(inputs, Mapping):  # the ABC is slow
             raise TypeError(f"inputs must be a mapping from input name to array, got "
                             f"{type(inputs).__name__}")
-        last = self._last_prepared
-        if last is not None and last.passed_as(inputs):  # the very tensors of the last call
-            return last.args, last.key, last.passed
         first = None
         for first in inputs.values():  # an input set is known by its first value
             break
+        last = self._last_prepared
+        if last is not None and last.first is first and last.passed_as(inputs):
+            last.repeated = True
+            return last  # the very tensors of the last call
         found = self._prepared.get(id(first))
         if found is not None and found.passed_as(inputs):
+            found.repeated = True
             self._reuse(found)
-            return found.args, found.key, found.passed
+            return found
         returned, before, recent = self._returned, self._checked, self._recent
         positions, checked = self._position, {}
         args = list(self._template)
@@ -617,13 +747,12 @@ class GraphExecutor:
         self._keep_recent(before, checked)
         # Only TVM tensors read in place can stand for themselves next time: a host array
         # was copied here, and may have changed since.
-        prepared = None
-        if len(checked) == len(inputs):
-            prepared = _Prepared(tuple(inputs.items()), args, key, passed, checked)
-            if inputs and all(facts.small for facts in passed):
-                self._remember_prepared(prepared)  # small tensors only, as ``_recent``
-        self._last_prepared = prepared
-        return args, key, passed
+        prepared = _Prepared(tuple(inputs.items()), args, key, passed, checked,
+                             reusable=len(checked) == len(inputs))
+        if prepared.reusable and inputs and all(facts.small for facts in passed):
+            self._remember_prepared(prepared)  # small tensors only, as ``_recent``
+        self._last_prepared = prepared if prepared.reusable else None
+        return prepared
 
     def _reuse(self, prepared: _Prepared) -> None:
         """``prepared``'s tensors, passed again as they were, become the last call's
@@ -774,7 +903,8 @@ class GraphExecutor:
         """
         with self._lock:
             self._check_open()
-            args, key, passed = self._prepare(inputs)
+            prepared = self._prepare(inputs)
+            args, key = prepared.args, prepared.key
             planned = self._plans.get(key)
             if planned is None:
                 raise RuntimeError(f"no planned call at dims {dict(key or ())}: run the model "
@@ -783,7 +913,7 @@ class GraphExecutor:
             if planned.guarded:
                 raise NotImplementedError("this call has data-dependent branches (conditional "
                                           "regions): it cannot be re-issued region by region")
-            side = self._output_side(passed, _NO_TARGETS)
+            side = self._output_side(prepared.passed, _NO_TARGETS)
             if side is None:
                 raise InputError("the inputs live in the executor's own buffers: pass tensors "
                                  "of your own")
@@ -891,7 +1021,7 @@ class GraphExecutor:
             self._template = [None] * len(self._template)
             self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
             self._prepared = {}
-            self._last_prepared = self._filled = None
+            self._last_prepared = self._filled = self._filled_by = None
             self.stats.plans_held = self.stats.shapes_held = 0
 
     def _check_open(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -47,6 +48,11 @@ ROW_AT, NUM_GUARDS_AT, GENERATION_AT, ARGS_AT = 0, 4, 8, 16
 NODES_UNKNOWN = 0xFFFFFFFF  # state.nodes when the nodes' enabled state is not known
 GUARD = struct.Struct("<QQ")  # {u64 address, u64 expect}
 PATCH_SOURCE = Path(__file__).with_name("kernels") / "patch.cu"
+# Launch records of calls made again (``TopologyGraph.launch_ready``) kept on the device per
+# graph: a call switches to one by pointing the patch node at it, no copy. More than the
+# input sets an executor keeps (9: its last call's and RECENT_TENSORS), with room for a
+# region launched more than once a call; beyond that a record is copied into a slot again.
+READY_SLOTS = 16
 
 
 FILL_BLOCK = 256  # threads per block of grape_fill
@@ -379,6 +385,32 @@ class LaunchRecord:
         return self.used() if self.take() else None
 
 
+@dataclass(frozen=True)
+class _PatchNodeParams:
+    """The patch node's parameters, and the ctypes storage its kernelParams point into."""
+
+    storage: Any
+    params: Any
+
+
+class ReadyRecord:
+    """A launch record as one launch left it (``TopologyGraph.ready_record``), copied into
+    a slot of the graph's ``ready`` buffer: a call that repeats that launch (same row,
+    arguments and guards) points the patch node at the slot and launches. The generation
+    comes with the bytes and stands for exactly this content, so the patch kernel skips
+    its work when it applied this very record last, and applies what differs when another
+    came in between."""
+
+    __slots__ = ("data", "address", "nbytes", "slot")
+
+    def __init__(self, record: LaunchRecord):
+        used = record.used()
+        self.data = ctypes.create_string_buffer(used, len(used))
+        self.address = ctypes.addressof(self.data)  # an int: see LaunchRecord.address
+        self.nbytes = len(used)
+        self.slot = -1  # its slot in the graph's ``ready`` buffer, if it still holds it
+
+
 class TopologyGraph(OwnedGraph):
     """The one graph of a topology group, with its argument table on the device.
 
@@ -401,6 +433,14 @@ class TopologyGraph(OwnedGraph):
         self.patch = patch
         self.num_args = num_args
         self._last_caller: Any = None
+        # Records of calls made again, by slot of ``buffers["ready"]`` (``launch_ready``),
+        # and the one the patch node reads now (None: the launch buffer, ``_launch``'s).
+        self._slots: list[ReadyRecord | None] = [None] * READY_SLOTS
+        self._next_slot = 0
+        self._reading: ReadyRecord | None = None
+        # The patch node's parameters by the address it reads its record at; made again
+        # when the table's buffers move (``_make_updatable``, ``refresh``).
+        self._patch_node_params_at: dict[int, _PatchNodeParams] = {}
         self._graph_nodes = [n.node for n in nodes]
         self._pointer_map = pointer_map
         # node index -> its device handle, for the device-updatable nodes
@@ -414,6 +454,8 @@ class TopologyGraph(OwnedGraph):
                         for name in ("columns", "rows", "pointers", "spans", "launch", "applied",
                                      "state", "nodes")}
         self.buffers["launch"].write(self._launch.pending())
+        self._slot_bytes = -(-self._launch.capacity // 16) * 16
+        self.buffers["ready"] = DeviceBuffer(READY_SLOTS * self._slot_bytes)
         # The launch buffer is allocated once and never moves. Its CUdeviceptr as it is:
         # cuda-python would make a new one from an int on every call.
         self._launch_device = self.buffers["launch"].ptr
@@ -425,6 +467,11 @@ class TopologyGraph(OwnedGraph):
         self._encode_table()
         self.patch_node = self._add_patch_node(graph)
         self.instantiate(stream)
+
+    @property
+    def launch_guarded(self) -> bool:
+        """Whether the last launch written carried guards."""
+        return self._launch.num_guards > 0
 
     @property
     def updatable(self) -> list[int]:
@@ -455,30 +502,39 @@ class TopologyGraph(OwnedGraph):
         self.exec = None
         self._choose_updatable(nodes)
         self._encode_table()
-        storage = self._patch_params()
-        check(driver.cuGraphKernelNodeSetParams(self.patch_node, self._patch_node_params(storage)),
+        self._patch_node_params_at.clear()
+        check(driver.cuGraphKernelNodeSetParams(self.patch_node, self._patch_node_params()),
               "cuGraphKernelNodeSetParams(patch)")
+        self._reading = None
         self.instantiate(self.stream)
 
-    def _patch_params(self):
+    def _patch_params(self, launch: int):
         b = self.buffers
         return kernel_params([
             ("u64", b["columns"].address), ("u64", b["rows"].address), ("u32", self._row_bytes),
             ("u64", b["pointers"].address), ("u64", b["spans"].address),
-            ("u32", len(self.updatable)), ("u64", b["launch"].address),
+            ("u32", len(self.updatable)), ("u64", launch),
             ("u64", b["applied"].address), ("u32", self.num_args),
             ("u64", b["state"].address), ("u64", b["nodes"].address),
             ("u32", self.num_pointers), ("u32", self.stage)])
 
-    def _patch_node_params(self, storage):
-        # A thread per node (bench/results/patch_variants.json: one thread making every
-        # update costs about 1 us per update; a thread per node hides it).
-        threads = min(256, max(32, (len(self.updatable) + 31) // 32 * 32))
-        return kernel_node_params(self.patch.function, 1, threads, self.staged_bytes, storage)
+    def _patch_node_params(self, launch: int | None = None):
+        """The patch node reading its launch record at ``launch`` (the launch buffer if
+        None); kept, with the ctypes storage its kernelParams point into."""
+        launch = self.buffers["launch"].address if launch is None else launch
+        found = self._patch_node_params_at.get(launch)
+        if found is None:
+            storage = self._patch_params(launch)
+            # A thread per node (bench/results/patch_variants.json: one thread making every
+            # update costs about 1 us per update; a thread per node hides it).
+            threads = min(256, max(32, (len(self.updatable) + 31) // 32 * 32))
+            found = self._patch_node_params_at[launch] = _PatchNodeParams(
+                storage, kernel_node_params(self.patch.function, 1, threads, self.staged_bytes,
+                                            storage))
+        return found.params
 
     def _add_patch_node(self, graph):
-        storage = self._patch_params()  # the node's kernelParams point into it: keep it
-        return add_head_node(graph, self._patch_node_params(storage), "patch")
+        return add_head_node(graph, self._patch_node_params(), "patch")
 
     def _encode_table(self) -> bool:
         """Write columns and rows, and reset what the patch kernel applied; True if a
@@ -539,10 +595,11 @@ class TopologyGraph(OwnedGraph):
             self._make_updatable(self._column_nodes())  # encodes the table too
             return
         self._encode_table()
-        storage = self._patch_params()
+        self._patch_node_params_at.clear()
         check(driver.cuGraphExecKernelNodeSetParams(
-            self.exec, self.patch_node, self._patch_node_params(storage)),
+            self.exec, self.patch_node, self._patch_node_params()),
             "cuGraphExecKernelNodeSetParams(patch)")
+        self._reading = None
         self.upload(self.stream)  # device-updatable nodes: again after a host-side change
 
     # -- calls -------------------------------------------------------------------------
@@ -576,6 +633,8 @@ class TopologyGraph(OwnedGraph):
         """Queue the copy of the record's first ``nbytes`` (if any) and the graph's launch.
         Each result is compared here and handed to ``check`` only on failure: a call's
         two driver calls pay no Python call more than their own."""
+        if self._reading is not None:  # the patch node reads a ready record
+            self._read_launch_buffer()
         if nbytes:
             # From pageable memory: the driver stages the bytes before it returns, so the
             # record can be rewritten for the next call at once; the copy itself is ordered
@@ -587,6 +646,58 @@ class TopologyGraph(OwnedGraph):
         result = driver.cuGraphLaunch(self.exec, stream)
         if result[0] != SUCCESS:
             check(result, "cuGraphLaunch")
+
+    def ready_record(self) -> ReadyRecord:
+        """The record of the launch just queued, kept in a slot on the device for
+        ``launch_ready``."""
+        ready = ReadyRecord(self._launch)
+        self._place(ready, self.stream)
+        return ready
+
+    def launch_ready(self, ready: ReadyRecord, stream) -> None:
+        """Launch as ``ready``'s launch did: the patch node pointed at its slot (one update
+        of the instantiated graph from the host) unless it reads it already; its bytes
+        copied there again only if its slot went to another record since."""
+        if self._reading is not ready:
+            if self._slots[ready.slot] is not ready:
+                self._place(ready, stream)  # into the slot the node reads, maybe
+            if self._reading is not ready:
+                self._point_patch_node(self.buffers["ready"].address +
+                                       ready.slot * self._slot_bytes)
+                self._reading = ready
+        result = driver.cuGraphLaunch(self.exec, stream)
+        if result[0] != SUCCESS:
+            check(result, "cuGraphLaunch")
+
+    def _place(self, ready: ReadyRecord, stream) -> None:
+        """Copy ``ready`` into the next slot, after every launch queued before on
+        ``stream`` (one of which may read that slot's record)."""
+        slot = ready.slot = self._next_slot
+        self._next_slot = (slot + 1) % READY_SLOTS
+        if self._reading is not None and self._reading is self._slots[slot]:
+            self._reading = ready  # the node reads that slot: its new bytes from now on
+        self._slots[slot] = ready
+        result = driver.cuMemcpyHtoDAsync(self.buffers["ready"].address + slot * self._slot_bytes,
+                                          ready.address, ready.nbytes, stream)
+        if result[0] != SUCCESS:
+            check(result, "cuMemcpyHtoDAsync(ready launch)")
+
+    def _read_launch_buffer(self) -> None:
+        """Point the patch node back at the launch buffer, which ``launch`` writes."""
+        self._point_patch_node(None)
+        self._reading = None
+
+    def _point_patch_node(self, launch: int | None) -> None:
+        """Have the patch node read its launch record at ``launch`` (the launch buffer if
+        None) from the next launch on; launches queued keep what they read (an update of
+        the instantiated graph from the host). The other nodes' device-side updates stay:
+        such an update overwrites only the node it sets, and the patch node is not
+        device-updatable (a GPU test checks the row's updates survive it). Guarded
+        launches never come here (``CudaGraphBackend.ready``): whether the nodes a failed
+        guard disabled stay so is not documented."""
+        check(driver.cuGraphExecKernelNodeSetParams(self.exec, self.patch_node,
+                                                    self._patch_node_params(launch)),
+              "cuGraphExecKernelNodeSetParams(patch)")
 
     def replay(self, row: int, region_args: Sequence[Any], stream, caller: Any = None,
                moving: Sequence[int] | None = None,

@@ -300,9 +300,10 @@ def test_the_patch_nodes_parameters_live_until_the_node_is_added(monkeypatch):
 
     monkeypatch.setattr(topology_graph, "kernel_node_params", remembered)
     monkeypatch.setattr(topology_graph, "add_head_node", add_head_node)
-    graph = SimpleNamespace(_patch_params=lambda: kernel_params([("u64", 1), ("u32", 2)]),
+    graph = SimpleNamespace(_patch_params=lambda launch: kernel_params([("u64", launch)]),
                             updatable=list(range(40)), staged_bytes=0,
-                            patch=SimpleNamespace(function=None))
+                            patch=SimpleNamespace(function=None), _patch_node_params_at={},
+                            buffers={"launch": SimpleNamespace(address=1)})
     graph._patch_node_params = topology_graph.TopologyGraph._patch_node_params.__get__(graph)
     assert topology_graph.TopologyGraph._add_patch_node(graph, None) == "node"
 
@@ -384,3 +385,124 @@ def test_a_guarded_launch_makes_every_node_device_updatable(monkeypatch):
     assert graph.updatable == [0, 1, 2] and fake.instantiated == 2
     graph.launch_record(0, [Address(0x1000), Address(0x2000)], guards=[(0x4000, 0)])
     assert fake.instantiated == 2
+
+
+class _DeviceModel(_FakeDriver):
+    """The fake driver with device memory: copies land at their address, the patch node
+    reads its launch record where its parameters (host-side, at instantiation or set in
+    the instantiated graph) say, and each launch notes the (row, arguments) it read there:
+    what the patch kernel would apply."""
+
+    def __init__(self):
+        super().__init__()
+        self.memory: dict[int, bytes] = {}
+        self.next_address = 0x10000
+        self.reading = None  # the patch node's launch record address, in the graph exec
+        self.node_reads = None  # the same in the graph (instantiation copies it)
+        self.read: list[tuple[int, tuple[int, ...]]] = []
+
+    def cuMemAlloc(self, nbytes):  # pylint: disable=invalid-name
+        address, self.next_address = self.next_address, self.next_address + nbytes + 0x1000
+        return address
+
+    def cuMemcpyHtoD(self, dst, data, nbytes):  # pylint: disable=invalid-name
+        self.memory[int(dst)] = bytes(data[:nbytes])
+
+    def cuMemcpyHtoDAsync(self, dst, src, nbytes, stream):  # pylint: disable=invalid-name
+        import ctypes  # pylint: disable=import-outside-toplevel
+
+        self.calls.append("cuMemcpyHtoDAsync")
+        self.memory[int(dst)] = ctypes.string_at(src, nbytes)
+        return (0,)
+
+    @staticmethod
+    def launch_address(params) -> int:
+        import ctypes  # pylint: disable=import-outside-toplevel
+
+        pointers = ctypes.cast(params.kernelParams, ctypes.POINTER(ctypes.c_void_p))
+        return ctypes.c_uint64.from_address(pointers[6]).value  # the patch kernel's `launch`
+
+    def cuGraphKernelNodeSetParams(self, node, params):  # pylint: disable=invalid-name
+        self.node_reads = self.launch_address(params)
+
+    def cuGraphInstantiate(self, graph, flags):  # pylint: disable=invalid-name
+        self.reading = self.node_reads
+        self.instantiated += 1
+        return f"exec{self.instantiated}"
+
+    def cuGraphExecKernelNodeSetParams(self, exec_, node, params):  # pylint: disable=invalid-name
+        self.calls.append("cuGraphExecKernelNodeSetParams")
+        self.reading = self.launch_address(params)
+
+    def cuGraphLaunch(self, exec_, stream):  # pylint: disable=invalid-name
+        from grape_tvm.runtime.topology_graph import ARGS_AT  # pylint: disable=import-outside-toplevel
+
+        self.calls.append("cuGraphLaunch")
+        record = self.memory[self.reading]
+        self.read.append((struct.unpack_from("<I", record, 0)[0],
+                          struct.unpack_from("<2Q", record, ARGS_AT)))
+        return (0,)
+
+
+def test_calls_made_again_launch_from_the_records_they_kept(monkeypatch):
+    """``TopologyGraph``'s ready records on a model of the device: every launch, written
+    by the host (``launch``) or made again (``launch_ready``), reads the row and arguments
+    of its own call, through slot reuse (more records than ``READY_SLOTS``), a slot handed
+    over while the patch node reads it, and a new instantiation; a record made again as
+    the last launch points nothing again and copies nothing."""
+    from types import SimpleNamespace  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.runtime import cuda_graph, topology_graph
+    from grape_tvm.runtime.call_plan import Address  # pylint: disable=import-outside-toplevel
+
+    fake = _DeviceModel()
+    for module in (topology_graph, cuda_graph):
+        monkeypatch.setattr(module, "driver", fake)
+        monkeypatch.setattr(module, "check", lambda result, what: result)
+    monkeypatch.setattr(topology_graph, "SUCCESS", 0)
+    monkeypatch.setattr(topology_graph, "make_device_updatable", lambda node: 0xD000 + node)
+
+    def add_head_node(graph, params, what):
+        fake.node_reads = fake.launch_address(params)
+        return "patch"
+
+    monkeypatch.setattr(topology_graph, "add_head_node", add_head_node)
+    table = ArgumentTable(records(1))  # (rows are the record's: the model applies none)
+    graph = topology_graph.TopologyGraph(
+        "graph", [SimpleNamespace(node=n) for n in range(3)], [LAYOUT] * 3,
+        [(1, 1, 0, 64), (2, 0, 1, 0)], table, 2, SimpleNamespace(function="grape_patch"),
+        "stream", captured_args=[Address(0x1000), Address(0x2000)])
+
+    def call(row: int, first: int):
+        """A call written by the host, then kept: the (row, arguments) it launches."""
+        args = (first, 0x2000)
+        graph.launch(graph.launch_record(row, [Address(a) for a in args]), "stream")
+        return (row, args), graph.ready_record()
+
+    slots = topology_graph.READY_SLOTS
+    kept = [call(i % 2, 0x1000 + 0x100 * i) for i in range(slots + 3)]  # slots 0-2 reused
+    expected = [want for want, _ in kept]
+
+    def again(i: int) -> list[str]:
+        """Make call ``i`` again: the driver calls it took."""
+        count = len(fake.calls)
+        graph.launch_ready(kept[i][1], "stream")
+        expected.append(kept[i][0])
+        return fake.calls[count:]
+
+    point, copy, launch = "cuGraphExecKernelNodeSetParams", "cuMemcpyHtoDAsync", "cuGraphLaunch"
+    assert again(5) == [point, launch] and again(5) == [launch]
+    assert again(slots + 1) == [point, launch]
+    assert again(0) == [copy, point, launch]  # its slot went to call 16: copied to slot 3
+    assert again(3) == [copy, point, launch]  # and so on: to slot 4
+    assert again(4) == [copy, point, launch]  # to slot 5, call 5's
+    assert again(5) == [copy, point, launch]  # to slot 6
+    assert again(7) == [point, launch]  # still in slot 7, the next to go
+    assert again(6) == [copy, launch]  # to slot 7, which the patch node reads: not pointed
+    assert again(7) == [copy, point, launch]  # to slot 8
+    want, _ = call(1, 0x9000)  # written by the host in between: the launch buffer again
+    expected.append(want)
+    assert again(7) == [point, launch]
+    graph._make_updatable({2})  # pylint: disable=protected-access  # instantiated again
+    assert again(7) == [point, launch] and again(0) == [point, launch]
+    assert fake.read == expected

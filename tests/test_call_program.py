@@ -220,6 +220,13 @@ def test_the_executor_keeps_few_caller_tensors_alive(tmp_path):
     assert held == RECENT_TENSORS + 1  # the last call's and the 8 before it
 
 
+def _two_layers_on(backend) -> grape_tvm.runtime.GraphExecutor:
+    """An executor of ``TwoLayers`` (n in 1..32) over ``backend``, with its call program."""
+    module = grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm", output_names=["y"])
+    return grape_tvm.runtime.GraphExecutor(module.executable, tvm.cpu(), module.signature,
+                                           backend, program=module.program)
+
+
 def test_bound_inputs_are_placed_once_and_a_new_binding_moves_them(tmp_path):
     """Weights bound with bind_inputs are part of a launch's fixed arguments (not refilled,
     not in ``moving``); binding new ones gives launches a new ``caller``, so a backend that
@@ -236,10 +243,8 @@ def test_bound_inputs_are_placed_once_and_a_new_binding_moves_them(tmp_path):
                 self.launched.append((caller, tuple(moving), list(region_args)))
             return super().replay(region, shape, region_args, caller, moving, guards)
 
-    module = grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm", output_names=["y"])
     backend = Recording(tvm.cpu())
-    executor = grape_tvm.runtime.GraphExecutor(module.executable, tvm.cpu(), module.signature,
-                                               backend, program=module.program)
+    executor = _two_layers_on(backend)
     rng = np.random.default_rng(3)
     x = rng.standard_normal((5, 16)).astype(np.float32)
     results = []
@@ -288,19 +293,159 @@ def test_a_sequence_output_is_one_output_on_the_planned_path(tmp_path):
 def test_planned_calls_keep_no_finished_calls_inputs(tmp_path):
     """Every dims keeps its planned call; none may keep the input tensors of a call that has
     finished (a host array is copied into a new tensor per call: kept, 10000 distinct
-    shapes held a gigabyte in bench/memory.py). Only the last call's stay referenced."""
+    shapes held a gigabyte in bench/memory.py). Only the last call's stay referenced, calls
+    made again from what an earlier call kept (on the CPU replay, from argument lists)
+    included."""
     module = grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm", output_names=["y"])
     executor = grape_tvm.load(module.export(tmp_path / "m.grape"))
     rng = np.random.default_rng(5)
     executor.bind_inputs({"w": rng.standard_normal((16, 16)).astype(np.float32)})
+
+    def placements_holding_inputs() -> tuple[int, int]:
+        placements = [p for planned in executor._plans.values()  # pylint: disable=protected-access
+                      for p in planned._placed.values()]  # pylint: disable=protected-access
+        holding = [p for p in placements
+                   if any(launch.values[pos] is not None
+                          for launch in p.launches for pos, _ in launch.inputs)]
+        return len(placements), len(holding)
+
     for n in (3, 9, 17, 4):
         executor.run({"x": rng.standard_normal((n, 16)).astype(np.float32)})
-    placements = [p for planned in executor._plans.values()  # pylint: disable=protected-access
-                  for p in planned._placed.values()]  # pylint: disable=protected-access
-    holding = [p for p in placements
-               if any(launch.values[pos] is not None
-                      for launch in p.launches for pos, _ in launch.inputs)]
-    assert len(placements) == 4 and len(holding) == 1
+    assert placements_holding_inputs() == (4, 1)
+    tensors = [tvm.runtime.tensor(rng.standard_normal((n, 16)).astype(np.float32))
+               for n in (3, 9, 17)]
+    for tensor in tensors * 3 + [tensors[0], tensors[1]]:
+        executor.run({"x": tensor}, return_numpy=False)
+    assert executor.stats.ready_calls > 3
+    assert placements_holding_inputs() == (4, 1)
+
+
+def _two_layers(x, w):
+    return np.maximum(x @ w, 0) @ w + x
+
+
+def test_a_call_repeating_an_earlier_ones_inputs_is_made_again(tmp_path):
+    """A call passing the very tensors of an earlier call, at dims planned and recorded,
+    is made again as that call left it (``stats.ready_calls``): on the CPU replay its
+    launches replay from their argument lists, filled again when another input set at the
+    same dims used them in between. Every output equals numpy's."""
+    module = grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm", output_names=["y"])
+    executor = grape_tvm.load(module.export(tmp_path / "m.grape"))
+    rng = np.random.default_rng(6)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    executor.bind_inputs({"w": w})
+    xs = [rng.standard_normal((n, 16)).astype(np.float32) for n in (4, 4, 9, 17)]
+    tensors = [tvm.runtime.tensor(x) for x in xs]  # two input sets share the dims n = 4
+    for pick in rng.integers(0, len(xs) + 1, size=80):
+        if pick == len(xs):  # a host array: copied, never made again
+            x = rng.standard_normal((4, 16)).astype(np.float32)
+            got = executor.run({"x": x})["y"]
+        else:
+            x = xs[pick]
+            got = executor.run({"x": tensors[pick]})["y"]
+        np.testing.assert_allclose(got, _two_layers(x, w), rtol=1e-5, atol=1e-5)
+    assert executor.stats.ready_calls > 40
+    executor.keep_ready_calls, ready_calls = False, executor.stats.ready_calls
+    for x, tensor in zip(xs * 2, tensors * 2):  # every call planned and filled
+        np.testing.assert_allclose(executor.run({"x": tensor})["y"], _two_layers(x, w),
+                                   rtol=1e-5, atol=1e-5)
+    assert executor.stats.ready_calls == ready_calls
+
+
+def test_a_ready_launch_serves_until_the_backend_records_again(tmp_path):
+    """The backend's ready launch (``RegionBackend.ready``), kept by a call that repeats an
+    earlier one's inputs, makes the next such call's launch; a recording at new dims (which
+    may evict or move the backend's recordings), the pool growing or a new binding
+    outdates it: the call after replays, and keeps a ready launch anew."""
+    from grape_tvm.runtime.cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
+
+    class Ready(CpuReplayBackend):  # a ready launch: the replay's arguments, kept
+        def __init__(self, device):
+            super().__init__(device)
+            self.made, self._last = [], None
+
+        def replay(self, region, shape, region_args, caller=None, moving=None, guards=()):
+            self._last = (list(region_args), list(guards))
+            self.made.append("replay")
+            return super().replay(region, shape, region_args, caller, moving, guards)
+
+        def ready(self, region, shape):
+            region_args, guards = self._last
+
+            def again():
+                self.made.append("ready")
+                CpuReplayBackend.replay(self, region, shape, region_args, guards=guards)
+            return again
+
+    backend = Ready(tvm.cpu())
+    executor = _two_layers_on(backend)
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    executor.bind_inputs({"w": w})
+    x4, x9, x30, x31 = (rng.standard_normal((n, 16)).astype(np.float32) for n in (4, 9, 30, 31))
+    a, c, big, bigger = (tvm.runtime.tensor(x) for x in (x4, x9, x30, x31))
+
+    def made(tensor, x):
+        count = len(backend.made)
+        np.testing.assert_allclose(executor.run({"x": tensor})["y"], _two_layers(x, w),
+                                   rtol=1e-5, atol=1e-5)
+        return backend.made[count:]
+
+    made(big, x30)  # recorded, the pool made for it
+    made(a, x4)  # recorded (the VM issues its region)
+    assert made(a, x4) == ["replay"] and made(a, x4) == ["ready"] and made(a, x4) == ["ready"]
+    made(c, x9)  # recorded at new dims, on the pool as it was
+    assert made(a, x4) == ["replay"] and made(a, x4) == ["ready"]
+    made(bigger, x31)  # recorded, on a pool grown for it
+    assert made(a, x4) == ["replay"] and made(a, x4) == ["ready"]
+    executor._pool.reserve(0, 1 << 20)  # pylint: disable=protected-access
+    assert made(a, x4) == ["replay"] and made(a, x4) == ["ready"]  # buffers moved: planned again
+    assert made(c, x9) == ["replay"] and made(c, x9) == ["ready"]
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    executor.bind_inputs({"w": w})  # forgets the input sets: passed once more, then made again
+    assert made(a, x4) == ["replay"] and made(a, x4) == ["replay"] and made(a, x4) == ["ready"]
+    assert executor.stats.ready_calls == 7
+
+
+def test_ready_calls_and_calls_with_out_or_failing_calls_between(tmp_path):
+    """A call with ``out=`` between calls made again writes the caller's tensor and leaves
+    the ready call returning the executor's own outputs; a call that fails half-way, its
+    inputs in the argument lists, leaves them to be filled again: the input set made
+    again after it reads its own inputs. Every output equals numpy's."""
+    from grape_tvm.runtime.cpu_replay import CpuReplayBackend  # pylint: disable=import-outside-toplevel
+
+    class FailingOnce(CpuReplayBackend):
+        fail = False
+
+        def replay(self, region, shape, region_args, caller=None, moving=None, guards=()):
+            if self.fail:
+                self.fail = False
+                raise RuntimeError("replay failed")
+            return super().replay(region, shape, region_args, caller, moving, guards)
+
+    backend = FailingOnce(tvm.cpu())
+    executor = _two_layers_on(backend)
+    rng = np.random.default_rng(8)
+    w = rng.standard_normal((16, 16)).astype(np.float32)
+    executor.bind_inputs({"w": w})
+    xa, xb = (rng.standard_normal((4, 16)).astype(np.float32) for _ in range(2))
+    a, b = tvm.runtime.tensor(xa), tvm.runtime.tensor(xb)
+    for _ in range(3):
+        y = executor.run({"x": a}, return_numpy=False)["y"]
+    assert executor.stats.ready_calls == 1
+    mine = tvm.runtime.tensor(np.zeros((4, 16), np.float32))
+    executor.run({"x": a}, return_numpy=False, out={"y": mine})
+    np.testing.assert_allclose(mine.numpy(), _two_layers(xa, w), rtol=1e-5, atol=1e-5)
+    again = executor.run({"x": a}, return_numpy=False)["y"]
+    assert executor.stats.ready_calls == 2 and again.data_ptr() == y.data_ptr()
+    executor.run({"x": b})
+    np.testing.assert_allclose(mine.numpy(), _two_layers(xa, w), rtol=1e-5, atol=1e-5)
+    backend.fail = True
+    with pytest.raises(RuntimeError, match="replay failed"):
+        executor.run({"x": b})
+    np.testing.assert_allclose(executor.run({"x": a})["y"], _two_layers(xa, w),
+                               rtol=1e-5, atol=1e-5)
+    assert executor.stats.ready_calls == 3
 
 
 @I.ir_module

@@ -310,6 +310,43 @@ def test_calls_queued_with_no_sync_each_read_their_own_launch_record(blocks):
         np.testing.assert_allclose(y.numpy(), _vm_reference(vm, dev, x), rtol=1e-5, atol=1e-5)
 
 
+def test_calls_repeating_their_inputs_are_made_again_from_their_launch_records(blocks):
+    """Input sets passed again (device tensors) are made again from the launch record
+    their replay left, kept on the device (``stats.ready_calls``): the patch node is
+    pointed at it, from the host. Two sets share a shape that is not the one its
+    topology's graph was captured at, so that switching between them leaves the row's
+    device-side updates as they are: they must survive the host's update of the patch
+    node. Interleaved with calls on new tensors, whose records the executor writes, and
+    queued with no sync, every output equals TVM's VM."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    executor, vm, dev, _ = blocks
+    rng = np.random.default_rng(12)
+    for n in range(1, 81):  # recorded first, in order: n = 50 is not its topology's first
+        executor.run({"x": np.zeros((n, 64), np.float32)})
+    xs = [rng.standard_normal((n, 64)).astype(np.float32) for n in (50, 50, 7, 200)]
+    tensors = [tvm.runtime.tensor(x, dev) for x in xs]
+    executor.run({"x": np.zeros((200, 64), np.float32)})
+    executor.backend.synchronize()
+    before = executor.stats.ready_calls
+    taken, kept = [], []
+    for pick in rng.integers(0, len(xs) + 1, size=120):
+        if pick == len(xs):  # a new tensor: its record written by the executor
+            x = rng.standard_normal((50, 64)).astype(np.float32)
+            tensor = tvm.runtime.tensor(x, dev)
+        else:
+            x, tensor = xs[pick], tensors[pick]
+        y = executor.run({"x": tensor}, return_numpy=False)["y"]
+        copy = tvm.runtime.empty(y.shape, "float32", dev)
+        copy.copyfrom(y)  # ordered after the call: the backend's stream is a blocking one
+        taken.append(x)
+        kept.append(copy)
+    executor.backend.synchronize()
+    assert executor.stats.ready_calls - before > 60
+    for x, y in zip(taken, kept):
+        np.testing.assert_allclose(y.numpy(), _vm_reference(vm, dev, x), rtol=1e-5, atol=1e-5)
+
+
 def test_torch_views_are_read_in_place_and_strided_ones_refused(blocks):
     """DLPack from torch: a view at an offset into a larger tensor is read where it is (no
     copy counted), and equals the VM; a transposed view gets one clear error."""
@@ -572,6 +609,40 @@ def test_conditional_region_equals_the_vm_without_reading_the_condition(mode):
         assert described["synchronizing_guards"] == 0
     else:
         assert described["synchronizing_guards"] > 0
+    executor.close()
+
+
+def test_conditional_regions_made_again_with_their_inputs_equal_the_vm():
+    """Input sets of the branch model (device tensors, both branches taken) passed again
+    in turn: calls made again (``stats.ready_calls``) launch their guarded regions from
+    their argument lists, the patch kernel reading each guard (a guarded launch keeps no
+    ready record), and equal the VM."""
+    import sys  # pylint: disable=import-outside-toplevel
+
+    import tvm  # pylint: disable=import-outside-toplevel
+    from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
+    from models import BRANCH_WEIGHTS, branch_weights  # pylint: disable=import-outside-toplevel
+
+    path = _artifact("branches.grape.cuda.grape")
+    library, _, dev = load_library(path, "cuda")
+    executor = load(path, "cuda")
+    vm = VirtualMachine(library, dev)
+    weights = branch_weights(512)
+    executor.bind_inputs(weights)
+    on_device = [tvm.runtime.tensor(weights[k], dev) for k in BRANCH_WEIGHTS]
+    rng = np.random.default_rng(13)
+    sets = [{"x": tvm.runtime.tensor(rng.standard_normal((n, 512)).astype(np.float32), dev),
+             "threshold": tvm.runtime.tensor(np.array(threshold, np.float32), dev)}
+            for n in (7, 300) for threshold in (-10.0, 10.0)]
+    wants = [vm["main"](s["x"], *on_device, s["threshold"]).numpy() for s in sets]
+    for pick in rng.integers(0, len(sets), size=40):
+        got = executor.run(sets[pick])["y"]
+        np.testing.assert_allclose(got, wants[pick], rtol=1e-4, atol=1e-4)
+    assert executor.stats.ready_calls > 20
     executor.close()
 
 

@@ -172,6 +172,7 @@ class _TopologyReplay(CpuReplayBackend):
             graph._launch.take()  # written at construction, as TopologyGraph does
             graph._launch_device = 0x7000  # pylint: disable=protected-access
             graph._last_caller = None  # pylint: disable=protected-access
+            graph._reading = None  # pylint: disable=protected-access  # the launch buffer
             region.graphs.append(graph)
 
 

@@ -260,7 +260,7 @@ class CudaGraphBackend:
         graph = graphs.graphs[found[0]]
         if graph.launch_guarded:
             return None
-        return ReadyLaunch(self, graph, graph.ready_record(), graphs.groups, shape)
+        return ReadyLaunch(self, graph, graph.ready_record(self.stream), graphs.groups, shape)
 
     def _guards_hold(self, guards: Sequence[tuple[Any, Any]]) -> bool:
         """Read the guards on the host: a per-shape graph has no patch kernel to skip its

@@ -277,8 +277,10 @@ class OwnedGraph:
         self.upload(stream)
 
     def upload(self, stream) -> None:
-        # The first launch after instantiation, or after a host-side change, showed stale
-        # parameters on some nodes on our H200 unless the graph was uploaded (docs/design.md).
+        # The first launch after instantiation, or after the table was encoded again, showed
+        # stale parameters on some nodes on our H200 unless the graph was uploaded
+        # (docs/design.md); the patch node's switch between launch records is not followed
+        # by one (``TopologyGraph._point_patch_node``).
         check(driver.cuGraphUpload(self.exec, stream), "cuGraphUpload")
 
     def close(self) -> None:

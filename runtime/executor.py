@@ -8,7 +8,7 @@ import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -18,7 +18,7 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
 from .backend import RegionBackend
-from .call_plan import BufferPool, LaunchArgs, Placement, PlannedCall, TensorFacts, free_side
+from .call_plan import BufferPool, Placement, PlannedCall, TensorFacts, free_side
 from .call_program import CONDITIONAL_PREFIX, REGION_PREFIX, CallProgram, Launch, guarded_calls
 from .progress import Progress
 from .signature import InputError, Signature, nbytes, nbytes_of
@@ -151,10 +151,10 @@ class _ReadyCall:
     evict or move a recording): ``epoch`` is ``CallStats.region_recordings`` then."""
 
     planned: PlannedCall
-    key: tuple
     side: int
     placement: Placement
-    launches: tuple  # per launch of ``placement``: the backend's ready launch, or None
+    # Per launch of ``placement``: the backend's ready launch, or None (replayed).
+    launches: tuple[Callable[[], None] | None, ...]
     outputs: list  # ``PlannedCall.outputs`` of that call
     epoch: int
     # Whether a launch is replayed from its argument list (which must hold the inputs).
@@ -397,8 +397,10 @@ class GraphExecutor:
 
     def _call(self, prepared: _Prepared, out: dict[int, Any], phases: dict[str, int],
               start: int):
-        if not out:  # outdated (an out= call leaves it: its lists are filled again)
-            prepared.ready = None  # made again below if this call keeps one
+        if not out and self.keep_ready_calls:
+            # Outdated, or the calls made again were off: made anew below if this call keeps
+            # one. (An out= call leaves it: it stays valid, the lists it used are filled again.)
+            prepared.ready = None
         args, key = prepared.args, prepared.key
         planned = self._planned(key, args)
         if planned is not None:
@@ -503,40 +505,40 @@ class GraphExecutor:
             planned.verified = epoch
         outputs = planned.outputs(placement.outputs, args, out)
         if keep and stats.region_recordings == epoch:
-            prepared.ready = _ReadyCall(planned, prepared.key, side, placement,
-                                        tuple(ready_launches), outputs, epoch)
+            prepared.ready = _ReadyCall(planned, side, placement, tuple(ready_launches),
+                                        outputs, epoch)
         return outputs
 
     def _run_ready(self, prepared: _Prepared, ready: _ReadyCall, phases: dict[str, int],
                    start: int):
         """Make a call again as ``ready`` says: no plan looked up, no side chosen, no
-        argument written unless a launch is replayed from its argument list."""
+        argument written unless a launch is replayed from its argument list (the CPU
+        replay, per-shape graphs, guarded launches)."""
         backend, placement = self.backend, ready.placement
         if ready.replays_arguments:
             self._fill_ready(prepared, ready)
         elif self._filled is not None:  # no argument list holds this call's inputs
             self._hold_inputs_in(None)
         try:  # least recently used last, as a planned call's dims would be
-            self._plans.move_to_end(ready.key)
+            self._plans.move_to_end(prepared.key)
         except KeyError:  # given up (``max_shapes``): the backend's recordings are still held
             pass
         driver = backend.driver_ns
         launched = time.perf_counter_ns()
-        replays = 0
-        stats = self.stats
         for launch, again in zip(placement.launches, ready.launches, strict=True):
-            if again is not None and stats.region_recordings == ready.epoch:
+            if again is not None:
                 again()
-                replays += 1
                 continue
-            if again is not None:  # after a recording below: rows may have moved
-                self._fill_ready(prepared, ready)
-            if self._replay_or_record(prepared, ready, launch):
-                replays += 1
+            spec = launch.launch
+            if not backend.replay(spec.region, spec.shape, launch.values, launch.caller,
+                                  launch.moving, launch.guards):
+                # A recording is given up only for one made after it, which outdates this.
+                raise RuntimeError(f"{spec.region} at {spec.shape} is not recorded any more, "
+                                   "yet nothing was recorded since the call that kept it")
         end = time.perf_counter_ns()
         self._planned_call_done(placement, phases, start, launched, end,
-                                backend.driver_ns - driver, replays, None)
-        stats.ready_calls += 1
+                                backend.driver_ns - driver, len(ready.launches), None)
+        self.stats.ready_calls += 1
         return self._planned_outputs(ready.outputs)
 
     def _fill_ready(self, prepared: _Prepared, ready: _ReadyCall) -> None:
@@ -547,19 +549,6 @@ class GraphExecutor:
             for launch in ready.placement.launches:
                 ready.planned.fill(launch, prepared.args, None, self.backend.addresses_only)
             self._filled_by = prepared
-
-    def _replay_or_record(self, prepared: _Prepared, ready: _ReadyCall,
-                          launch: LaunchArgs) -> bool:
-        """A launch of a ready call replayed from its argument list (True): one the backend
-        keeps no ready launch for, or any after a recording. Recorded if its recording is
-        gone, which it cannot be while ``ready`` is valid: a recording evicts others only
-        when it is made."""
-        spec = launch.launch
-        if self.backend.replay(spec.region, spec.shape, launch.values, launch.caller,
-                               launch.moving, launch.guards):
-            return True
-        self._record_launch(ready.planned, spec, prepared.args, ready.side, None)
-        return False
 
     def _planned_call_done(self, placement: Placement, phases: dict[str, int], start: int,
                            launched: int, end: int, driver: int, replays: int,

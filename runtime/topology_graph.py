@@ -7,7 +7,9 @@ row (grid dims, scalar parameters) and the current call's argument addresses to 
 nodes that need them, which alone are device-updatable (the attribute slows a node's
 launch). A call that changes the row, moves an argument or changes its guards writes its
 launch record (row index, argument addresses, guards) with one stream-ordered copy, and
-launches: no capture, no instantiation, no host-side node update.
+launches: no capture, no instantiation, no host-side update of a kernel node. A call made
+again (an earlier call's very inputs) instead points the patch node at the record that
+call kept on the device (``ReadyRecord``): one host-side update of that node alone.
 The patch kernel applies only what differs from the launch before.
 
 A launch may carry guards (predication): device-resident 1-byte conditions and the values
@@ -50,8 +52,8 @@ GUARD = struct.Struct("<QQ")  # {u64 address, u64 expect}
 PATCH_SOURCE = Path(__file__).with_name("kernels") / "patch.cu"
 # Launch records of calls made again (``TopologyGraph.launch_ready``) kept on the device per
 # graph: a call switches to one by pointing the patch node at it, no copy. More than the
-# input sets an executor keeps (9: its last call's and RECENT_TENSORS), with room for a
-# region launched more than once a call; beyond that a record is copied into a slot again.
+# input sets an executor keeps (9: its last call's and RECENT_TENSORS), each launching a
+# graph once; a record whose slot went to another is copied into one again when used.
 READY_SLOTS = 16
 
 
@@ -647,11 +649,11 @@ class TopologyGraph(OwnedGraph):
         if result[0] != SUCCESS:
             check(result, "cuGraphLaunch")
 
-    def ready_record(self) -> ReadyRecord:
-        """The record of the launch just queued, kept in a slot on the device for
-        ``launch_ready``."""
+    def ready_record(self, stream) -> ReadyRecord:
+        """The record of the launch just queued on ``stream``, kept in a slot on the device
+        for ``launch_ready``."""
         ready = ReadyRecord(self._launch)
-        self._place(ready, self.stream)
+        self._place(ready, stream)
         return ready
 
     def launch_ready(self, ready: ReadyRecord, stream) -> None:

@@ -477,7 +477,7 @@ def test_calls_made_again_launch_from_the_records_they_kept(monkeypatch):
         """A call written by the host, then kept: the (row, arguments) it launches."""
         args = (first, 0x2000)
         graph.launch(graph.launch_record(row, [Address(a) for a in args]), "stream")
-        return (row, args), graph.ready_record()
+        return (row, args), graph.ready_record("stream")
 
     slots = topology_graph.READY_SLOTS
     kept = [call(i % 2, 0x1000 + 0x100 * i) for i in range(slots + 3)]  # slots 0-2 reused

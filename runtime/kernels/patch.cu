@@ -21,7 +21,9 @@
 //                  u64 args[max(num_args, 1)], guards[num_guards] = {u64 address, u64 expect}}:
 //                 the current call's row, the address of each region argument and the
 //                 call's guards, written by the host in one stream-ordered copy, numbered
-//                 (`generation`, never 0) each time it changes. The host reserves
+//                 (`generation`, never 0) each time it changes; or a record an earlier
+//                 call kept (a slot of the host's `ready` buffer), generation included,
+//                 which the host points this kernel's `launch` at. The host reserves
 //                 max(num_args, 1) argument slots, so the guards start at byte
 //                 16 + 8 * max(num_args, 1).
 //   applied[a]  = the address of argument a the nodes point at now (this kernel's)

@@ -504,10 +504,8 @@ class TopologyGraph(OwnedGraph):
         self.exec = None
         self._choose_updatable(nodes)
         self._encode_table()
-        self._patch_node_params_at.clear()
-        check(driver.cuGraphKernelNodeSetParams(self.patch_node, self._patch_node_params()),
+        check(driver.cuGraphKernelNodeSetParams(self.patch_node, self._new_patch_node_params()),
               "cuGraphKernelNodeSetParams(patch)")
-        self._reading = None
         self.instantiate(self.stream)
 
     def _patch_params(self, launch: int):
@@ -534,6 +532,13 @@ class TopologyGraph(OwnedGraph):
                 storage, kernel_node_params(self.patch.function, 1, threads, self.staged_bytes,
                                             storage))
         return found.params
+
+    def _new_patch_node_params(self):
+        """The patch node's parameters after the table's buffers moved: made again, the
+        node reading the launch buffer (the caller sets them)."""
+        self._patch_node_params_at.clear()
+        self._reading = None
+        return self._patch_node_params()
 
     def _add_patch_node(self, graph):
         return add_head_node(graph, self._patch_node_params(), "patch")
@@ -597,11 +602,9 @@ class TopologyGraph(OwnedGraph):
             self._make_updatable(self._column_nodes())  # encodes the table too
             return
         self._encode_table()
-        self._patch_node_params_at.clear()
         check(driver.cuGraphExecKernelNodeSetParams(
-            self.exec, self.patch_node, self._patch_node_params()),
+            self.exec, self.patch_node, self._new_patch_node_params()),
             "cuGraphExecKernelNodeSetParams(patch)")
-        self._reading = None
         self.upload(self.stream)  # device-updatable nodes: again after a host-side change
 
     # -- calls -------------------------------------------------------------------------
@@ -664,8 +667,7 @@ class TopologyGraph(OwnedGraph):
             if self._slots[ready.slot] is not ready:
                 self._place(ready, stream)  # into the slot the node reads, maybe
             if self._reading is not ready:
-                self._point_patch_node(self.buffers["ready"].address +
-                                       ready.slot * self._slot_bytes)
+                self._point_patch_node(self._slot_address(ready.slot))
                 self._reading = ready
         result = driver.cuGraphLaunch(self.exec, stream)
         if result[0] != SUCCESS:
@@ -679,10 +681,13 @@ class TopologyGraph(OwnedGraph):
         if self._reading is not None and self._reading is self._slots[slot]:
             self._reading = ready  # the node reads that slot: its new bytes from now on
         self._slots[slot] = ready
-        result = driver.cuMemcpyHtoDAsync(self.buffers["ready"].address + slot * self._slot_bytes,
-                                          ready.address, ready.nbytes, stream)
+        result = driver.cuMemcpyHtoDAsync(self._slot_address(slot), ready.address, ready.nbytes,
+                                          stream)
         if result[0] != SUCCESS:
             check(result, "cuMemcpyHtoDAsync(ready launch)")
+
+    def _slot_address(self, slot: int) -> int:
+        return self.buffers["ready"].address + slot * self._slot_bytes
 
     def _read_launch_buffer(self) -> None:
         """Point the patch node back at the launch buffer, which ``launch`` writes."""

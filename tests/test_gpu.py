@@ -566,12 +566,10 @@ def test_onnx_loop_runs_on_the_device_like_onnxruntime():
                 assert loop.steps == min(free, trip) and loop.launches == 1
 
 
-@pytest.mark.parametrize("mode", ["topology", "per-shape"])
-def test_conditional_region_equals_the_vm_without_reading_the_condition(mode):
-    """``models.branch_model``: both branches' graphs launch on every planned call, the one
-    not taken disabled by its patch kernel (topology mode: no host read at all; per-shape
-    mode reads each guard on the host). If both ran, the else branch, launched last, would
-    overwrite the then branch's result: equality with the VM (one branch) shows they don't."""
+def _branch_model(mode: str):
+    """``models.branch_model`` (width 512), its weights bound: (grape executor in graph
+    ``mode``, TVM's VM on the same library, the weights on the device in the VM's order,
+    the device)."""
     import sys  # pylint: disable=import-outside-toplevel
 
     import tvm  # pylint: disable=import-outside-toplevel
@@ -585,10 +583,21 @@ def test_conditional_region_equals_the_vm_without_reading_the_condition(mode):
     path = _artifact("branches.grape.cuda.grape")
     library, _, dev = load_library(path, "cuda")
     executor = load(path, "cuda", graph_mode=mode)
-    vm = VirtualMachine(library, dev)
     weights = branch_weights(512)
     executor.bind_inputs(weights)
     on_device = [tvm.runtime.tensor(weights[k], dev) for k in BRANCH_WEIGHTS]
+    return executor, VirtualMachine(library, dev), on_device, dev
+
+
+@pytest.mark.parametrize("mode", ["topology", "per-shape"])
+def test_conditional_region_equals_the_vm_without_reading_the_condition(mode):
+    """``models.branch_model``: both branches' graphs launch on every planned call, the one
+    not taken disabled by its patch kernel (topology mode: no host read at all; per-shape
+    mode reads each guard on the host). If both ran, the else branch, launched last, would
+    overwrite the then branch's result: equality with the VM (one branch) shows they don't."""
+    import tvm  # pylint: disable=import-outside-toplevel
+
+    executor, vm, on_device, dev = _branch_model(mode)
     rng = np.random.default_rng(5)
     worst, taken = 0.0, []
     for n in (1, 7, 300, 7, 1, 300, 1024):
@@ -617,23 +626,9 @@ def test_conditional_regions_made_again_with_their_inputs_equal_the_vm():
     in turn: calls made again (``stats.ready_calls``) launch their guarded regions from
     their argument lists, the patch kernel reading each guard (a guarded launch keeps no
     ready record), and equal the VM."""
-    import sys  # pylint: disable=import-outside-toplevel
-
     import tvm  # pylint: disable=import-outside-toplevel
-    from tvm.runtime.vm import VirtualMachine  # pylint: disable=import-outside-toplevel
 
-    from grape_tvm.loader import load, load_library  # pylint: disable=import-outside-toplevel
-
-    sys.path.insert(0, str(Path(__file__).parents[1] / "bench"))
-    from models import BRANCH_WEIGHTS, branch_weights  # pylint: disable=import-outside-toplevel
-
-    path = _artifact("branches.grape.cuda.grape")
-    library, _, dev = load_library(path, "cuda")
-    executor = load(path, "cuda")
-    vm = VirtualMachine(library, dev)
-    weights = branch_weights(512)
-    executor.bind_inputs(weights)
-    on_device = [tvm.runtime.tensor(weights[k], dev) for k in BRANCH_WEIGHTS]
+    executor, vm, on_device, dev = _branch_model("topology")
     rng = np.random.default_rng(13)
     sets = [{"x": tvm.runtime.tensor(rng.standard_normal((n, 512)).astype(np.float32), dev),
              "threshold": tvm.runtime.tensor(np.array(threshold, np.float32), dev)}

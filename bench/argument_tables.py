@@ -11,8 +11,9 @@ Systems, all on device-resident inputs, each call synchronized:
 - ``torch_eager``, ``torch_graph_per_shape``: PyTorch, eager and one ``CUDAGraph`` per n
 
 Also: ``gpu_busy_us``, the same kernels at the same n replayed back to back in one plain
-graph (CUDA events); grape's host overhead per call; device memory to serve every n (free
-memory before and after recording all shapes); cold start; grape against TVM's VM at every n.
+graph (CUDA events); grape's host overhead per call, beside PyTorch's graph replay's;
+device memory to serve every n (free memory before and after recording all shapes); cold
+start; grape against TVM's VM at every n.
 
     python3 bench/argument_tables.py --artifacts build/gpu --out OUT_DIR [--quick]
 """
@@ -170,31 +171,52 @@ def measure_gpu_busy(h: Harness, ns: list[int], launches: int = 50) -> dict:
 
 
 def measure_host_overhead(h: Harness, ns: list[int], calls: int = 200) -> dict:
-    """Microseconds from grape's call entry to the return of its launch (no sync), with
-    calls repeating an earlier call's inputs made again from what it kept (``ready``) and
-    without (``GraphExecutor.keep_ready_calls`` off: every call plans and writes its launch
-    records), in turns of 25 calls, one executor, each call's n drawn at random."""
+    """Microseconds from a call's entry to the return of its launch (no sync), with a sync
+    before each call, each call's n drawn at random, in turns of 25 calls: grape with calls
+    repeating an earlier call's inputs made again from what it kept (``ready``), grape with
+    ``GraphExecutor.keep_ready_calls`` off (``no_ready``: every call plans and writes its
+    launch records), and PyTorch's ``CUDAGraph.replay()`` of the graph captured at that n
+    (``torch_replay``: its placeholder already holding the input, so no copy). The last is
+    the reference the host goal is set against: hosts differ up to 2x between leases, so
+    the ratio to it is what compares across runs."""
     rng = np.random.default_rng(1)
-    times: dict[bool, list[float]] = {True: [], False: []}
-    phases: dict[bool, dict[str, list[float]]] = {True: {}, False: {}}
-    for turn in range(2 * calls // 25):
-        ready = turn % 2 == 0
-        h.grape.keep_ready_calls = ready
+    arms = ("ready", "no_ready", "torch_replay")
+    times: dict[str, list[float]] = {arm: [] for arm in arms}
+    phases: dict[str, dict[str, list[float]]] = {arm: {} for arm in arms}
+    for n in ns:  # captured before timing
+        h._torch_graph(n)  # pylint: disable=protected-access
+    for turn in range(len(arms) * calls // 25):
+        arm = arms[turn % len(arms)]
+        h.grape.keep_ready_calls = arm == "ready"
+        h.torch.cuda.synchronize()  # the turn before's last launch done, whoever made it
         for n in rng.choice(ns, size=25):
-            x_tvm, _ = h.inputs(int(n))
-            h.grape.backend.synchronize()
-            t0 = time.perf_counter()
-            h.grape.run({"x": x_tvm}, return_numpy=False)
-            times[ready].append((time.perf_counter() - t0) * 1e6)
-            for phase, us in h.grape.stats.last_host_us.items():
-                phases[ready].setdefault(phase, []).append(us)
+            times[arm].append(_host_us_of_one_call(h, arm, int(n)))
+            if arm != "torch_replay":
+                for phase, us in h.grape.stats.last_host_us.items():
+                    phases[arm].setdefault(phase, []).append(us)
     h.grape.keep_ready_calls = True
     h.grape.backend.synchronize()
+    h.torch.cuda.synchronize()
     _profile_host(h, ns)
-    return {key: {"median": statistics.median(times[ready]),
-                  "p90": float(np.percentile(times[ready], 90)),
-                  "phases": {phase: statistics.median(v) for phase, v in phases[ready].items()}}
-            for key, ready in (("ready", True), ("no_ready", False))}
+    return {arm: {"median": statistics.median(times[arm]),
+                  "p90": float(np.percentile(times[arm], 90)),
+                  "phases": {phase: statistics.median(v) for phase, v in phases[arm].items()}}
+            for arm in arms}
+
+
+def _host_us_of_one_call(h: Harness, arm: str, n: int) -> float:
+    """One call's host microseconds, the device idle before it."""
+    if arm == "torch_replay":
+        graph = h._torch_graph(n)[0]  # pylint: disable=protected-access
+        h.torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        graph.replay()
+        return (time.perf_counter() - t0) * 1e6
+    x_tvm, _ = h.inputs(n)
+    h.grape.backend.synchronize()
+    t0 = time.perf_counter()
+    h.grape.run({"x": x_tvm}, return_numpy=False)
+    return (time.perf_counter() - t0) * 1e6
 
 
 def measure_queued(h: Harness, ns: list[int], calls: int = 300) -> dict:
@@ -344,7 +366,8 @@ def main() -> None:
     for key, figures in hosts.items():
         print(f"host us per call ({key}): median {figures['median']:.1f}, p90 "
               f"{figures['p90']:.1f}; median by phase: "
-              + ", ".join(f"{k} {v:.1f}" for k, v in figures["phases"].items()), flush=True)
+              + (", ".join(f"{k} {v:.1f}" for k, v in figures["phases"].items()) or "-"),
+              flush=True)
     queued = measure_queued(h, [n for n in (1, 16, 256) if n in ns])
     err = max_error_every_n(h)
     memory, cold, detail = measure_memory_and_cold_start(args.artifacts, h)
@@ -357,7 +380,9 @@ def main() -> None:
         "gpu_busy_us": busy,
         "host_overhead_us": {"grape": host["median"], "grape_p90": host["p90"],
                              "grape_no_ready": hosts["no_ready"]["median"],
-                             "grape_no_ready_p90": hosts["no_ready"]["p90"]},
+                             "grape_no_ready_p90": hosts["no_ready"]["p90"],
+                             "torch_graph_replay": hosts["torch_replay"]["median"],
+                             "torch_graph_replay_p90": hosts["torch_replay"]["p90"]},
         "host_phases_us": host["phases"],
         "host_phases_no_ready_us": hosts["no_ready"]["phases"],
         "queued": queued,
@@ -368,6 +393,7 @@ def main() -> None:
         "max_abs_err_what": f"grape vs TVM's VM (default pipeline), every n in 1..{HI}",
         "backend": detail,
         "ratios": {
+            "host_grape_over_torch_graph_replay": host["median"] / hosts["torch_replay"]["median"],
             "grape_over_gpu_busy": {n: latency["grape"][n] / busy[n] for n in busy},
             "tvm_vm_over_grape": {n: latency["tvm_vm"][n] / latency["grape"][n] for n in busy},
             "graph_memory_per_shape_over_grape": memory["graph_per_shape"] / max(memory["grape"], 1),

@@ -44,13 +44,22 @@ class ArtifactError(ValueError):
 
 def write_atomically(path: str | Path, write: Callable[[BinaryIO], object]) -> Path:
     """Write ``path`` through ``write(file)`` on a temporary file beside it, renamed over it
-    once complete: a failed write leaves neither a half-written ``path`` nor the temporary."""
+    once complete: a failed write leaves neither a half-written ``path`` nor the temporary.
+    A device or a pipe at ``path`` (/dev/null) is written to, not replaced."""
     path = Path(path)
     if path.is_dir():
         raise IsADirectoryError(f"{path} is a folder, expected a file name")
+    if path.exists() and not path.is_file():  # a device or a pipe (/dev/null): written to
+        with open(path, "wb") as file:
+            write(file)
+        return path
     tmp = path.with_name(f"{path.name}.{secrets.token_hex(4)}.tmp")  # unique: writers may race
     try:
-        with open(tmp, "wb") as file:
+        file = open(tmp, "wb")  # pylint: disable=consider-using-with
+    except OSError as err:  # named as the caller knows it, not as the temporary
+        raise type(err)(err.errno, f"{path} cannot be written: {err.strerror}") from None
+    try:
+        with file:
             write(file)
         tmp.replace(path)
     except BaseException:
@@ -113,6 +122,8 @@ class Artifact:
     @classmethod
     def load(cls, path: str | Path) -> "Artifact":
         path = Path(path)
+        if path.is_dir():
+            raise ArtifactError(f"{path} is a folder, expected an artifact file")
         if not path.is_file():
             raise ArtifactError(f"{path}: no such artifact file")
         return cls.from_bytes(path.read_bytes(), str(path))
@@ -261,6 +272,10 @@ def _check_manifest(manifest, payload_size: int) -> None:
     sections lie in the payload."""
     _fit(manifest, _MANIFEST, "")
     for signature, where in _signatures(manifest):
+        for kind in ("inputs", "outputs"):
+            names = [spec.get("name") for spec in signature[kind]]
+            if len(set(names)) != len(names):
+                raise _Malformed(f"field {_field(where, kind)!r} names a tensor twice: {names}")
         for dim, bounds in signature["dims"].items():
             if len(bounds) != 2 or not 0 <= bounds[0] <= bounds[1] < 2**63:
                 raise _Malformed(f"field {_field(where, 'dims.' + dim)!r} is {_shown(bounds)}, "

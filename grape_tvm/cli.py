@@ -10,9 +10,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
 import sys
 import time
 import zipfile
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -40,19 +43,39 @@ def _parse_dims(items: list[str]) -> dict[str, str]:
     return dims
 
 
-def _check_output(path: Path, option: str) -> None:
-    """Refuse, before any work, an output path that cannot be written."""
-    if path.is_dir():
-        raise ValueError(f"{option} {path} is a folder, expected a file name")
+def _check_output(raw: str, option: str, *inputs: Path) -> Path:
+    """The output path ``raw`` as given, refused before any work where it cannot be
+    written: a folder, a folder missing or read-only, or one of the command's ``inputs``
+    (which writing it would destroy)."""
+    path = Path(raw)
+    if path.is_dir() or raw.endswith(("/", os.sep)):
+        raise ValueError(f"{option} {raw} is a folder, expected a file name")
     if not path.parent.is_dir():
         raise ValueError(f"{option} {path}: folder {path.parent} does not exist")
+    if not os.access(path.parent, os.W_OK):
+        raise ValueError(f"{option} {path}: folder {path.parent} is not writable")
+    for given in inputs:
+        if path.exists() and given.exists() and path.samefile(given):
+            raise ValueError(f"{option} {path} is also an input of this command: writing it "
+                             "would destroy that input; give another file name")
+    return path
+
+
+def _max_memory_bytes(gib: float) -> int:
+    if not math.isfinite(gib) or gib <= 0:
+        raise ValueError(f"--max-memory takes a positive number of GiB, got {gib}")
+    return int(gib * 2**30)
 
 
 def cmd_compile(args: argparse.Namespace) -> int:
     # Here, not above: run and inspect work where neither onnx nor TVM's compiler is installed.
     from grape_tvm.onnx_compiler import compile_onnx  # pylint: disable=import-outside-toplevel
 
-    _check_output(args.output, "-o")
+    output = _check_output(args.output, "-o", args.model)
+    max_memory = _max_memory_bytes(args.max_memory)
+    if args.select_ops < 0:
+        raise ValueError(f"--select-ops takes a number of operators, 0 or more, got "
+                         f"{args.select_ops}")
     if args.tensor_parallel < 1:
         raise ValueError(f"--tensor-parallel takes a number of devices, 1 or more, got "
                          f"{args.tensor_parallel}")
@@ -61,9 +84,9 @@ def cmd_compile(args: argparse.Namespace) -> int:
     print(f"compiling {args.model} for {args.target} ...", file=sys.stderr, flush=True)
     weights = [name.strip() for item in args.weights for name in item.split(",") if name.strip()]
     module = compile_onnx(args.model, dims, args.target, select_ops=args.select_ops,
-                          max_memory=int(args.max_memory * 2**30), matmul=args.matmul,
+                          max_memory=max_memory, matmul=args.matmul,
                           weights=weights, tensor_parallel=args.tensor_parallel)
-    path = module.export(args.output)
+    path = module.export(output)
     regions = module.plan["regions"]
     conditionals = len(module.plan.get("conditionals", []))
     print(f"wrote {path} ({path.stat().st_size} bytes) in {time.perf_counter() - start:.1f} s: "
@@ -91,6 +114,10 @@ def _read_array(npz, name: str, path: Path) -> np.ndarray:
         array = npz[name]
     except (ValueError, zipfile.BadZipFile) as err:  # object arrays need pickle: refused
         raise ValueError(f"input {name!r} in {path} is not an array of numbers: {err}") from None
+    except (zlib.error, EOFError) as err:
+        raise ValueError(f"input {name!r} in {path} is damaged: {err}") from None
+    except MemoryError:  # the size its header declares
+        raise ValueError(f"input {name!r} in {path} is larger than this host's memory") from None
     if not isinstance(array, np.ndarray):  # a zip member that is no .npy
         raise ValueError(f"input {name!r} in {path} is not an array (.npy) but "
                          f"{len(array)} bytes of something else")
@@ -100,13 +127,22 @@ def _read_array(npz, name: str, path: Path) -> np.ndarray:
 def _write_outputs(path: Path, outputs: dict, note: str = "") -> None:
     """All outputs in one .npz file at exactly ``path`` (np.savez would add ".npz" to another
     name), in place of any earlier file only once complete."""
-    write_atomically(path, lambda file: np.savez(file, **outputs))
+    write_atomically(path, lambda file: _write_npz(file, outputs))
     shapes = ", ".join(f"{k}{tuple(v.shape)}" for k, v in outputs.items())
     print(f"wrote {path}: {shapes}{note}")
 
 
+def _write_npz(file, arrays: dict[str, np.ndarray]) -> None:
+    """``arrays`` as np.savez writes them (a member NAME.npy each), under any names: np.savez
+    takes them as keyword arguments, where ``file`` or ``allow_pickle`` are its own."""
+    with zipfile.ZipFile(file, "w", zipfile.ZIP_STORED, allowZip64=True) as npz:
+        for name, array in arrays.items():
+            with npz.open(f"{name}.npy", "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.asanyarray(array), allow_pickle=False)
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    _check_output(args.outputs, "--outputs")
+    args.outputs = _check_output(args.outputs, "--outputs", args.model, args.inputs)
     inputs = _read_inputs(args.inputs)
     if _is_onnx_loop(args.model):
         return _run_onnx_loop(args, inputs)
@@ -310,6 +346,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 def _record(args: argparse.Namespace) -> dict:
     """Record every shape of the declared ranges on a device: what the graphs then hold."""
+    if TENSOR_PARALLEL_KEY in Artifact.load(args.model).manifest["plan"]:
+        raise ValueError(f"inspect --record takes an artifact of one device; {args.model} is "
+                         "built for tensor parallelism (its ranks record as they run)")
     executor = load(args.model, device=args.device)
     try:
         # weights the build reads transposed must be bound: zeros stand for them here
@@ -345,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("compile", help="compile an ONNX model into a .grape artifact")
     p.add_argument("model", type=Path, help="the ONNX model")
-    p.add_argument("-o", "--output", type=Path, required=True, help="the artifact to write")
+    p.add_argument("-o", "--output", required=True, help="the artifact to write")
     p.add_argument("--target", default="llvm",
                    help='llvm, cuda (sm_90) or a TVM target JSON, e.g. \'{"kind": "cuda", "arch": "sm_80"}\'')
     p.add_argument("--select-ops", type=int, default=16, metavar="N",
@@ -376,7 +415,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("run", help="run an artifact on inputs from an .npz file")
     p.add_argument("model", type=Path)
     p.add_argument("--inputs", type=Path, required=True, help=".npz with one array per input name")
-    p.add_argument("--outputs", type=Path, required=True, help=".npz to write, one array per output")
+    p.add_argument("--outputs", required=True, help=".npz to write, one array per output")
     p.add_argument("--device", default="cpu", help="cpu or cuda")
     p.set_defaults(func=cmd_run)
 

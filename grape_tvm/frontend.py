@@ -41,6 +41,8 @@ def load_onnx(model: str | Path | onnx.ModelProto) -> onnx.ModelProto:
         _check_model(model, f"ONNX graph {model.graph.name!r}")
         return model
     path = Path(model)
+    if path.is_dir():
+        raise IsADirectoryError(f"{path} is a folder, expected an ONNX file")
     if not path.is_file():
         raise FileNotFoundError(f"{path}: no such ONNX file")
     if path.stat().st_size == 0:

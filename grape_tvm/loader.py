@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -23,12 +24,12 @@ from grape_tvm.runtime.signature import Signature
 
 
 def _device(device: Any) -> tvm.runtime.Device:
-    if isinstance(device, str):
-        kind, _, index = device.partition(":")
-        if kind not in ("cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda[:N], got {device!r}")
-        return tvm.device(kind, int(index or 0))
-    return device
+    if isinstance(device, tvm.runtime.Device):
+        return device
+    kind, _, index = device.partition(":") if isinstance(device, str) else ("", "", "")
+    if kind not in ("cpu", "cuda") or not re.fullmatch(r"[0-9]*", index):
+        raise ValueError(f"device must be cpu or cuda[:N], got {device!r}")
+    return tvm.device(kind, int(index or 0))
 
 
 def _load_cuda_runtime(artifact: str | Path) -> None:
@@ -52,8 +53,13 @@ def _library_path(artifact: Artifact) -> Path:
     digest = hashlib.sha256(artifact.sections["library"]).hexdigest()
     path = cache_dir() / "lib" / f"{digest}.so"
     if not path.exists():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        write_atomically(path, lambda file: file.write(artifact.sections["library"]))
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            write_atomically(path, lambda file: file.write(artifact.sections["library"]))
+        except OSError as err:
+            raise type(err)(err.errno, f"grape-tvm's cache {cache_dir()} cannot hold the "
+                            f"artifact's library ({err.strerror}): set GRAPE_TVM_CACHE to a "
+                            "writable folder") from None
     return path
 
 

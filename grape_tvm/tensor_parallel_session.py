@@ -179,7 +179,8 @@ class TensorParallelSession:
             self._raise_failed(self._executor)
             if group_id:  # every rank loaded: now they join NCCL's group, all at once
                 self._raise_failed(self._call("join", self._executor, len(devices), group_id))
-            self._transport = _NcclTransport(self) if kind == "cuda" else _DiscoTransport(self)
+            self._transport = _NcclTransport(self) if kind == "cuda" else \
+                _DiscoTransport(self, path, ccl)
             stored = stored_weights(artifact, parallel.get("weights", ()))
             if stored:  # the whole weights the artifact carries: each rank keeps its part
                 self.bind_inputs(stored)
@@ -483,11 +484,25 @@ class _DiscoTransport:
     """Inputs to the ranks and outputs back through disco's own collectives: a CPU
     artifact's (those of the session's ``ccl``, or whatever is registered as disco's)."""
 
-    def __init__(self, ranks: TensorParallelSession):
-        self.ranks = ranks
+    def __init__(self, ranks: TensorParallelSession, path: str | Path, ccl: str | None):
+        self.ranks, self.path, self.ccl = ranks, path, ccl
+        self._collectives_found = False
+
+    def _check_collectives(self) -> None:
+        """Refuse, before the first transfer, a session whose workers would not find the
+        collectives: a worker failing to find them aborts the whole process."""
+        if self._collectives_found:
+            return
+        if not _disco_collectives_registered(self.ccl):
+            raise RuntimeError(f"{self.path}'s ranks run on the CPU, through disco's "
+                               "collectives, and this TVM has none for the CPU (init_ccl takes "
+                               "NCCL or RCCL): build the model for CUDA to run it on several "
+                               "devices")
+        self._collectives_found = True
 
     def send(self, value: np.ndarray, axis: int | None):
         """``value`` on every rank: whole, or rank r's part along ``axis``."""
+        self._check_collectives()
         session, world = self.ranks.session, self.ranks.world_size
         if axis is None:
             return session.broadcast(value)
@@ -496,6 +511,7 @@ class _DiscoTransport:
 
     def gather(self, output, part_shape: tuple[int, ...], dtype: str):
         """Every rank's ``output`` stacked on rank 0: (world, *part_shape)."""
+        self._check_collectives()
         session = self.ranks.session
         stacked = session.empty((self.ranks.world_size, *part_shape), dtype, worker0_only=True)
         session.gather_to_worker0(output, stacked)
@@ -534,6 +550,24 @@ _OPEN: "weakref.WeakSet[TensorParallelSession]" = weakref.WeakSet()
 def _close_open() -> None:
     for session in list(_OPEN):
         session.close()
+
+
+# disco's scatter as TVM registers it, which calls the session's CCL's
+# (runtime.disco.<ccl>.scatter_from_worker0); one registered over it stands on its own.
+_DISCO_SCATTER = tvm.get_global_func("runtime.disco.scatter_from_worker0", allow_missing=True)
+
+
+def _disco_collectives_registered(ccl: str | None) -> bool:
+    """Whether the workers of a session on ``ccl`` find disco's collectives: TVM's own call
+    the CCL's (none registers under the empty name of no CCL), others registered over them
+    (as tests do) stand on their own."""
+    scatter = tvm.get_global_func("runtime.disco.scatter_from_worker0", allow_missing=True)
+    if scatter is None:
+        return False
+    if _DISCO_SCATTER is None or not scatter.same_as(_DISCO_SCATTER):
+        return True
+    return tvm.get_global_func(f"runtime.disco.{ccl or ''}.scatter_from_worker0",
+                               allow_missing=True) is not None
 
 
 def load_tensor_parallel(path: str | Path, devices: Sequence[int] | None = None,

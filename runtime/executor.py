@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import ctypes
 import itertools
+import math
 import threading
 import time
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,7 +69,7 @@ class CallStats:
     ready_calls: int = 0  # of those, made again as an earlier call with the same inputs was
     h2d_bytes: int = 0  # host arrays copied to the device (numpy inputs)
     d2h_bytes: int = 0  # outputs copied back to numpy
-    d2d_bytes: int = 0  # device copies the executor made (out= on the VM path)
+    d2d_bytes: int = 0  # device copies the executor made (out= the VM ran or overlapping an input)
     graph_launches: int = 0
     host_branch_reads: int = 0  # conditional regions the VM ran, reading the condition
     unrecorded_calls: int = 0  # VM calls not recorded: their inputs share memory
@@ -340,7 +341,10 @@ class GraphExecutor:
         (``return_numpy=False``) belong to the executor and stay valid until a later call
         writes them: the next call, or the one after it when the next call's inputs are
         this call's outputs (a decode loop feeding its cache back; see ``BufferPool``).
-        ``out`` maps output names to device tensors of the caller's, written directly.
+        ``out`` maps output names to device tensors of the caller's, written directly; one
+        that overlaps an input (bound ones included) is written after the call, by a copy
+        (counted in ``stats.d2d_bytes``): a kernel would read what it writes. Two outputs
+        may not share a tensor.
         Without a signature (an executable straight from ``tvm.compile``) inputs are
         positional and outputs come back as a list. ``stats`` counts copies, launches and
         host time. The executor keeps a reference to the TVM tensors of the last call and to
@@ -392,11 +396,24 @@ class GraphExecutor:
         for name, value in out.items():
             if not isinstance(value, tvm.runtime.Tensor) and not hasattr(value, "__dlpack__"):
                 raise TypeError(f"out[{name!r}] must be a device tensor (TVM or DLPack)")
+            if self.signature.outputs[names.index(name)].kind == "sequence":
+                raise InputError(f"output {name!r} is a sequence of tensors: it cannot be "
+                                 "written to out=")
             targets[names.index(name)] = self._as_tensor(f"out[{name!r}]", value, copy=False)
+        if len(targets) > 1 and _share_memory(list(targets.values())):
+            raise InputError(f"out gives outputs {sorted(out)} tensors that share memory: each "
+                             "output needs a tensor of its own")
         return targets
 
     def _call(self, prepared: _Prepared, out: dict[int, Any], phases: dict[str, int],
               start: int):
+        if out and _overlap(out.values(), prepared.args):
+            # Written after the call, by a copy: a kernel would read what it writes, and a
+            # region recorded writing into an input would write there at every replay.
+            values = self._call(prepared, _NO_TARGETS, phases, start)
+            values = list(values.values()) if isinstance(values, dict) else list(values)
+            self._copy_out(values, out)
+            return self._name_outputs(values)
         if not out and self.keep_ready_calls:
             # Outdated, or the calls made again were off: made anew below if this call keeps
             # one. (An out= call leaves it: it stays valid, the lists it used are filled again.)
@@ -638,13 +655,18 @@ class GraphExecutor:
                 self._remember(key, None)  # dims seen: the VM's pool counts new dims only
             self._after_new_dims(sum(nbytes(v) for v in values
                                      if isinstance(v, tvm.runtime.Tensor)))
-        for index, target in out.items():  # the VM allocated its own: copy, and count it
+        self._copy_out(values, out)  # the VM allocated its own
+        return values
+
+    def _copy_out(self, values: list, out: dict[int, Any]) -> None:
+        """Copy outputs ``values`` into the caller's ``out`` tensors, which take their
+        places in ``values``; counted in ``stats.d2d_bytes``."""
+        for index, target in out.items():
             _check_like(target, values[index], self.signature.outputs[index].name)
             with self.backend.stream_context():
                 target.copyfrom(values[index])
             self.stats.add("d2d_bytes", nbytes(values[index]))
             values[index] = target
-        return values
 
     def _record_branches_not_taken(self) -> None:
         """Record, without running them, the regions of conditional regions the VM ran
@@ -673,9 +695,6 @@ class GraphExecutor:
     def _check_out(self, out: dict[int, Any], planned: PlannedCall) -> None:
         for index, target in out.items():
             name = self.signature.outputs[index].name
-            if self.signature.outputs[index].kind == "sequence":
-                raise InputError(f"output {name!r} is a sequence of tensors: it cannot be "
-                                 "written to out=")
             written = planned.output_spec(index)
             if written is None:
                 raise InputError(f"output {name!r} is not written by a kernel of its own (an "
@@ -977,11 +996,15 @@ class GraphExecutor:
         if unknown:
             raise InputError(f"record_all: {unknown} are not dimensions of the model; its "
                              f"dimensions are {sorted(self.signature.dims)}")
-        values = {name: list(dims[name]) if dims and name in dims else list(rng)
+        values = {name: list(dims[name]) if dims and name in dims else range(rng.lo, rng.hi + 1)
                   for name, rng in self.signature.dims.items()}
-        combos = list(itertools.product(*values.values()))
-        bar = Progress(len(combos), "grape-tvm: recording shapes", enabled=progress)
-        for combo in combos:
+        shapes = math.prod(len(v) for v in values.values())
+        if shapes > self.max_shapes:  # the first given up before the last is recorded
+            raise InputError(f"record_all: the ranges {_ranges(values)} are {shapes} shapes, "
+                             f"more than this executor keeps (max_shapes={self.max_shapes}): "
+                             "narrow them with dims=, or load with a larger max_shapes")
+        bar = Progress(shapes, "grape-tvm: recording shapes", enabled=progress)
+        for combo in itertools.product(*values.values()):
             bound = dict(zip(values, combo))
             self.run({spec.name: np.zeros([bound[d] if isinstance(d, str) else d
                                            for d in spec.shape], spec.dtype)
@@ -1026,6 +1049,11 @@ class GraphExecutor:
 
 _NO_TARGETS: dict[int, Any] = {}  # run() without out= (never written)
 _UNSEEN = object()  # dims not in ``_plans`` (None there means: the VM runs them)
+
+
+def _ranges(values: Mapping[str, Sequence[int]]) -> str:
+    return ", ".join(f"{name}={v[0]}..{v[-1]}" if isinstance(v, range) else f"{name}={list(v)}"
+                     for name, v in values.items())
 
 
 def _on_host(device) -> bool:
@@ -1107,6 +1135,19 @@ def _share_memory(tensors: Sequence[Any]) -> bool:
     spans = sorted((t.data_ptr(), t.data_ptr() + nbytes(t))
                    for t in tensors if isinstance(t, tvm.runtime.Tensor) and nbytes(t))
     return any(start < end for (_, end), (start, _) in zip(spans, spans[1:]))
+
+
+def _overlap(tensors: Iterable[Any], others: Sequence[Any]) -> bool:
+    """Whether a tensor of ``tensors`` overlaps in memory one of ``others`` (tensors
+    and other values)."""
+    spans = [(t.data_ptr(), t.data_ptr() + nbytes(t))
+             for t in others if isinstance(t, tvm.runtime.Tensor) and nbytes(t)]
+    for tensor in tensors:
+        start, end = tensor.data_ptr(), tensor.data_ptr() + nbytes(tensor)
+        if start < end and any(start < other_end and other_start < end
+                               for other_start, other_end in spans):
+            return True
+    return False
 
 
 def _clear_vm_memory_pools(trim_host: bool) -> None:

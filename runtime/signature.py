@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import numbers
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -48,7 +49,7 @@ class ShapeRange:
             return value
         if isinstance(value, str):
             parts = value.split(":")
-            if len(parts) != 2 or not all(p.strip().lstrip("-").isdigit() for p in parts):
+            if len(parts) != 2 or not all(re.fullmatch(r"\s*-?[0-9]+\s*", p) for p in parts):
                 raise ValueError(f"range of dimension {name!r} must be LO:HI, two integers, "
                                  f"got {value!r}")
             bounds = [int(p) for p in parts]
@@ -99,6 +100,14 @@ class Signature:
     inputs: tuple[TensorSpec, ...]
     outputs: tuple[TensorSpec, ...]
     dims: dict[str, ShapeRange]
+
+    def __post_init__(self):
+        for kind, specs in (("input", self.inputs), ("output", self.outputs)):
+            names = [t.name for t in specs]
+            repeated = sorted({name for name in names if names.count(name) > 1})
+            if repeated:  # a call names its inputs and outputs: one tensor a name
+                raise ValueError(f"{kind} name(s) {repeated} are given to more than one "
+                                 f"{kind}; each {kind} needs a name of its own")
 
     def to_json(self) -> dict:
         return {

@@ -454,6 +454,53 @@ def test_ready_calls_and_calls_with_out_or_failing_calls_between(tmp_path):
     np.testing.assert_allclose(mine.numpy(), _two_layers(xa, w), rtol=1e-5, atol=1e-5)
 
 
+def test_out_tensors_overlapping_an_input_are_written_by_a_copy(tmp_path):
+    """An ``out=`` tensor that is also an input (bound or passed) is written after the call
+    by a copy: written directly, the kernels read what they write, and a region recorded
+    writing into an input wrote into that argument at every later call. Two outputs given
+    one tensor are refused. Every output equals numpy's; the callers' other tensors stay."""
+    from grape_tvm.runtime import InputError  # pylint: disable=import-outside-toplevel
+
+    executor = grape_tvm.load(grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm",
+                                              output_names=["y"]).export(tmp_path / "m.grape"))
+    rng = np.random.default_rng(9)
+
+    def pair(n):
+        x, w = rng.standard_normal((n, 16)), rng.standard_normal((16, 16))
+        return x.astype(np.float32), w.astype(np.float32)
+
+    x, w = pair(16)
+    xt, wt = tvm.runtime.tensor(x), tvm.runtime.tensor(w)
+    executor.run({"x": xt, "w": wt}, return_numpy=False, out={"y": wt})  # first call at n = 16
+    np.testing.assert_allclose(wt.numpy(), _two_layers(x, w), rtol=1e-5, atol=1e-5)
+    assert executor.stats.last["d2d_bytes"] == 16 * 16 * 4
+    x, w = pair(16)
+    fresh = tvm.runtime.tensor(w)
+    np.testing.assert_allclose(executor.run({"x": x, "w": fresh})["y"], _two_layers(x, w),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(fresh.numpy(), w)  # the recording writes no input
+    x, w = pair(16)
+    xt, wt = tvm.runtime.tensor(x), tvm.runtime.tensor(w)
+    for _ in range(2):  # recorded, and the input set passed again
+        executor.run({"x": xt, "w": wt})
+    executor.run({"x": xt, "w": wt}, return_numpy=False, out={"y": xt})
+    np.testing.assert_allclose(xt.numpy(), _two_layers(x, w), rtol=1e-5, atol=1e-5)
+    want = _two_layers(xt.numpy(), w)
+    mine = xt.numpy()
+    again = executor.run({"x": xt, "w": wt}, return_numpy=False)["y"]  # no out=: the pool's
+    np.testing.assert_allclose(again.numpy(), want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(xt.numpy(), mine)
+    assert again.data_ptr() != xt.data_ptr()
+
+    grown = grape_tvm.load(grape_tvm.build(Concat, {"past": (1, 16)}, "llvm",
+                                           output_names=["grown", "y"])
+                           .export(tmp_path / "c.grape"))
+    both = tvm.runtime.tensor(np.zeros((4, 8), np.float32))
+    with pytest.raises(InputError, match="share memory"):
+        grown.run({"cache": np.ones((3, 8), np.float32), "x": np.ones((1, 8), np.float32)},
+                  out={"grown": both, "y": both})
+
+
 @I.ir_module
 class EveryOther:  # a dim computed with a division: NameDerivedDims names it on the GPU
     @R.function

@@ -223,3 +223,163 @@ def test_compile_lists_every_unsupported_operator_with_its_nodes(tmp_path, capsy
     line = refused(capsys, tmp_path, "compile", _saved(tmp_path, model), "-o", tmp_path / "m.grape")
     assert ("2 operators: DFT (2 nodes: '<output a>', '<output b>'); Det (1 node: 'det0')"
             in line), line
+
+
+def _two_outputs_onnx(tmp_path, names):
+    """relu(x) and -x over x of shape (n, 8), under the output names given."""
+    info = onnx.helper.make_tensor_value_info
+    nodes = [onnx.helper.make_node("Relu", ["x"], [names[0]]),
+             onnx.helper.make_node("Neg", ["x"], [names[1]])]
+    graph = onnx.helper.make_graph(nodes, "m", [info("x", onnx.TensorProto.FLOAT, ["n", 8])],
+                                   [info(name, onnx.TensorProto.FLOAT, ["n", 8]) for name in names])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return _saved(tmp_path, model)
+
+
+def test_run_writes_outputs_named_as_np_savez_arguments(tmp_path, capsys):
+    """Outputs named ``file`` and ``allow_pickle`` (np.savez's own arguments: the one
+    failed the run, the other was dropped from the file) are written like any other."""
+    artifact = tmp_path / "m.grape"
+    assert main(["compile", str(_two_outputs_onnx(tmp_path, ["file", "allow_pickle"])),
+                 "-o", str(artifact), "--dim", "n=1:8"]) == 0
+    x = np.random.default_rng(1).standard_normal((3, 8)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", x=x)
+    assert main(["run", str(artifact), "--inputs", str(tmp_path / "in.npz"),
+                 "--outputs", str(tmp_path / "out.npz")]) == 0, capsys.readouterr().err
+    with np.load(tmp_path / "out.npz") as npz:
+        assert npz.files == ["file", "allow_pickle"]
+        np.testing.assert_array_equal(npz["file"], np.maximum(x, 0))
+        np.testing.assert_array_equal(npz["allow_pickle"], -x)
+
+
+def test_an_output_path_that_is_an_input_is_refused(artifact, onnx_model, tmp_path, capsys):
+    """Writing it would destroy the input: the model compiled, the artifact run, or the
+    inputs read."""
+    model = tmp_path / "model.onnx"
+    model.write_bytes(onnx_model.read_bytes())
+    line = refused(capsys, tmp_path, "compile", model, "-o", model, "--dim", "n=1:8")
+    assert f"-o {model} is also an input of this command" in line
+    mine = tmp_path / "m.grape"
+    mine.write_bytes(artifact.read_bytes())
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    for outputs in (mine, tmp_path / "in.npz"):
+        line = refused(capsys, tmp_path, "run", mine, "--inputs", tmp_path / "in.npz",
+                       "--outputs", outputs)
+        assert f"--outputs {outputs} is also an input of this command" in line
+
+
+def test_run_into_a_pipe_writes_it_and_leaves_it_a_pipe(artifact, tmp_path, capsys):
+    """A device or a pipe given as the outputs (/dev/null, a FIFO) is written to, not
+    replaced by a regular file."""
+    import os  # pylint: disable=import-outside-toplevel
+    import stat  # pylint: disable=import-outside-toplevel
+
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a reader, so the write opens
+    try:
+        x = np.ones((2, 8), np.float32)
+        np.savez(tmp_path / "in.npz", x=x)
+        assert main(["run", str(artifact), "--inputs", str(tmp_path / "in.npz"),
+                     "--outputs", str(fifo)]) == 0, capsys.readouterr().err
+        assert stat.S_ISFIFO(os.stat(fifo).st_mode)
+        written = os.read(reader, 1 << 16)
+    finally:
+        os.close(reader)
+    (tmp_path / "read.npz").write_bytes(written)
+    with np.load(tmp_path / "read.npz") as npz:
+        assert npz.files == ["y"] and npz["y"].shape == (2, 8)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--max-memory", "inf"], "--max-memory takes a positive number of GiB, got inf"),
+    (["--max-memory", "nan"], "--max-memory takes a positive number of GiB, got nan"),
+    (["--max-memory", "-1"], "--max-memory takes a positive number of GiB, got -1.0"),
+    (["-o", "new/"], "-o new/ is a folder, expected a file name"),
+    (["--select-ops", "-5"], "--select-ops takes a number of operators, 0 or more, got -5"),
+])
+def test_compile_options_refused_before_any_work(onnx_model, tmp_path, capsys, monkeypatch,
+                                                 argv, message):
+    monkeypatch.chdir(tmp_path)
+    if "-o" not in argv:
+        argv = [*argv, "-o", "m.grape"]
+    line = refused(capsys, tmp_path, "compile", onnx_model, "--dim", "n=1:8", *argv)
+    assert message in line
+
+
+def test_compile_refuses_inputs_sharing_a_name(tmp_path, capsys):
+    """ONNX's checker refuses such a model; the import took it, and its artifact failed
+    with a traceback at its first call."""
+    info = onnx.helper.make_tensor_value_info
+    graph = onnx.helper.make_graph(
+        [onnx.helper.make_node("Add", ["x", "x"], ["y"])], "m",
+        [info("x", onnx.TensorProto.FLOAT, ["n", 8]), info("x", onnx.TensorProto.FLOAT, ["n", 8])],
+        [info("y", onnx.TensorProto.FLOAT, ["n", 8])])
+    model = onnx.helper.make_model(graph, opset_imports=[onnx.helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    line = refused(capsys, tmp_path, "compile", _saved(tmp_path, model), "-o",
+                   tmp_path / "m.grape", "--dim", "n=1:8")
+    assert "input name(s) ['x'] are given to more than one input" in line
+
+
+def test_run_inputs_damaged_or_on_a_device_not_known(artifact, tmp_path, capsys):
+    import io  # pylint: disable=import-outside-toplevel
+
+    buffer = io.BytesIO()
+    np.savez_compressed(buffer, x=np.arange(2 * 8, dtype=np.float32).reshape(2, 8))
+    damaged = bytearray(buffer.getvalue())
+    start = damaged.index(b"x.npy") + len(b"x.npy") + 40  # inside the deflated member
+    damaged[start:start + 8] = b"\xff" * 8
+    (tmp_path / "in.npz").write_bytes(bytes(damaged))
+    line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
+                   "--outputs", tmp_path / "out.npz")
+    assert f"input 'x' in {tmp_path / 'in.npz'}" in line
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
+                   "--outputs", tmp_path / "out.npz", "--device", "cuda:x")
+    assert "device must be cpu or cuda[:N], got 'cuda:x'" in line
+
+
+def test_record_all_refuses_more_shapes_than_the_executor_keeps(artifact):
+    """Recording them would give the first up before the last is recorded (and listing
+    the shapes of two wide ranges took all memory before anything showed)."""
+    from grape_tvm.runtime import InputError  # pylint: disable=import-outside-toplevel
+
+    executor = grape_tvm.load(artifact, max_shapes=4)
+    try:
+        with pytest.raises(InputError, match=r"record_all: the ranges n=1..8 are 8 "
+                                                       r"shapes, more than this executor keeps "
+                                                       r"\(max_shapes=4\)"):
+            executor.record_all(progress=False)
+        executor.record_all({"n": [2, 5]}, progress=False)
+        assert sorted(executor.recorded_shapes.values())[0] == [(2,), (5,)]
+    finally:
+        executor.close()
+
+
+def test_run_with_a_cache_that_cannot_be_written(artifact, tmp_path, capsys, monkeypatch):
+    """The library is loaded from grape-tvm's cache: a cache path that is a file names the
+    cache and the variable that moves it."""
+    (tmp_path / "cache").write_bytes(b"not a folder")
+    monkeypatch.setenv("GRAPE_TVM_CACHE", str(tmp_path / "cache"))
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
+                   "--outputs", tmp_path / "out.npz")
+    assert f"grape-tvm's cache {tmp_path / 'cache'} cannot hold the artifact's library" in line
+    assert "set GRAPE_TVM_CACHE to a writable folder" in line
+
+
+@pytest.mark.parametrize("command, message", [
+    ("compile", "{path} is a folder, expected an ONNX file"),
+    ("run", "{path} is a folder, expected an artifact file"),
+    ("inspect", "{path} is a folder, expected an artifact file"),
+])
+def test_a_folder_given_as_the_model(tmp_path, capsys, command, message):
+    (tmp_path / "model").mkdir()
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    args = {"compile": ["-o", tmp_path / "m.grape", "--dim", "n=1:8"],
+            "run": ["--inputs", tmp_path / "in.npz", "--outputs", tmp_path / "out.npz"],
+            "inspect": []}[command]
+    line = refused(capsys, tmp_path, command, tmp_path / "model", *args)
+    assert message.format(path=tmp_path / "model") in line

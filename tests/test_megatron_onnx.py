@@ -200,15 +200,25 @@ def test_gpt2_prefill_on_ranks_equals_onnxruntime(disco_collectives, tmp_path):
 
 
 def test_cli_compiles_runs_and_inspects_a_sharded_decoder(tmp_path, disco_collectives, capsys):
-    """grape-tvm compile --tensor-parallel 2, then run (the stand-in collectives on a
-    threaded session: the CPU's), then inspect."""
-    disco_collectives(2)
+    """grape-tvm compile --tensor-parallel 2, then run: refused where disco has no
+    collectives on the CPU (TVM's case: a worker not finding them aborted the process), then
+    run with the stand-in collectives on a threaded session, then inspect; inspect --record
+    refused (it records one device's executor)."""
     source = DATA / "gpt2_decode_tiny.onnx"
     artifact = tmp_path / "m.grape"
     assert main(["compile", str(source), "-o", str(artifact), "--tensor-parallel", "2",
                  "--dim", "batch=1:2", "--dim", "past=1:32"]) == 0
     feeds = _decode_inputs(np.random.default_rng(9), 2, 5)
     np.savez(tmp_path / "in.npz", **feeds)
+    capsys.readouterr()
+    assert main(["run", str(artifact), "--inputs", str(tmp_path / "in.npz"),
+                 "--outputs", str(tmp_path / "out.npz")]) == 2
+    assert "ranks run on the CPU, through disco's collectives, and this TVM has none for " \
+           "the CPU" in capsys.readouterr().err
+    assert not (tmp_path / "out.npz").exists()
+    assert main(["inspect", str(artifact), "--record"]) == 2
+    assert "inspect --record takes an artifact of one device" in capsys.readouterr().err
+    disco_collectives(2)
     assert main(["run", str(artifact), "--inputs", str(tmp_path / "in.npz"),
                  "--outputs", str(tmp_path / "out.npz")]) == 0
     with np.load(tmp_path / "out.npz") as out:

@@ -22,7 +22,7 @@ import numpy as np
 
 from grape_tvm.artifact import MATMUL_IMPLEMENTATIONS, Artifact, write_atomically
 from grape_tvm.loader import load
-from grape_tvm.loop import load_onnx_loop
+from grape_tvm.loop import load_onnx_loop, step_has_branches
 from grape_tvm.runtime.cublaslt import FUNCTION_PREFIX
 from grape_tvm.runtime.cublaslt import LIBRARY as CUBLASLT
 from grape_tvm.runtime.onnx_loop import is_onnx_loop
@@ -186,8 +186,11 @@ def _run_onnx_loop(args: argparse.Namespace, inputs: dict) -> int:
 
 
 def describe(manifest: dict) -> dict:
-    """The ``inspect --json`` object: dims, inputs, outputs, regions, host steps, notes."""
-    sig, plan = manifest["signature"], manifest["plan"]
+    """The ``inspect --json`` object: dims, inputs, outputs, regions, host steps, notes.
+    An ONNX Loop's inputs and outputs are its graph's, which ``run`` takes and returns (the
+    artifact's own signature is the loop step's)."""
+    plan = manifest["plan"]
+    sig = manifest.get("loop", {}).get("onnx", {}).get("signature") or manifest["signature"]
     return {
         "target": manifest["target"],
         "dims": {k: {"lo": v[0], "hi": v[1]} for k, v in sig["dims"].items()},
@@ -249,18 +252,23 @@ def _conditional_description(manifest: dict) -> list[dict]:
 
 
 def _loop_description(manifest: dict) -> dict | None:
-    """How a ``compile_loop`` artifact runs its loop, and where its stop is decided."""
+    """How a ``compile_loop`` artifact runs its loop (``loop_runner``'s choice, mode "auto"),
+    and where its stop is decided."""
     loop = manifest.get("loop")
     if loop is None:
         return None
     on_gpu = manifest["target"]["kind"] == "cuda"
+    if on_gpu and not step_has_branches(manifest):
+        runs_as = ("one CUDA graph per state shape: a WHILE conditional node whose body is the "
+                   "step's kernels; the stop flag is read on the device (no host sync per step)")
+    else:
+        runs_as = "a host loop: one call per step, the stop flag read back after each"
+        if on_gpu:
+            runs_as += (" (the step has data-dependent branches, which a device loop cannot "
+                        "capture yet)")
     return {
         "carried": loop["carried"], "stop": loop["stop"], "max_steps": loop["max_steps"],
-        "from_onnx_loop": "onnx" in loop,
-        "runs_as": ("one CUDA graph per state shape: a WHILE conditional node whose body is the "
-                    "step's kernels; the stop flag is read on the device (no host sync per step)"
-                    if on_gpu else
-                    "a host loop: one call per step, the stop flag read back after each"),
+        "from_onnx_loop": "onnx" in loop, "runs_as": runs_as,
     }
 
 
@@ -312,9 +320,12 @@ def _print_description(d: dict) -> None:
             print(f"  carries {len(parallel['weights'])} whole weight(s), bound as it loads; "
                   f"columns in rank order: {', '.join(parallel.get('columns_by_ranks', {}))}")
     loop = d.get("loop")
-    if loop:
+    if loop and loop["from_onnx_loop"]:
+        print(f"loop (an ONNX Loop): state {loop['carried']}, stops on its condition or after "
+              f"its trip count M; without M, after {loop['max_steps']} steps at most")
+    elif loop:
         print(f"loop: state {loop['carried']}, stops on {loop['stop']!r} or after "
-              f"{loop['max_steps']} steps{' (an ONNX Loop)' if loop['from_onnx_loop'] else ''}")
+              f"{loop['max_steps']} steps")
         print(f"  runs as {loop['runs_as']}")
 
 

@@ -74,6 +74,12 @@ def load_loop(path: str | Path, device: Any = "cpu", *, mode: str = "auto",
         raise
 
 
+def step_has_branches(manifest: dict) -> bool:
+    """Whether a loop's step has data-dependent branches (conditional regions): a device
+    loop cannot capture them yet, so such a loop runs a host loop on the GPU too."""
+    return bool(manifest["plan"].get("conditionals"))
+
+
 def loop_runner(executor, path: str | Path, mode: str = "auto") -> HostLoop | DeviceLoop:
     """The runner of the loop ``executor`` (loaded from ``path``) runs, by ``mode`` (see
     ``load_loop``): also what each rank of a tensor-parallel loop runs, around the executor
@@ -85,7 +91,7 @@ def loop_runner(executor, path: str | Path, mode: str = "auto") -> HostLoop | De
     if spec_json is None:
         raise ValueError(f"{path} was not compiled by compile_loop: it has no loop")
     spec = LoopSpec.from_json(spec_json)
-    branched = bool(executor.manifest["plan"].get("conditionals"))
+    branched = step_has_branches(executor.manifest)
     if branched and mode == "device":
         raise ValueError(f"{path}: the step has data-dependent branches (conditional regions), "
                          "which a device loop cannot capture yet; use mode='host' (each step "

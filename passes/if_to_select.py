@@ -10,6 +10,12 @@ from tvm.sym.analyzer import Analyzer
 
 # Ops that could trap on the branch not taken (integer division by zero): never hoisted.
 _TRAPPING_OPS = {"relax.divide", "relax.floor_divide", "relax.mod", "relax.floor_mod"}
+# Ops that read or write at indices taken from data: the if may be what keeps the indices
+# in bounds (``if i < n: take(x, i)``), so the branch not taken would read out of bounds
+# (TVM lowers take without a check): never hoisted.
+_INDEXING_OPS = {"relax.take", "relax.gather_elements", "relax.gather_nd",
+                 "relax.dynamic_strided_slice", "relax.scatter_elements", "relax.scatter_nd",
+                 "relax.index_put", "relax.index_tensor"}
 NOTES_ATTR = "grape.if_notes"  # on a function: if var -> why its cheap branches are no select
 
 
@@ -21,7 +27,7 @@ def _branch_bindings(branch: relax.Expr) -> list[relax.Binding] | None:
 
 def _hoistable(bindings: list[relax.Binding], max_ops: int) -> bool:
     """Plain bindings of pure relax ops (or variables), at most ``max_ops`` ops, none that
-    could trap on integers."""
+    could trap on integers or index with data."""
     ops = 0
     for binding in bindings:
         if not isinstance(binding, relax.VarBinding):
@@ -36,6 +42,8 @@ def _hoistable(bindings: list[relax.Binding], max_ops: int) -> bool:
                                                              "relax.builtin.", "relax.vm.")):
             return False
         if name in _TRAPPING_OPS and "int" in str(binding.var.ty.dtype):
+            return False
+        if name in _INDEXING_OPS:
             return False
         if relax.analysis.contains_impure_call(value):
             return False
@@ -100,7 +108,8 @@ class IfToSelect:
     The rule: both branches are plain bindings of pure relax operators (no calls into
     functions, no packed calls, no allocation, no nested ``if``), at most ``max_ops``
     operators each, none that could trap when its branch is not taken (integer
-    division or modulo), and the result is one tensor of the same known shape and dtype
+    division or modulo) or read or write at indices from data (``take``, gathers,
+    scatters: the ``if`` may be what keeps them in bounds), and the result is one tensor of the same known shape and dtype
     from either branch (``R.where`` broadcasts: (n, 8) against (1, 8) would give (n, 8)
     where the else branch returns (1, 8); and a shape it cannot compute leaves the select
     unlowered). An ``if`` cheap enough but refused for its shapes keeps its ``if``; why

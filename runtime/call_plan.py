@@ -17,6 +17,7 @@ import bisect
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 import tvm
 import tvm_ffi
 
@@ -378,7 +379,8 @@ class PlannedCall:
                                        caller, guards, tuple(layout.guard_inputs)))
         outputs = [None if a.kind == "input" else
                    tvm_ffi.Shape(a.value) if a.kind == "shape" else
-                   a.value if a.kind == "value" else
+                   # a value of the dims (``Shape(x)[0]``): a 0-d tensor, as the VM path's
+                   tvm.runtime.tensor(np.array(a.value), pool.device) if a.kind == "value" else
                    self._output_view(a, pool, side) for a in self.at.outputs]
         described = {id(held): TensorFacts(held, view.shape, view.dtype,
                                            generation=pool.generation, where=side)

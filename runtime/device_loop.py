@@ -107,11 +107,15 @@ def fill_state(state: Mapping[str, tvm.runtime.Tensor], values: Mapping[str, Any
 
 
 class HostLoop:
-    """One executor call per step; ``stop`` read back on the host after each."""
+    """One executor call per step; ``stop`` read back on the host after each. The state a
+    run returns is copied into buffers of the loop's own, one set per state shape (as
+    ``LoopGraph`` keeps its), so that it stays valid until the next run at that shape: the
+    executor's outputs are written again by its next call at any dims."""
 
     def __init__(self, executor, spec: LoopSpec):
         self.executor = executor
         self.spec = spec
+        self._states: dict[tuple, dict[str, tvm.runtime.Tensor]] = {}  # by state shape
 
     def run(self, state: Mapping[str, Any], max_steps: int | None = None) -> LoopResult:
         _check_state(self.spec, state)
@@ -123,7 +127,34 @@ class HostLoop:
             current = {name: out[name] for name in self.spec.carried}
             if out[self.spec.stop].numpy().any():  # the host waits for the GPU here
                 break
-        return LoopResult(current, steps)
+        return LoopResult(self._kept(current), steps)
+
+    def _kept(self, state: dict[str, tvm.runtime.Tensor]) -> dict[str, tvm.runtime.Tensor]:
+        """``state`` copied into the loop's own buffers of its shape (on the executor's
+        stream, after the step that wrote it)."""
+        key = tuple((name, tuple(value.shape), str(value.dtype)) for name, value in state.items())
+        own = self._states.get(key)
+        if own is None:
+            own = self._states[key] = {name: tvm.runtime.empty(value.shape, value.dtype,
+                                                               value.device)
+                                       for name, value in state.items()}
+        with self.executor.backend.stream_context():
+            # A value passed through from the run's first step may be one of these very
+            # buffers, under another name (a swap): copied aside before any is written.
+            mine = {own[name].data_ptr(): name for name in own}
+            sources = {name: _copy(value) if mine.get(value.data_ptr(), name) != name else value
+                       for name, value in state.items()}
+            for name, value in sources.items():
+                if value.data_ptr() != own[name].data_ptr():
+                    own[name].copyfrom(value)
+                    self.executor.stats.add("d2d_bytes", nbytes(value))
+        return dict(own)
+
+
+def _copy(tensor: tvm.runtime.Tensor) -> tvm.runtime.Tensor:
+    copy = tvm.runtime.empty(tensor.shape, tensor.dtype, tensor.device)
+    copy.copyfrom(tensor)
+    return copy
 
 
 class LoopGraph(OwnedGraph):

@@ -650,6 +650,7 @@ class GraphExecutor:
             self._recording = True
             self._branches_to_record = []
         values = _values(result, self.signature)
+        self._scalars_as_tensors(values)
         if new_dims:
             if self._recording and self.program is None:
                 self._remember(key, None)  # dims seen: the VM's pool counts new dims only
@@ -657,6 +658,16 @@ class GraphExecutor:
                                      if isinstance(v, tvm.runtime.Tensor)))
         self._copy_out(values, out)  # the VM allocated its own
         return values
+
+    def _scalars_as_tensors(self, values: list) -> None:
+        """Outputs the entry returns as Python scalars (a value of shape arithmetic, as
+        ``Shape(x)[0]``) as 0-d tensors of their declared dtype, like every other output."""
+        for index, value in enumerate(values):
+            if isinstance(value, (bool, int, float)):
+                dtype = self.signature.outputs[index].dtype if self.signature else None
+                host = np.array(value, dtype=dtype)
+                values[index] = tvm.runtime.tensor(host, self.device)
+                self.stats.add("h2d_bytes", host.nbytes)
 
     def _copy_out(self, values: list, out: dict[int, Any]) -> None:
         """Copy outputs ``values`` into the caller's ``out`` tensors, which take their
@@ -1081,7 +1092,7 @@ def _check_host_array(name: str, array: np.ndarray) -> None:
 def _values(result, signature: Signature | None = None) -> list:
     """The entry function's outputs: one tensor or shape, or a tuple of them. A shape is a
     tuple too (``tvm_ffi.Shape``): it is one output, not several."""
-    if isinstance(result, (tvm.runtime.Tensor, tvm_ffi.Shape)):
+    if isinstance(result, (tvm.runtime.Tensor, tvm_ffi.Shape, bool, int, float)):
         return [result]
     return [list(result)] if _one_sequence(signature) else list(result)
 

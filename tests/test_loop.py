@@ -16,6 +16,8 @@ import numpy as np
 import pytest
 import tvm
 from tvm import relax
+from tvm.script import ir as I
+from tvm.script import relax as R
 
 import grape_tvm
 
@@ -99,9 +101,10 @@ def test_loop_stops_early_at_eos_like_the_vm(loop_artifact, reference_vm, weight
     want, want_steps = vm_loop(reference_vm, initial(1), eos, weights, MAX_LEN - 1)
     with grape_loop(loop_artifact, weights, eos) as loop:
         got = loop.run(initial(1))
+        tokens = got.state["tokens"].numpy()  # read before the next run at its shape
         limited = loop.run(initial(1), max_steps=2)  # a limit below the stop wins
     assert got.steps == want_steps == first <= 4
-    np.testing.assert_array_equal(got.state["tokens"].numpy(), want)
+    np.testing.assert_array_equal(tokens, want)
     assert limited.steps == 2
 
 
@@ -173,3 +176,64 @@ def test_device_loop_loads_an_initial_state_once():
     assert fill_state(state, {"a": theirs}) == (0, 16)
     np.testing.assert_array_equal(own.numpy(), np.full(4, 7))
     assert fill_state(state, {"a": own, "step": step}) == (0, 0)
+
+@I.ir_module
+class _Halving:  # x <- 0.5 x + 1 and y <- x, swapped each step; stops when k reaches stop_at
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"),
+             k: R.Tensor((1,), "int32"), stop_at: R.Tensor((1,), "int32")):
+        x2 = R.add(R.multiply(y, R.const(0.5, "float32")), R.const(1.0, "float32"))
+        k2 = R.add(k, R.const(1, "int32"))
+        stop = R.greater_equal(k2, stop_at)
+        return (x2, x, k2, stop)
+
+
+def _halving(x, y, steps):
+    for _ in range(steps):
+        x, y = y * np.float32(0.5) + np.float32(1.0), x
+    return x, y
+
+
+def test_a_host_loops_state_outlives_runs_at_other_shapes(tmp_path):
+    """The state a run returns stays valid until the next run at its shape, and passed back
+    continues from there: runs at another shape in between wrote the executor's outputs it
+    was, and the continued run read the other shape's values. A value carried through (y,
+    the x before) swaps with the loop's own buffers without one overwriting the other."""
+    path = grape_tvm.compile_loop(_Halving, ["x", "y", "k"], max_steps=8, dims={"n": (1, 16)},
+                                  target="llvm").export(tmp_path / "halving.grape")
+    loop = grape_tvm.load_loop(path, "cpu")
+    loop.bind_inputs({"stop_at": np.array([100], np.int32)})
+    rng = np.random.default_rng(5)
+    k0 = np.zeros(1, np.int32)
+    a0 = [rng.standard_normal((3, 8)).astype(np.float32) for _ in range(2)]
+    for steps in (1, 2, 3):
+        a = loop.run({"x": a0[0], "y": a0[1], "k": k0}, max_steps=steps)
+        for n in (5, 7):
+            b = [rng.standard_normal((n, 8)).astype(np.float32) for _ in range(2)]
+            loop.run({"x": b[0], "y": b[1], "k": k0}, max_steps=steps)
+        want = _halving(*a0, steps)
+        np.testing.assert_allclose(a.state["x"].numpy(), want[0], rtol=1e-6)
+        np.testing.assert_allclose(a.state["y"].numpy(), want[1], rtol=1e-6)
+        done = steps
+        for more in (1, 2):  # passed back: continued, read in place
+            a = loop.run(a.state, max_steps=more)
+            done += more
+            want = _halving(*a0, done)
+            np.testing.assert_allclose(a.state["x"].numpy(), want[0], rtol=1e-6)
+            np.testing.assert_allclose(a.state["y"].numpy(), want[1], rtol=1e-6)
+            assert int(a.state["k"].numpy()[0]) == done
+
+
+@pytest.mark.parametrize("kind, conditionals, runs_as", [
+    ("cuda", [], "one CUDA graph per state shape"),
+    ("cuda", [{"name": "grape_cond_0"}], "a host loop: one call per step"),
+    ("llvm", [], "a host loop: one call per step"),
+])
+def test_inspect_says_the_loop_runner_load_loop_picks(kind, conditionals, runs_as):
+    """A CUDA loop whose step branches on data runs as a host loop (``loop_runner``): inspect
+    said it ran as one graph."""
+    from grape_tvm.cli import _loop_description  # pylint: disable=import-outside-toplevel
+
+    manifest = {"target": {"kind": kind}, "plan": {"conditionals": conditionals},
+                "loop": {"carried": ["x"], "stop": "stop", "max_steps": 4}}
+    assert _loop_description(manifest)["runs_as"].startswith(runs_as)

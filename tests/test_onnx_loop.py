@@ -10,6 +10,8 @@ number, and a while loop without ``M``.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import onnx
 import pytest
@@ -235,6 +237,25 @@ def test_cli_compiles_and_runs_a_loop_like_onnxruntime(tmp_path, capsys):
     assert main(["run", str(artifact), "--inputs", str(tmp_path / "in.npz"),
                  "--outputs", str(tmp_path / "out.npz")]) == 2
     assert "outside its declared range 1..64" in capsys.readouterr().err
+
+
+def test_inspect_describes_the_graph_run_takes_and_the_trip_count(tmp_path, capsys):
+    """An ONNX Loop's inputs and outputs as ``run`` takes and returns them (the graph's, not
+    the loop step's internal ones), and its stop as the trip count M decides it
+    (``max_steps`` bounds only a Loop without M)."""
+    onnx_path = tmp_path / "affine.onnx"
+    onnx.save(affine_loop(), str(onnx_path))
+    artifact = tmp_path / "affine.grape"
+    assert main(["compile", str(onnx_path), "-o", str(artifact), "--dim", "n=1:64"]) == 0
+    capsys.readouterr()
+    assert main(["inspect", str(artifact), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert [t["name"] for t in described["inputs"]] == ["M", "cond", "x", "b"]
+    assert [t["name"] for t in described["outputs"]] == ["y"]
+    assert main(["inspect", str(artifact)]) == 0
+    text = capsys.readouterr().out
+    assert "loop (an ONNX Loop): state" in text and "after its trip count M" in text
+    assert "grape_loop_iter:" not in text
 
 
 def test_loop_compiles_for_cuda(tmp_path):

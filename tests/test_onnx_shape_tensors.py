@@ -371,3 +371,25 @@ def test_fold_shape_tensors_after_an_if_and_through_a_folded_shape():
     text = folded.script()
     assert "tensor_to_shape" not in text and "p_0" not in text and "q_0" not in text
     assert all(f"t{i}" in text for i in range(4)) and "R.shape([b * 2, 4])" in text, text
+
+
+@pytest.mark.parametrize("with_tensor", [True, False])
+def test_a_dim_returned_as_an_output_is_a_0d_int64_tensor(tmp_path, with_tensor):
+    """``n = Shape(x)[0]`` as an output: the entry returns a value of the dims, not a
+    tensor; it comes back as a 0-d int64 tensor (numpy array) on every call, beside a
+    tensor output or alone (it failed: an int is not iterable)."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "i0"], ["n"])]
+    outputs = [info("n", TensorProto.INT64, [])]
+    if with_tensor:
+        nodes.append(helper.make_node("Relu", ["x"], ["y"]))
+        outputs.append(info("y", TensorProto.FLOAT, ["n"]))
+    model = _model(nodes, [info("x", TensorProto.FLOAT, ["n"])], outputs,
+                   inits=[numpy_helper.from_array(np.array(0, np.int64), "i0")])
+    path, _, executor = _executor(model, tmp_path, {"n": (0, 8)})
+    rng = np.random.default_rng(2)
+    feeds = [{"x": rng.standard_normal(n).astype(np.float32)} for n in (3, 3, 5, 8, 0, 5)]
+    _equal_onnxruntime(path, executor, feeds)
+    for feed in feeds:
+        got = executor.run(feed, return_numpy=False)
+        assert isinstance(got["n"], tvm.runtime.Tensor) and got["n"].dtype == "int64"
+        assert got["n"].numpy().shape == () and int(got["n"].numpy()) == len(feed["x"])

@@ -537,8 +537,39 @@ class _IntBranch:
         return r
 
 
+@I.ir_module
+class _GuardedTake:
+    @R.function
+    def main(x: R.Tensor((3, 8), "float32"), i: R.Tensor((), "int64")):
+        inside = R.less(i, R.const(3, "int64"))
+        if inside:
+            r = R.take(x, i, axis=0)  # read out of bounds when not taken: the if guards it
+        else:
+            r = R.sum(x, axis=[0])
+        return r
+
+
 def _has_if(mod) -> bool:
     return any(isinstance(b.value, relax.If) for blk in mod["main"].body.blocks for b in blk.bindings)
+
+
+def test_an_index_read_the_if_guards_stays_in_its_branch(tmp_path):
+    """``if i < 3: take(x, i)``: as a select, the take ran on every call, reading out of
+    bounds (a segfault at i = 10**6, garbage read at i = 5); it stays a conditional region
+    and every call equals TVM's VM."""
+    import grape_tvm  # pylint: disable=import-outside-toplevel
+    from grape_tvm.passes import IfToSelect  # pylint: disable=import-outside-toplevel
+
+    assert _has_if(IfToSelect()(fresh(_GuardedTake)))
+    module = grape_tvm.build(fresh(_GuardedTake), {}, "llvm")
+    assert len(module.plan["conditionals"]) == 1
+    executor = grape_tvm.load(module.export(tmp_path / "take.grape"))
+    vm = relax.VirtualMachine(tvm.compile(fresh(_GuardedTake), "llvm"), tvm.cpu())
+    x = np.arange(24, dtype=np.float32).reshape(3, 8)
+    for i in (0, 2, 5, 10**6, 1):
+        index = np.array(i, np.int64)
+        want = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(index)).numpy()
+        np.testing.assert_array_equal(executor.run({"x": x, "i": index})["output_0"], want)
 
 
 def test_if_to_select_keeps_branches_outside_its_rule():

@@ -7,7 +7,6 @@ import numbers
 import re
 from dataclasses import dataclass
 
-import numpy as np
 import tvm_ffi
 
 MAX_DIM = 2**63 - 1  # the largest shape value TVM (int64) holds

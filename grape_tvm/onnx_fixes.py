@@ -22,7 +22,8 @@ from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
 from grape_tvm.onnx_contrib import CONTRIB_CONVERTERS
 from grape_tvm.onnx_shape_tensors import (
-    REDUCE_OPS, SHAPE_TENSOR_CONVERTERS, KeepsRank, as_int64)
+    REDUCE_OPS, SHAPE_TENSOR_CONVERTERS, KeepsRank, _int64_tensor, _shape_from, _vector_length,
+    as_int64)
 
 
 class OnnxConversionError(RuntimeError):
@@ -668,28 +669,136 @@ class Dropout(tvm_onnx.Dropout):
 
 
 class Expand(tvm_onnx.Expand):
-    """``Expand`` to a shape given as a tensor: bidirectional broadcasting.
+    """``Expand`` by ONNX's multidirectional broadcasting, whatever gives the shape.
 
-    With the shape a run-time tensor TVM broadcasts the input *to* it: a dim of 1 in the
-    shape where the input has 3 gave 1 (ONNX broadcasts both ways: 3). The shape is
-    replaced by ``where(shape == 1, input's shape, shape)`` before TVM's conversion.
+    TVM broadcasts the input *to* the shape with ``broadcast_to``, whose legalization reads
+    ``x[i]`` along a symbolic input dim, taking it for the output's: ``Expand(x[n, 4],
+    Shape(y[m, 4]))`` read past ``x`` at n = 1, m = 3 (garbage), and a 1 in a symbolic
+    shape kept it ((1, 4) at n = 3, m = 1; ``Expand(x[n, 1], s)``, ``s`` a run-time
+    ``[2, 3, 1]``, read ``x[1]`` of one row at n = 1). A constant shape with a symbolic
+    input dim failed ("'Var' object has no attribute 'value'"), and so did a shape shorter
+    than the input (an AssertionError; ONNX pads the shorter side).
+
+    Here the shape's elements are dims (a constant, a shape expression, a tensor read back
+    as one, or a run-time tensor matched to fresh dims); both sides are padded to the
+    larger rank, and each pair gives the non-1 of the two, read at index 0 along an input
+    dim of 1 (``_broadcast_pair``). A pair the declared ranges cannot decide is
+    ``select(d == 1, t, d)``, read at ``select(d == 1, 0, i)`` by grape's own kernel
+    (``_expand``), and checked at run time (``_check_broadcast``). Where every input dim is
+    1 or the output's own, TVM's ``broadcast_to`` is right and kept (or the input itself).
     """
 
     @classmethod
     def _impl_v13(cls, bb, inputs, attr, params):
         data, shape = inputs
-        data_shape, shape_shape = _known_shape(data), _known_shape(shape)
-        if isinstance(shape, (relax.ShapeExpr, tvm.ir.GenericConst)) or data_shape is None or \
-                shape_shape is None or len(shape_shape) != 1:
+        data_shape = _known_shape(data)
+        target = None if data_shape is None else _expand_target(bb, shape, params)
+        if target is None:
             return super()._impl_v13(bb, inputs, attr, params)
-        (rank,) = shape_shape
-        if not isinstance(rank, tirx.IntImm) or rank.value < len(data_shape):
-            return super()._impl_v13(bb, inputs, attr, params)
-        padded = [tirx.IntImm("int64", 1)] * (rank.value - len(data_shape)) + data_shape
-        padded = bb.normalize(relax.op.shape_to_tensor(relax.ShapeExpr(padded)))
-        one = relax.const(1, str(shape.ty.dtype))
-        shape = bb.normalize(relax.op.where(relax.op.equal(shape, one), padded, shape))
-        return super()._impl_v13(bb, [data, shape], attr, params)
+        target, from_tensor = target
+        rank = max(len(data_shape), len(target))
+        one = tirx.IntImm("int64", 1)
+        padded = [one] * (rank - len(data_shape)) + [as_int64(d) for d in data_shape]
+        target = [one] * (rank - len(target)) + target
+        # A run-time tensor's dims are any int64: the analyzer must not take them as >= 0.
+        known = padded + ([] if from_tensor else target)
+        analyzer = _shape_analyzer(attr["grape_dims"], *known)
+        pairs = [_broadcast_pair(analyzer, d, t) for d, t in zip(padded, target)]
+        out_shape = [out for out, _, _ in pairs]
+        _check_broadcast(bb, analyzer, [c for _, _, c in pairs],
+                         attr["tvm_custom"]["name"], padded, target)
+        if all(_plainly_broadcast(d, out) for d, out in zip(padded, out_shape)):
+            if len(data_shape) == rank and all(d.same_as(out) or _equal_constants(d, out)
+                                               for d, out in zip(padded, out_shape)):
+                return data
+            return relax.op.broadcast_to(data, relax.ShapeExpr(out_shape))
+        return bb.emit_te(_expand, data, out_shape, [zero for _, zero, _ in pairs],
+                          primfunc_name_hint="expand")
+
+
+def _expand_target(bb, shape, params) -> tuple[list[tirx.PrimExpr], bool] | None:
+    """``Expand``'s shape as int64 dims, and whether they come from a run-time tensor
+    (matched to fresh dims); None where it is not a 1-d tensor of known length."""
+    if isinstance(shape, relax.ShapeExpr):
+        return [as_int64(t) for t in shape.values], False
+    array = _constant_array(shape, params)
+    if array is not None:
+        return [tirx.IntImm("int64", int(t)) for t in array.reshape(-1)], False
+    values = _shape_values(bb, shape)
+    if values is not None:
+        return [as_int64(t) for t in values], False
+    length = _vector_length(shape)
+    if length is None:
+        return None
+    return list(_shape_from(bb, _int64_tensor(bb, shape), length, "expand_dim").values), True
+
+
+def _broadcast_pair(analyzer: Analyzer, d: tirx.PrimExpr, t: tirx.PrimExpr
+                    ) -> tuple[tirx.PrimExpr, tirx.PrimExpr, tirx.PrimExpr | None]:
+    """An input dim ``d`` and a shape dim ``t`` broadcast: the output dim, when to read the
+    input at index 0 (a bool), and what must hold at run time (None: proven)."""
+    false, true = tirx.const(False), tirx.const(True)
+    if isinstance(t, tirx.IntImm) and t.value == -1:
+        return d, false, None  # TVM's reading of -1 (the input's dim), kept
+    if isinstance(t, tirx.IntImm) and t.value < 0:
+        raise ValueError(f"Expand: a negative dim {t.value} in the shape")
+    if analyzer.can_prove_equal(t, 1) or analyzer.can_prove_equal(d, t):
+        return d, false, None
+    if analyzer.can_prove_equal(d, 1):
+        return t, true, (None if analyzer.can_prove(t >= 0) else t >= 0)
+    if isinstance(d, tirx.IntImm) and isinstance(t, tirx.IntImm):
+        raise ValueError(f"Expand: an input dim of {d.value} does not broadcast with "
+                         f"{t.value} (ONNX needs them equal or one of them 1)")
+    is_one = analyzer.simplify(d == 1)
+    # A constant shape dim is the output's wherever the pair broadcasts (checked below).
+    out = t if isinstance(t, tirx.IntImm) else analyzer.simplify(tirx.Select(is_one, t, d))
+    holds = analyzer.simplify(tirx.all(t >= 0, tirx.any(is_one, t == 1, d == t)))
+    return out, is_one, (None if analyzer.can_prove(holds) else holds)
+
+
+def _check_broadcast(bb, analyzer: Analyzer, checks, node: str, padded, target) -> None:
+    """Fails the run where a pair of dims the import could not decide does not broadcast
+    (onnxruntime refuses it): read unchecked, the kernel reads past the input. The message
+    gives both shapes' values at run time."""
+    checks = [c for c in checks if c is not None]
+    if not checks:
+        return
+    holds = analyzer.simplify(tirx.all(*checks)) if len(checks) > 1 else checks[0]
+    dims = ", ".join(["{}"] * len(padded))
+    node = node.replace("{", "{{").replace("}", "}}")
+    bb.emit(relax.op.assert_op(
+        holds, [relax.prim_value(d) for d in padded + target],
+        f"Expand node {node!r}: an input of shape ({dims}) does not broadcast with the shape "
+        f"({dims}) (each pair of dims must be equal, or one of them 1)"))
+
+
+def _plainly_broadcast(d: tirx.PrimExpr, out: tirx.PrimExpr) -> bool:
+    """What TVM's ``broadcast_to`` reads right: an input dim of 1 (read at 0) or the output's
+    own dim (read at i)."""
+    return (isinstance(d, tirx.IntImm) and d.value == 1) or d.same_as(out) or \
+        _equal_constants(d, out)
+
+
+def _equal_constants(a: tirx.PrimExpr, b: tirx.PrimExpr) -> bool:
+    return isinstance(a, tirx.IntImm) and isinstance(b, tirx.IntImm) and a.value == b.value
+
+
+def _expand(x: tvm.te.Tensor, out_shape, zero_if) -> tvm.te.Tensor:
+    """``x`` broadcast to ``out_shape``: along each of its dims read at 0 where ``zero_if``
+    (its dim is 1, perhaps known only at run time), else at the output's index."""
+    lead = len(out_shape) - len(x.shape)
+    zero = tirx.IntImm("int64", 0)
+
+    def element(*index):
+        read = []
+        for i, z in zip(index[lead:], zero_if[lead:]):
+            if isinstance(z, tirx.IntImm):
+                read.append(zero if z.value else i)
+            else:
+                read.append(tirx.Select(z, zero, i))
+        return x(*read)
+
+    return tvm.te.compute(out_shape, element, name="expand")
 
 
 class Tile(tvm_onnx.Tile):

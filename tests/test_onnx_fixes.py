@@ -3,6 +3,8 @@ tiny hand-made model, against onnxruntime at several shapes."""
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import onnx
 import pytest
@@ -405,3 +407,118 @@ def test_float16_conv_accumulates_in_float32(tmp_path):
         assert got.dtype == np.float16
         ulp = np.spacing(np.abs(ref).astype(np.float16)).astype(np.float32)
         assert np.all(np.abs(got.astype(np.float32) - ref) <= ulp), n
+
+
+def make_expand_model(x_dims: list, shape) -> onnx.ModelProto:
+    """``z = Expand(x, shape)``, ``shape`` given as ``("of", y_dims)`` (``Shape(y)``, a
+    shape expression), ``("input", length)`` (a graph input, read at run time) or
+    ``("constant", values)``."""
+    info = helper.make_tensor_value_info
+    inputs, nodes, inits = [info("x", TensorProto.FLOAT, x_dims)], [], []
+    how, value = shape
+    if how == "of":
+        inputs.append(info("y", TensorProto.FLOAT, value))
+        nodes.append(helper.make_node("Shape", ["y"], ["s"]))
+    elif how == "input":
+        inputs.append(info("s", TensorProto.INT64, [value]))
+    else:
+        inits.append(_int64("s", value))
+    nodes.append(helper.make_node("Expand", ["x", "s"], ["z"]))
+    return _model(nodes, inputs, [info("z", TensorProto.FLOAT, None)], inits)
+
+
+def _expand_feeds(rng, x_shape, y_shape=None, s=None) -> dict:
+    feeds = {"x": rng.standard_normal(x_shape).astype(np.float32)}
+    if y_shape is not None:
+        feeds["y"] = np.zeros(y_shape, np.float32)
+    if s is not None:
+        feeds["s"] = np.array(s, np.int64)
+    return feeds
+
+
+@pytest.mark.parametrize("x_dims, y_dims, sizes", [
+    # x [n, 4] to Shape(y [m, 4]): at n = 1, m = 3 TVM read past x; at n = 3, m = 1 it gave (1, 4)
+    (["n", 4], ["m", 4], [(1, 3), (3, 1), (3, 3), (1, 1), (4, 4), (1, 4), (4, 1)]),
+    # x [n, 8] to Shape(y [n, k]): at k = 1 TVM gave (n, 1)
+    (["n", 8], ["n", "k"], [(1, 1), (3, 1), (3, 8), (4, 8), (1, 8), (4, 1)]),
+])
+def test_expand_to_a_symbolic_shape_broadcasts_both_ways(x_dims, y_dims, sizes, tmp_path):
+    """TVM's ``broadcast_to`` read ``x[i]`` along a symbolic dim, taken for the output's:
+    garbage where ``x``'s dim is 1 at run time, the shape's 1 kept where it is."""
+    rng = np.random.default_rng(0)
+    model = make_expand_model(x_dims, ("of", y_dims))
+
+    def make(s):
+        n, other = s
+        if y_dims[0] == "m":
+            return _expand_feeds(rng, (n, 4), (other, 4))
+        return _expand_feeds(rng, (n, 8), (n, other))
+    # each size twice: the second call replays what the first recorded
+    ranges = {"n": (1, 4), "m": (1, 4), "k": (1, 8)}
+    dims = {d: ranges[d] for d in x_dims + y_dims if isinstance(d, str)}
+    _check(model, tmp_path, dims, sizes + sizes, make)
+
+
+def test_expand_to_a_runtime_shape(tmp_path):
+    """``Expand(x [n, 1], s)``, ``s`` a graph input: at n = 1, s = [2, 3, 1] TVM read
+    ``x[1]`` of a one-row ``x``."""
+    rng = np.random.default_rng(0)
+    cases = [(1, [2, 3, 1]), (3, [2, 3, 1]), (1, [2, 1, 5]), (4, [1, 4, 6]), (4, [4, 1]),
+             (1, [1]), (2, [3, 1, 1, 1])]
+    _check(make_expand_model(["n", 1], ("input", 3)), tmp_path, {"n": (1, 4)},
+           [c for c in cases if len(c[1]) == 3] * 2,
+           lambda c: _expand_feeds(rng, (c[0], 1), s=c[1]))
+    # A shape shorter or longer than the input (ONNX pads the shorter side with 1s).
+    for length in (1, 2, 4):
+        _check(make_expand_model(["n", 1], ("input", length)), tmp_path, {"n": (1, 4)},
+               [c for c in cases if len(c[1]) == length] * 2,
+               lambda c: _expand_feeds(rng, (c[0], 1), s=c[1]))
+
+
+def test_expand_to_a_constant_shape_of_a_symbolic_input(tmp_path):
+    """``Expand(x [n, 1], [2, 1, 8])``: TVM's converter failed ("'Var' object has no
+    attribute 'value'")."""
+    rng = np.random.default_rng(0)
+    _check(make_expand_model(["n", 1], ("constant", [2, 1, 8])), tmp_path, {"n": (1, 8)},
+           [1, 3, 8] * 2, lambda n: _expand_feeds(rng, (n, 1)))
+
+
+def test_expand_to_a_shorter_shape(tmp_path):
+    """``Expand(x [n, 1, 4], Shape(y [k, 4]))``: TVM's converter failed (a bare
+    AssertionError); the output's rank is the larger one."""
+    rng = np.random.default_rng(0)
+    _check(make_expand_model(["n", 1, 4], ("of", ["k", 4])), tmp_path, {"n": (1, 4), "k": (1, 6)},
+           [(1, 1), (2, 5), (4, 6), (4, 1), (1, 6)] * 2,
+           lambda s: _expand_feeds(rng, (s[0], 1, 4), (s[1], 4)))
+
+
+def test_expand_of_dims_that_do_not_broadcast_fails_the_run(tmp_path):
+    """Neither 1 nor equal at run time: an error naming the node and both shapes' values
+    (onnxruntime's refusal), at every call, not a read past the input."""
+    rng = np.random.default_rng(0)
+    for model, dims, feeds in [
+            (make_expand_model(["n", 4], ("of", ["m", 4])), {"n": (1, 4), "m": (1, 4)},
+             _expand_feeds(rng, (3, 4), (2, 4))),
+            (make_expand_model(["n", 1], ("input", 2)), {"n": (1, 4)},
+             _expand_feeds(rng, (3, 1), s=[2, 1])),
+            (make_expand_model([3, 1], ("input", 2)), {}, _expand_feeds(rng, (3, 1), s=[-1, 1]))]:
+        executor = grape_tvm.load(grape_tvm.compile_onnx(model, dims=dims)
+                                  .export(tmp_path / "m.grape"))
+        shape = feeds["y"].shape if "y" in feeds else tuple(feeds["s"].tolist())
+        message = (f"Expand node '<output z>': an input of shape {feeds['x'].shape} does not "
+                   f"broadcast with the shape {shape}")
+        for _ in range(2):
+            with pytest.raises(Exception, match=re.escape(message)):
+                executor.run(feeds)
+
+
+def test_expand_keeps_broadcast_to_where_it_reads_right():
+    """Input dims of 1 or equal to the output's: TVM's ``broadcast_to`` (or the input itself),
+    no kernel of grape's and no run-time check."""
+    for x_dims, shape, kept in [
+            ([1, 4], ("of", ["m", 4]), "R.broadcast_to(x, R.shape([m, 4]))"),
+            ([3, 1], ("constant", [2, 3, 4]), "R.broadcast_to(x, R.shape([2, 3, 4]))"),
+            (["n", 4], ("of", ["n", 4]), "gv: R.Tensor((n, 4), dtype=\"float32\") = x"),
+            (["n", 4], ("constant", [1, 1]), "gv: R.Tensor((n, 4), dtype=\"float32\") = x")]:
+        script = import_onnx(make_expand_model(x_dims, shape), {"n": (1, 4), "m": (1, 4)}).script()
+        assert kept in script and "call_tir" not in script and "assert" not in script, script

@@ -59,7 +59,7 @@ from grape_tvm.artifact import Artifact, ArtifactError, stored_weights
 from grape_tvm.runtime.cuda_driver import copy_part
 from grape_tvm.runtime.device_loop import DeviceLoop, LoopResult, LoopSpec
 from grape_tvm.runtime.nccl import CollectiveFunction, CollectiveGroup, unique_id
-from grape_tvm.runtime.signature import InputError, Signature
+from grape_tvm.runtime.signature import BoundDims, InputError, Signature
 from grape_tvm.runtime.tensor_parallel import (OUTPUTS_KEY, PLAN_KEY, joined, placement_text,
                                                rank_part)
 
@@ -140,7 +140,7 @@ class TensorParallelSession:
         self.signature = Signature.from_json(manifest["signature"])  # a rank's program's
         self.loop_spec = LoopSpec.from_json(manifest["loop"]) if "loop" in manifest else None
         self._bound: set[str] = set()  # inputs bound (bind_inputs) and the dims they set
-        self._bound_dims: dict[str, int] = {}
+        self._bound_dims = BoundDims()
         devices = list(range(self.world_size)) if devices is None else list(devices)
         if len(devices) != self.world_size or len(set(devices)) != len(devices):
             raise ValueError(f"{path} runs on {self.world_size} distinct devices, got "
@@ -201,11 +201,15 @@ class TensorParallelSession:
             if kept:
                 raise InputError(f"input(s) {kept} are kept on the ranks from the last call "
                                  "(feed_back): drop_kept() them before binding them")
-            dims = self._checked(inputs, partial=True)
+            self._check_open()
+            parts = {name: self._part(name, np.asarray(value)) for name, value in inputs.items()}
+            bound_dims = self._bound_dims.binding(  # taken once every rank has bound
+                self.signature, {k: v.shape for k, v in parts.items()},
+                {k: str(v.dtype) for k, v in parts.items()})
             done = self._call("run", self._executor, "bind", *self._send(inputs))
             self._raise_failed(done)
             self._bound |= set(inputs)
-            self._bound_dims.update(dims)
+            self._bound_dims = bound_dims
             self._feed_back_checked = None  # a bound input cannot be fed back
 
     def run(self, inputs: Mapping[str, Any], *, feed_back: Mapping[str, str] | None = None,
@@ -389,7 +393,7 @@ class TensorParallelSession:
         dtypes = {k: str(v.dtype) for k, v in parts.items()}
         for name, k in (kept or {}).items():
             shapes[name], dtypes[name] = k.part_shape, k.dtype
-        return self.signature.bind(shapes, dtypes, bound=self._bound_dims, skip=self._bound,
+        return self.signature.bind(shapes, dtypes, bound=self._bound_dims.values, skip=self._bound,
                                    partial=partial)
 
     def _part(self, name: str, value: np.ndarray) -> np.ndarray:

@@ -22,7 +22,7 @@ from .backend import RegionBackend
 from .call_plan import BufferPool, Placement, PlannedCall, TensorFacts, free_side
 from .call_program import CONDITIONAL_PREFIX, REGION_PREFIX, CallProgram, Launch, guarded_calls
 from .progress import Progress
-from .signature import InputError, Signature, nbytes, nbytes_of
+from .signature import BoundDims, InputError, Signature, nbytes, nbytes_of
 
 # TVM's kernels assume buffers aligned this far (tvm.runtime.from_dlpack's requirement).
 ALIGNMENT = 64
@@ -259,7 +259,7 @@ class GraphExecutor:
         self._vm_pool_limit = VM_POOL_CLEAR_BYTES["cpu" if self._on_cpu else "gpu"]
         self._pool = BufferPool(device)
         self._bound: dict[str, tvm.runtime.Tensor] = {}
-        self._bound_dims: dict[str, int] = {}
+        self._bound_dims = BoundDims()
         # 2-D inputs the entry takes transposed (the plan's ``transposed_inputs``): made so
         # once, by ``bind_inputs``; ``run`` refuses them.
         self.transposed_inputs = frozenset(transposed_inputs)
@@ -309,13 +309,12 @@ class GraphExecutor:
             given = {name: self._transposed_host(name, value)
                      if name in self.transposed_inputs else self._as_tensor(name, value)
                      for name, value in inputs.items()}
-            dims = self.signature.bind({k: tuple(t.shape) for k, t in given.items()},
-                                       {k: str(t.dtype) for k, t in given.items()},
-                                       partial=True)
             tensors = {k: self._as_tensor(k, np.ascontiguousarray(t.T))
                        if k in self.transposed_inputs else t for k, t in given.items()}
+            self._bound_dims = self._bound_dims.binding(
+                self.signature, {k: tuple(t.shape) for k, t in given.items()},
+                {k: str(t.dtype) for k, t in given.items()})
             self._bound.update(tensors)
-            self._bound_dims.update(dims)
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
             self._plans.clear()
             self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
@@ -342,9 +341,9 @@ class GraphExecutor:
         writes them: the next call, or the one after it when the next call's inputs are
         this call's outputs (a decode loop feeding its cache back; see ``BufferPool``).
         ``out`` maps output names to device tensors of the caller's, written directly; one
-        that overlaps an input (bound ones included) is written after the call, by a copy
-        (counted in ``stats.d2d_bytes``): a kernel would read what it writes. Two outputs
-        may not share a tensor.
+        that overlaps an input (bound ones included), or for an output no kernel writes (an
+        input passed through), is written after the call, by a copy (counted in
+        ``stats.d2d_bytes``). Two outputs may not share a tensor.
         Without a signature (an executable straight from ``tvm.compile``) inputs are
         positional and outputs come back as a list. ``stats`` counts copies, launches and
         host time. The executor keeps a reference to the TVM tensors of the last call and to
@@ -407,9 +406,7 @@ class GraphExecutor:
 
     def _call(self, prepared: _Prepared, out: dict[int, Any], phases: dict[str, int],
               start: int):
-        if out and _overlap(out.values(), prepared.args):
-            # Written after the call, by a copy: a kernel would read what it writes, and a
-            # region recorded writing into an input would write there at every replay.
+        if out and self._written_after(prepared, out):
             values = self._call(prepared, _NO_TARGETS, phases, start)
             values = list(values.values()) if isinstance(values, dict) else list(values)
             self._copy_out(values, out)
@@ -432,6 +429,16 @@ class GraphExecutor:
         values = self._call_vm(args, key, out)
         phases["vm"] = time.perf_counter_ns() - start
         return self._name_outputs(values)
+
+    def _written_after(self, prepared: _Prepared, out: dict[int, Any]) -> bool:
+        """Whether ``out``'s tensors are written after the call, by a copy: one overlaps an
+        input (a kernel would read what it writes, and a region recorded writing into an
+        input would write there at every replay), or an output is no kernel's own (an
+        input passed through, a buffer another output shares)."""
+        if _overlap(out.values(), prepared.args):
+            return True
+        planned = self._planned(prepared.key, prepared.args)
+        return planned is not None and any(planned.output_spec(i) is None for i in out)
 
     def _planned(self, key: tuple | None, args: list) -> PlannedCall | None:
         """The planned call at ``key``'s dims, made from the program the first time."""
@@ -593,8 +600,7 @@ class GraphExecutor:
         of conditional regions: launched guarded, they must exist before the call). False
         when they cannot be: the call's inputs share memory, or a recording is not kept;
         the VM then runs this call (and every call at these dims, for the latter)."""
-        if _share_memory(args):
-            self.stats.unrecorded_calls += 1
+        if _share_memory(args):  # counted by the VM's call (``_call_vm``)
             return False
         for launch in planned.launches:
             if not launch.guards or self.backend.has(launch.region, launch.shape):
@@ -704,14 +710,9 @@ class GraphExecutor:
         self.stats.shapes_held = self.backend.shapes_held
 
     def _check_out(self, out: dict[int, Any], planned: PlannedCall) -> None:
-        for index, target in out.items():
+        for index, target in out.items():  # each written by a kernel of its own
             name = self.signature.outputs[index].name
-            written = planned.output_spec(index)
-            if written is None:
-                raise InputError(f"output {name!r} is not written by a kernel of its own (an "
-                                 "input passed through, or a buffer it shares): it cannot be "
-                                 "written to out=")
-            shape, dtype = written
+            shape, dtype = planned.output_spec(index)
             if tuple(target.shape) != shape or str(target.dtype) != dtype:
                 raise InputError(f"out[{name!r}] is {target.dtype}{tuple(target.shape)}, this "
                                  f"call's output is {dtype}{shape}")
@@ -844,7 +845,7 @@ class GraphExecutor:
         signature (which names a missing, unknown or mismatched input); remembered."""
         dims = self.signature.bind({n: s for n, s, _ in described},
                                    {n: d for n, _, d in described},
-                                   bound=self._bound_dims, skip=self._bound)
+                                   bound=self._bound_dims.values, skip=self._bound)
         key = tuple(sorted(dims.items()))
         if len(self._dims_of) >= 1 << 16:  # a bound: shapes are many, memory is not
             self._dims_of.clear()
@@ -1007,6 +1008,10 @@ class GraphExecutor:
         if unknown:
             raise InputError(f"record_all: {unknown} are not dimensions of the model; its "
                              f"dimensions are {sorted(self.signature.dims)}")
+        unbound = sorted(set(self.transposed_inputs) - set(self._bound))
+        if unbound:  # zeros stand for the other inputs; these must be bound (transposed)
+            raise InputError(f"record_all: bind {unbound} first (bind_inputs): this build reads "
+                             "them transposed, as they are bound")
         values = {name: list(dims[name]) if dims and name in dims else range(rng.lo, rng.hi + 1)
                   for name, rng in self.signature.dims.items()}
         shapes = math.prod(len(v) for v in values.values())
@@ -1041,6 +1046,7 @@ class GraphExecutor:
             self._plans.clear()
             self._pool.close()
             self._bound.clear()
+            self._bound_dims = BoundDims()
             self._template = [None] * len(self._template)
             self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
             self._prepared = {}

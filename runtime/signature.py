@@ -179,6 +179,30 @@ class Signature:
         values[want] = got
 
 
+class BoundDims:
+    """The dims that inputs bound once (``bind_inputs``) set, by input. Binding an input
+    again replaces what it set; a binding must agree with the bound inputs it leaves as
+    they are (bound one at a time, a 7-row x beside a 5-row m was taken, and the call
+    after read past m)."""
+
+    def __init__(self, by_input: dict[str, dict[str, int]] | None = None,
+                 values: dict[str, int] | None = None):
+        self._by_input = by_input or {}
+        self.values = values or {}  # every bound input's dims, together
+
+    def binding(self, signature: "Signature", shapes: dict[str, tuple[int, ...]],
+                dtypes: dict[str, str]) -> "BoundDims":
+        """These dims once inputs ``shapes`` and ``dtypes`` are bound too, checked against
+        the signature and the other bound inputs (``InputError``)."""
+        kept = {dim: value for name, dims in self._by_input.items() if name not in shapes
+                for dim, value in dims.items()}
+        values = signature.bind(shapes, dtypes, bound=kept, partial=True)
+        by_input = {**self._by_input, **{
+            name: signature.bind({name: shapes[name]}, {name: dtypes[name]}, partial=True)
+            for name in shapes}}
+        return BoundDims(by_input, values)
+
+
 def nbytes(tensor) -> int:
     """Bytes of a dense tensor (TVM, DLPack or numpy), from its shape and dtype."""
     return nbytes_of(tensor.shape, str(tensor.dtype))

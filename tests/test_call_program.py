@@ -501,6 +501,45 @@ def test_out_tensors_overlapping_an_input_are_written_by_a_copy(tmp_path):
                   out={"grown": both, "y": both})
 
 
+def test_a_call_on_inputs_sharing_memory_is_one_unrecorded_call(tmp_path):
+    """One tensor for both inputs: the VM runs the call unrecorded, counted once (the plan's
+    check and the VM's call each counted it), and its result equals numpy's."""
+    executor = grape_tvm.load(grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm",
+                                              output_names=["y"]).export(tmp_path / "m.grape"))
+    shared = np.random.default_rng(10).standard_normal((16, 16)).astype(np.float32)
+    tensor = tvm.runtime.tensor(shared)
+    for calls in (1, 2, 3):
+        got = executor.run({"x": tensor, "w": tensor})["y"]
+        np.testing.assert_allclose(got, _two_layers(shared, shared), rtol=1e-5, atol=1e-5)
+        assert executor.stats.unrecorded_calls == calls and executor.stats.last["path"] == "vm"
+
+
+@I.ir_module
+class PassedThrough:  # the input returned as it is, beside a result
+    @R.function
+    def main(x: R.Tensor(("n", 8), "float32")):
+        with R.dataflow():
+            y = R.nn.relu(x)
+            R.output(y)
+        return (y, x)
+
+
+def test_out_for_an_output_no_kernel_writes_is_a_copy(tmp_path):
+    """An input passed through as an output, given an ``out=`` tensor: written after the
+    call by a copy (it was refused: no kernel of its own writes it)."""
+    executor = grape_tvm.load(grape_tvm.build(PassedThrough, {"n": (1, 16)}, "llvm",
+                                              output_names=["y", "same"])
+                              .export(tmp_path / "p.grape"))
+    rng = np.random.default_rng(11)
+    for n in (3, 3, 9):
+        x = rng.standard_normal((n, 8)).astype(np.float32)
+        y, same = (tvm.runtime.tensor(np.zeros((n, 8), np.float32)) for _ in range(2))
+        got = executor.run({"x": x}, return_numpy=False, out={"y": y, "same": same})
+        assert got["y"] is y and got["same"] is same
+        np.testing.assert_array_equal(y.numpy(), np.maximum(x, 0))
+        np.testing.assert_array_equal(same.numpy(), x)
+
+
 @I.ir_module
 class EveryOther:  # a dim computed with a division: NameDerivedDims names it on the GPU
     @R.function

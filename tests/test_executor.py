@@ -311,3 +311,36 @@ def test_bound_inputs_are_checked_once_and_left_out_of_calls(tmp_path):
     assert executor.stats.planned_calls == 5 and executor.stats.region_replays == 2
     with pytest.raises(InputError, match="missing input"):
         executor.run({})
+
+
+def test_inputs_bound_one_at_a_time_must_agree_on_their_dims(tmp_path):
+    """x (n, 8) and m (n, 4) bound, then x alone again at another n: refused, naming the
+    dim (it was taken, and the call after read 7 rows of a 5-row m, or failed in TVM).
+    Binding both again, at any n in range, is a new binding; every call equals numpy."""
+    from tvm.script import ir as I  # pylint: disable=import-outside-toplevel
+    from tvm.script import relax as R  # pylint: disable=import-outside-toplevel
+
+    @I.ir_module
+    class Affine:
+        @R.function
+        def main(x: R.Tensor(("n", 8), "float32"), m: R.Tensor(("n", 4), "float32"),
+                 w: R.Tensor((8, 4), "float32")):
+            with R.dataflow():
+                y = R.add(R.matmul(x, w), m)
+                R.output(y)
+            return y
+
+    executor = load(grape_tvm.build(Affine, {"n": (1, 16)}, "llvm", output_names=["y"])
+                    .export(tmp_path / "affine.grape"))
+    rng = np.random.default_rng(4)
+    w = rng.standard_normal((8, 4)).astype(np.float32)
+    xs = {n: rng.standard_normal((n, 8)).astype(np.float32) for n in (5, 7)}
+    ms = {n: rng.standard_normal((n, 4)).astype(np.float32) for n in (5, 7)}
+    for n in (7, 5):
+        executor.bind_inputs({"x": xs[n], "m": ms[n]})
+        np.testing.assert_allclose(executor.run({"w": w})["y"], xs[n] @ w + ms[n], rtol=1e-5, atol=1e-5)
+    with pytest.raises(InputError, match="'n'"):
+        executor.bind_inputs({"x": xs[7]})
+    np.testing.assert_allclose(executor.run({"w": w})["y"], xs[5] @ w + ms[5], rtol=1e-5, atol=1e-5)
+    executor.bind_inputs({"m": ms[5] + 1})  # the same n: taken
+    np.testing.assert_allclose(executor.run({"w": w})["y"], xs[5] @ w + ms[5] + 1, rtol=1e-5, atol=1e-5)

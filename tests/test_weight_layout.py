@@ -187,6 +187,13 @@ def test_bound_weights_are_transposed_once_and_give_the_same_results(tmp_path):
     with load(tmp_path / "mlp.grape", "cpu") as executor:
         with pytest.raises(InputError, match="'w1' is a weight this build reads transposed"):
             executor.run({"x": np.zeros((2, 64), "float32"), "w1": W1, "b": BIAS, "w2": W2})
+        # record_all stands zeros for unbound inputs, not for these (it said "do not pass")
+        with pytest.raises(InputError, match=r"record_all: bind \['w1', 'w2'\] first"):
+            executor.record_all({"m": [1, 2]}, progress=False)
+        executor.bind_inputs({"w1": W1, "w2": W2})
+        executor.record_all({"m": [1, 2]}, progress=False)
+        x = RNG.standard_normal((2, 64)).astype("float32")
+        _close(executor.run({"x": x, "b": BIAS})["y"], _reference(x))
 
 
 def test_weights_must_name_inputs():

@@ -34,7 +34,7 @@ def prim_expr(expr: tirx.PrimExpr) -> int | str | list:
         return int(expr.value)
     if isinstance(expr, tirx.Var):
         return expr.name
-    if isinstance(expr, tirx.Cast) and "int" in str(expr.dtype):
+    if isinstance(expr, tirx.Cast) and "int" in str(expr.ty):
         return prim_expr(expr.value)
     for kind, op in _BINARY.items():
         if isinstance(expr, kind):

@@ -37,7 +37,7 @@ def windows(x: te.Tensor, rows: tirx.PrimExpr, groups: int, kernel: int, stride:
     one_batch = isinstance(n_extent, tirx.IntImm) and int(n_extent) == 1
 
     def element(g, r, q):
-        n = tirx.const(0, r.dtype) if one_batch else tirx.floordiv(r, rows)
+        n = tirx.const(0, str(r.ty)) if one_batch else tirx.floordiv(r, rows)
         t = r if one_batch else tirx.floormod(r, rows)
         c, j = tirx.floordiv(q, kernel), tirx.floormod(q, kernel)
         pos = t * stride + j * dilation - pad_left

@@ -25,8 +25,9 @@ CUDA = tvm.target.Target({"kind": "cuda", "arch": "sm_90"})
 
 
 def _conv_module(channels: int, out: int, kernel: int, groups: int = 1, stride: int = 1,
-                 padding: int = 0, dilation: int = 1, dtype: str = "float32") -> tvm.IRModule:
-    n, length = tvm.tirx.Var("n", "int64"), tvm.tirx.Var("l", "int64")
+                 padding: int = 0, dilation: int = 1, dtype: str = "float32",
+                 batch: int | None = None) -> tvm.IRModule:
+    n, length = batch or tvm.tirx.Var("n", "int64"), tvm.tirx.Var("l", "int64")
     x = relax.Var("x", relax.TensorType((n, channels, length), dtype))
     w = relax.Var("w", relax.TensorType((out, channels // groups, kernel), dtype))
     bb = relax.BlockBuilder()
@@ -94,6 +95,21 @@ def test_rewritten_conv_equals_numpy(channels, out, kernel, groups, stride, padd
         spread[:, :, ::dilation] = w
         want = conv1d_numpy(x, spread, stride, padding, groups)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_static_batch_of_one_equals_numpy():
+    """A batch known to be 1 takes the window's batch index as the constant 0, typed as
+    the row index (``windows`` read a PrimExpr's ``.dtype``, which TVM 0.27 lacks: the
+    rewrite crashed)."""
+    mod = Conv1dAsMatmul()(_conv_module(16, 8, 3, stride=2, batch=1))
+    assert "relax.nn.conv1d" not in _ops(mod)
+    vm = relax.VirtualMachine(tvm.compile(mod, "llvm"), tvm.cpu())
+    rng = np.random.default_rng(1)
+    for length in (3, 40, 3):
+        x = rng.standard_normal((1, 16, length)).astype(np.float32)
+        w = rng.standard_normal((8, 16, 3)).astype(np.float32)
+        got = vm["main"](tvm.runtime.tensor(x), tvm.runtime.tensor(w)).numpy()
+        np.testing.assert_allclose(got, conv1d_numpy(x, w, 2, 0, 1), rtol=1e-4, atol=1e-4)
 
 
 def test_conv_stack_through_the_cpu_pipeline_with_the_pass_equals_numpy(tmp_path):

@@ -522,3 +522,22 @@ def test_expand_keeps_broadcast_to_where_it_reads_right():
             (["n", 4], ("constant", [1, 1]), "gv: R.Tensor((n, 4), dtype=\"float32\") = x")]:
         script = import_onnx(make_expand_model(x_dims, shape), {"n": (1, 4), "m": (1, 4)}).script()
         assert kept in script and "call_tir" not in script and "assert" not in script, script
+
+def make_resize_model(scales, mode: str, dims) -> onnx.ModelProto:
+    """``Resize(x, scales=scales)`` of an NCHW ``x`` of ``dims`` (names or sizes)."""
+    info = helper.make_tensor_value_info
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], mode=mode)
+    return _model([node], [info("x", TensorProto.FLOAT, [1, 1, *dims])],
+                  [info("y", TensorProto.FLOAT, None)],
+                  [numpy_helper.from_array(np.array(scales, np.float32), "scales")])
+
+
+def test_resize_by_constant_scales_on_symbolic_dims(tmp_path):
+    """The output's ``H * 2`` reaches the call program through a ``Cast`` (scales are
+    float: TVM computes ``int64(float(H) * 2)``), whose type the pass read as ``.dtype``,
+    which TVM 0.27's PrimExprs lack: the compile crashed."""
+    rng = np.random.default_rng(0)
+    for mode in ("nearest", "linear"):
+        _check(make_resize_model([1, 1, 2, 2], mode, ["h", "w"]), tmp_path,
+               {"h": (1, 6), "w": (1, 6)}, [(1, 1), (2, 3), (6, 6), (1, 1)],
+               lambda s: {"x": rng.standard_normal((1, 1, *s)).astype(np.float32)})

@@ -294,47 +294,115 @@ def _shape_analyzer(dims: Mapping[str, tuple[int, int]], *exprs: tirx.PrimExpr) 
 
 
 class Slice(tvm_onnx.Slice):
-    """Constant-bound ``Slice`` of a symbolic axis, proven in bounds: no clamp in the shape.
+    """``Slice`` with each bound normalized by ONNX's rules before TVM sees it.
 
-    TVM clamps each bound (``min(max(L - 1, 0), L)`` for ``x[:-1]`` on a length ``L``):
-    with nothing known of ``L`` the clamp never simplifies, so Wav2Vec2's positional
-    convolution (``[..., :-1]``) has a length unrelated to the sequence it is added to, and
-    the sum, then every shape after it, is known by rank only (later ``Shape``/``Gather``
-    fail). Here each bound is normalized (negative from the end) and, when the declared
-    ranges prove it lies in ``[0, L]`` for every allowed shape, used as is.
+    TVM's ``strided_slice`` clamps bounds by its own rules, not ONNX's, and gets negative
+    steps wrong: ``x[-2::-1]`` (end INT64_MIN) of a length-1 axis was empty (ONNX: one
+    row), ``x[::-2]`` of a symbolic axis empty at every length, ``x[2:0:-1]`` given
+    ``assume_inbound`` 4 rows of 3. Its clamp of a symbolic axis (``min(max(L - 1, 0), L)``
+    for ``x[:-1]``) never simplifies without a range for ``L`` (Wav2Vec2's ``[..., :-1]``
+    then has a length unrelated to the sequence, every later shape rank-only), and a bound
+    that is a shape value takes ``assume_inbound`` with INT64_MAX in it (``x[past:]``:
+    "Literal value ... exceeds range of int64").
+
+    Here, with the axes and steps constants and the bounds constants or shape values, each
+    bound is made an index by ONNX's rules (negative from the end; step > 0: clamped to
+    ``[0, L]``; step < 0: the start to ``[0, L - 1]``, the end to ``[-1, L - 1]``), the clamps
+    kept only where the declared ranges do not prove them, an empty range made ``begin ==
+    end``. An axis with a negative step is flipped and sliced forwards (``x[s:e:-k]`` is
+    ``flip(x)[L-1-s : L-1-e : k]``): TVM is given in-range bounds and positive steps only.
+    Other bounds go to TVM's converter; a shape (``Shape``'s output) is sliced by TVM as a
+    Python list.
     """
 
     @classmethod
     def _impl_v13(cls, bb, inputs, attr, params):
-        bounds = _constant_slice(inputs, params)
-        shape = _known_shape(inputs[0])
-        if bounds is None or shape is None:
+        data = inputs[0]
+        shape = _known_shape(data)
+        if isinstance(data, relax.ShapeExpr) or shape is None:
             return super()._impl_v13(bb, inputs, attr, params)
-        axes, starts, ends, steps = bounds
+        known = _known_slice(inputs, params)
+        if known is None:
+            return super()._impl_v13(bb, inputs, attr, params)
+        axes, starts, ends, steps = known
+        if 0 in steps:
+            raise ValueError("Slice step values must be non-zero.")
         axes = [a + len(shape) if a < 0 else a for a in axes]
-        extents = [shape[a] for a in axes]
-        if all(isinstance(e, tirx.IntImm) for e in extents) or any(s <= 0 for s in steps):
-            return super()._impl_v13(bb, inputs, attr, params)
-        analyzer = _shape_analyzer(attr["grape_dims"], *extents)
-        begins = [_in_bounds(analyzer, b, e) for b, e in zip(starts, extents)]
-        finals = [_in_bounds(analyzer, b, e) for b, e in zip(ends, extents)]
-        if any(b is None for b in begins + finals):
-            return super()._impl_v13(bb, inputs, attr, params)
-        return relax.op.strided_slice(inputs[0], axes, begins, finals, steps, assume_inbound=True)
+        extents = [as_int64(shape[a]) for a in axes]
+        bounds = [b for b in starts + ends if not isinstance(b, int)]
+        analyzer = _shape_analyzer(attr["grape_dims"], *extents, *bounds)
+        begins, finals = [], []
+        for axis, start, end, step, extent in zip(axes, starts, ends, steps, extents):
+            begin, final = _forward_range(analyzer, start, end, step, extent)
+            begins.append(begin)
+            finals.append(final)
+            if step < 0:
+                data = bb.normalize(relax.op.flip(data, axis))
+        return relax.op.strided_slice(data, axes, begins, finals, [abs(s) for s in steps],
+                                      assume_inbound=True)
 
 
-def _constant_slice(inputs, params) -> tuple[list[int], ...] | None:
-    """Slice's axes, starts, ends and steps when all are constants, else None."""
+def _known_slice(inputs, params) -> tuple[list, ...] | None:
+    """Slice's axes and steps (ints) and starts and ends (ints or int64 PrimExprs, shape
+    values) when all are known at import time, else None."""
     values = []
-    for value in inputs[1:5]:
+    for k, value in enumerate(inputs[1:5]):
         value = tvm_onnx.get_constant(value, params) if value is not None else None
-        if value is not None and not isinstance(value, tvm.ir.GenericConst):
+        if isinstance(value, tvm.ir.GenericConst):
+            values.append([int(v) for v in value.value.numpy().reshape(-1)])
+        elif value is None and k >= 2:
+            values.append(None)
+        else:
             return None
-        values.append(None if value is None else [int(v) for v in value.value.numpy().reshape(-1)])
     starts, ends, axes, steps = values + [None] * (4 - len(values))
     axes = axes if axes is not None else list(range(len(starts)))
     steps = steps if steps is not None else [1] * len(starts)
+    if not len(starts) == len(ends) == len(axes) == len(steps):
+        return None  # TVM's converter names the mismatch
     return axes, starts, ends, steps
+
+
+def _as_index(value: tirx.PrimExpr) -> int | tirx.PrimExpr:
+    return int(value.value) if isinstance(value, tirx.IntImm) else as_int64(value)
+
+
+def _forward_range(analyzer: Analyzer, start, end, step: int, extent: tirx.PrimExpr):
+    """``[start:end:step]`` of an axis of ``extent`` as ``(begin, end)`` of a forward slice
+    by ``|step|``, of the axis flipped where ``step < 0``: both in ``[0, extent]``,
+    ``begin <= end``."""
+    if step > 0:
+        begin = _onnx_index(analyzer, start, extent, 0, extent)
+        final = _onnx_index(analyzer, end, extent, 0, extent)
+    else:
+        last = extent - 1  # with extent 0 the start clamps to -1: begin and end are 0
+        begin = analyzer.simplify(last - _onnx_index(analyzer, start, extent, 0, last))
+        final = analyzer.simplify(last - _onnx_index(analyzer, end, extent, -1, last))
+    return begin, analyzer.simplify(tirx.max(final, begin))
+
+
+def _onnx_index(analyzer: Analyzer, bound, extent: tirx.PrimExpr, lo: int,
+                hi: tirx.PrimExpr) -> tirx.PrimExpr:
+    """ONNX's index of ``bound`` (an int or int64 PrimExpr) into an axis of ``extent``:
+    negative counts from the end, then clamped to ``[lo, hi]``, simplified (the clamps
+    vanish where the analyzer proves them)."""
+    if isinstance(bound, int):
+        # Far bounds (INT64_MIN/MAX: "from the start", "to the end") are decided here, in
+        # Python's integers: L + INT64_MIN, or INT64_MAX as a literal, overflow TVM's.
+        most = analyzer.const_int_bound(extent).max_value
+        if bound >= 0 and bound >= most:
+            return analyzer.simplify(hi)
+        if bound < 0 and bound + most <= lo:
+            return analyzer.simplify(tirx.min(tirx.IntImm("int64", lo), hi))  # hi < lo: L 0
+        index = extent + bound if bound < 0 else tirx.IntImm("int64", bound)
+    elif analyzer.can_prove(bound >= 0):
+        index = bound
+    elif analyzer.can_prove(bound < 0):
+        index = extent + bound
+    else:
+        raise UnsupportedNode(
+            f"Slice by a bound computed from shapes ({bound}) that may be negative or not "
+            "is not supported: declare ranges (dims) that fix its sign")
+    return analyzer.simplify(tirx.min(tirx.max(index, tirx.IntImm("int64", lo)), hi))
 
 
 def _known_shape(value) -> list[tirx.PrimExpr] | None:
@@ -343,20 +411,6 @@ def _known_shape(value) -> list[tirx.PrimExpr] | None:
             not isinstance(ty.shape, relax.ShapeExpr):
         return None
     return list(ty.shape.values)
-
-
-def _in_bounds(analyzer: Analyzer, bound: int, extent: tirx.PrimExpr) -> tirx.PrimExpr | None:
-    """``bound`` as an index into an axis of ``extent`` (negative counts from the end), when
-    it lies in ``[0, extent]`` for every shape the analyzer allows; ``extent`` itself for a
-    bound past any extent (ONNX's "to the end", INT64_MAX)."""
-    extent = as_int64(extent)
-    if bound >= 0 and analyzer.can_prove(extent <= bound):
-        return extent
-    index = extent + bound if bound < 0 else tirx.IntImm("int64", bound)
-    index = analyzer.simplify(index)
-    if analyzer.can_prove(index >= 0) and analyzer.can_prove(index <= extent):
-        return index
-    return None
 
 
 def _scalar_dtype(value) -> str:

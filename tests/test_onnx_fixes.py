@@ -98,6 +98,39 @@ def test_slice_to_minus_one_on_a_symbolic_length(tmp_path):
            lambda n: {"x": rng.standard_normal((n, 4)).astype(np.float32)})
 
 
+_MIN, _MAX = int(np.iinfo(np.int64).min), int(np.iinfo(np.int64).max)
+NEGATIVE_STEP_SLICES = [  # (start, end, step): ONNX clamps a negative step's start to L - 1
+    (-2, _MIN, -1), (-1, _MIN, -2), (_MAX, _MIN, -1), (2, 0, -1), (-1, -4, -1), (5, 1, -2),
+    (-100, _MIN, -1), (1, 3, -1), (0, -1, -3), (_MAX, -2, -2)]
+POSITIVE_STEP_SLICES = [
+    (0, _MAX, 1), (1, -1, 2), (-100, 100, 3), (3, 1, 1), (-3, _MAX, 1), (_MIN, _MAX, 2),
+    (0, -1, 1), (_MAX, _MAX, 1)]
+
+
+def make_slices_model(rows, slices) -> onnx.ModelProto:
+    """``y_k = x[start:end:step]`` along the rows of ``x`` [rows, 3], one output per slice."""
+    info = helper.make_tensor_value_info
+    nodes, inits, outputs = [], [_int64("axis0", [0])], []
+    for k, (start, end, step) in enumerate(slices):
+        inits += [_int64(f"s{k}", [start]), _int64(f"e{k}", [end]), _int64(f"k{k}", [step])]
+        nodes.append(helper.make_node("Slice", ["x", f"s{k}", f"e{k}", "axis0", f"k{k}"], [f"y{k}"]))
+        outputs.append(info(f"y{k}", TensorProto.FLOAT, None))
+    return _model(nodes, [info("x", TensorProto.FLOAT, [rows, 3])], outputs, inits)
+
+
+def test_slice_with_negative_steps_and_far_bounds(tmp_path):
+    """ONNX's clamping, not TVM's: ``x[-2::-1]`` (end INT64_MIN) of one row was empty, and
+    ``x[::-2]`` of a symbolic axis empty at every length (onnxruntime: ceil(n / 2) rows)."""
+    rng = np.random.default_rng(0)
+    slices = NEGATIVE_STEP_SLICES + POSITIVE_STEP_SLICES
+    make = lambda n: {"x": rng.standard_normal((n, 3)).astype(np.float32)}  # noqa: E731
+    _check(make_slices_model("n", slices), tmp_path, {"n": (0, 8)}, [1, 2, 5, 8, 0, 1], make)
+    _check(make_slices_model(1, slices), tmp_path, {}, [1, 1], make)
+    # x[::-2] keeps a length of n: the clamps are proven away for n in [1, 8]
+    mod = import_onnx(make_slices_model("n", [(-1, _MIN, -2)]), {"n": (1, 8)})
+    assert "(n + 1) // 2, 3" in _out_shape(mod), _out_shape(mod)
+
+
 class _Raises:
     def apply(self, func, target, tunable):
         raise ScheduleError("not a reduction block")

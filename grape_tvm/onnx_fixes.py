@@ -350,6 +350,10 @@ def _known_slice(inputs, params) -> tuple[list, ...] | None:
         value = tvm_onnx.get_constant(value, params) if value is not None else None
         if isinstance(value, tvm.ir.GenericConst):
             values.append([int(v) for v in value.value.numpy().reshape(-1)])
+        elif isinstance(value, relax.ShapeExpr) and k < 2:  # bounds computed from shapes
+            values.append([_as_index(v) for v in value.values])
+        elif tvm.ir.is_prim_expr(value) and "int" in _scalar_dtype(value) and k < 2:
+            values.append([_as_index(value)])
         elif value is None and k >= 2:
             values.append(None)
         else:

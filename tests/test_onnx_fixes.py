@@ -131,6 +131,51 @@ def test_slice_with_negative_steps_and_far_bounds(tmp_path):
     assert "(n + 1) // 2, 3" in _out_shape(mod), _out_shape(mod)
 
 
+def make_slice_by_shape_model() -> onnx.ModelProto:
+    """Slices of ``x`` [t, 4] by ``past = Shape(p)[2]`` (a shape value): ``x[past:]``
+    (end INT64_MAX), ``x[:past]``, ``x[past::-1]``, ``x[-past:]`` (``Neg`` of it)."""
+    info = helper.make_tensor_value_info
+    nodes = [helper.make_node("Shape", ["p"], ["ps"]),
+             helper.make_node("Slice", ["ps", "two", "three"], ["past"]),
+             helper.make_node("Neg", ["past"], ["minus_past"]),
+             helper.make_node("Slice", ["x", "past", "big", "zero"], ["y0"]),
+             helper.make_node("Slice", ["x", "zero", "past", "zero"], ["y1"]),
+             helper.make_node("Slice", ["x", "past", "small", "zero", "minus1"], ["y2"]),
+             helper.make_node("Slice", ["x", "minus_past", "big", "zero"], ["y3"])]
+    outputs = [info(f"y{k}", TensorProto.FLOAT, None) for k in range(4)]
+    return _model(nodes, [info("x", TensorProto.FLOAT, ["t", 4]),
+                          info("p", TensorProto.FLOAT, [1, 2, "q", 4])], outputs,
+                  [_int64("zero", [0]), _int64("two", [2]), _int64("three", [3]),
+                   _int64("minus1", [-1]), _int64("big", [_MAX]), _int64("small", [_MIN])])
+
+
+def test_slice_by_a_shape_value_to_the_end(tmp_path):
+    """``x[past:]`` with ``past`` from a shape and end INT64_MAX crashed the import ("Literal
+    value ... exceeds range of int64": TVM's ``assume_inbound`` arithmetic on INT64_MAX);
+    the bounds are clamped against ``t`` only where ``past <= t`` is not proven."""
+    rng = np.random.default_rng(0)
+    dims = {"t": (1, 10), "q": (1, 10)}
+    mod = import_onnx(make_slice_by_shape_model(), dims)
+    assert "T.min(q, t)" in _out_shape(mod), _out_shape(mod)
+    _check(make_slice_by_shape_model(), tmp_path, dims,
+           [(5, 3), (1, 1), (1, 10), (10, 10), (3, 7), (10, 1), (5, 3)],
+           lambda s: {"x": rng.standard_normal((s[0], 4)).astype(np.float32),
+                      "p": np.zeros((1, 2, s[1], 4), np.float32)})
+
+
+def test_slice_bound_of_unknown_sign_is_refused():
+    """A shape-value bound whose sign the ranges leave open has no one index (negative
+    counts from the end): refused, not taken as in bounds as TVM takes it. (The importer
+    gives Slice only dims and their gathers as shape values, never negative; ``past - 3``
+    reaches it as a run-time tensor.)"""
+    from grape_tvm.onnx_fixes import UnsupportedNode, _onnx_index, _shape_analyzer
+    t, q = tvm.tirx.Var("t", "int64"), tvm.tirx.Var("q", "int64")
+    analyzer = _shape_analyzer({"t": (1, 8), "q": (0, 8)}, t, q)
+    with pytest.raises(UnsupportedNode, match="may be negative or not"):
+        _onnx_index(analyzer, q - 3, t, 0, t)
+    assert "t + q - T.int64(9)" in str(_onnx_index(analyzer, q - 9, t, 0, t))  # from the end
+
+
 class _Raises:
     def apply(self, func, target, tunable):
         raise ScheduleError("not a reduction block")

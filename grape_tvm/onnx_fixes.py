@@ -1038,6 +1038,58 @@ class RoiAlign(tvm_onnx.RoiAlign):
         return super()._impl(bb, inputs, attr, params, default_coordinate_transformation_mode)
 
 
+class Resize(tvm_onnx.Resize):
+    """Refused: constant ``scales`` whose product with a dim is not an integer for every
+    allowed shape, where the coordinate transform reads the scale.
+
+    TVM turns scales into sizes (``floor(scale * dim)``) and its kernels map coordinates by
+    ``in / out``; ONNX maps them by the given scale (``(x + 0.5) / scale - 0.5`` for
+    half_pixel): where ``scale * dim`` is not an integer the two differ (``[2, 3]`` by
+    1.5 with mode linear: values off by 0.21). TVM's resize has no way to take the scale,
+    so those are refused; integer products (2 on any dim, 0.5 on an even static one) and
+    the transforms that read only lengths (align_corners, tf_crop_and_resize) are TVM's.
+    Scales other than 1 on the batch or channel axis, which TVM drops, are refused too.
+    """
+
+    _LENGTHS_ONLY = ("align_corners", "tf_crop_and_resize")
+
+    @classmethod
+    def _impl_v18(cls, bb, inputs, attr, params):
+        scales = _constant_array(inputs[2], params) if len(inputs) > 2 and \
+            inputs[2] is not None else None
+        shape = _known_shape(inputs[0])
+        if scales is not None and scales.size and shape is not None:
+            mode = _attr_text(attr, "coordinate_transformation_mode", "half_pixel")
+            for axis, (scale, dim) in enumerate(zip(scales.tolist(), shape)):
+                cls._check(axis, float(scale), dim, mode)
+        return super()._impl_v18(bb, inputs, attr, params)
+
+    @classmethod
+    def _check(cls, axis: int, scale: float, dim: tirx.PrimExpr, mode: str) -> None:
+        """Raises for a scale TVM would apply wrongly (the importer names the node)."""
+        size = int(dim) if isinstance(dim, tirx.IntImm) else dim
+        where = f"axis {axis}: scale {scale:g} of dim {size}"
+        if axis < 2 and scale != 1:
+            raise UnsupportedNode(f"Resize of the batch or channel axis is not supported "
+                                  f"({where}): TVM resizes the spatial axes only")
+        if axis < 2 or mode in cls._LENGTHS_ONLY or _integer_product(scale, dim):
+            return
+        raise UnsupportedNode(
+            f"Resize by a scale whose product with the dim is not an integer is not "
+            f"supported ({where}, coordinate_transformation_mode {mode}): TVM maps "
+            "coordinates by the sizes' ratio, ONNX by the scale")
+
+
+def _integer_product(scale: float, dim: tirx.PrimExpr) -> bool:
+    """``scale * dim`` an integer for every value of ``dim``: a static dim, or an integer
+    scale. The float32 scale is taken to a relative 1e-6 (0.3f * 10 is 3.0000001, which ONNX
+    floors to 3; the ratio TVM uses is then the scale to that precision)."""
+    if not isinstance(dim, tirx.IntImm):
+        return float(scale).is_integer()
+    product = scale * int(dim)
+    return product - np.floor(product) <= 1e-6 * max(1.0, product)
+
+
 class Softplus(tvm_onnx.Softplus):
     """``log(1 + e^x)`` accurate where ``e^x`` is small against 1.
 
@@ -1094,6 +1146,7 @@ CONVERTERS: dict[str, type[tvm_onnx.OnnxOpConverter]] = {
     "Mod": Mod,
     "NonMaxSuppression": NonMaxSuppression,
     "Range": Range,
+    "Resize": Resize,
     "RoiAlign": RoiAlign,
     "Slice": Slice,
     "Softplus": Softplus,

@@ -238,3 +238,30 @@ def test_space_to_depth_crd_orders_channels_first(tmp_path):
         x = np.arange(48, dtype=np.float32).reshape(1, 2, 4, 6)
         (got,), = _run(model, tmp_path, {}, [{"x": x}])
         np.testing.assert_array_equal(got, ReferenceEvaluator(model).run(None, {"x": x})[0])
+
+
+def _resize_model(scales, dims, **attrs) -> onnx.ModelProto:
+    node = helper.make_node("Resize", ["x", "", "scales"], ["y"], name="up", **attrs)
+    return _model(node, [info("x", TensorProto.FLOAT, dims)], [info("y", TensorProto.FLOAT, None)],
+                  18, [numpy_helper.from_array(np.array(scales, np.float32), "scales")])
+
+
+def test_resize_by_a_scale_of_no_integer_product_is_refused(tmp_path):
+    """TVM maps coordinates by ``in / out`` with ``out = floor(scale * dim)``, ONNX by the
+    scale: [2, 3] by 1.5 (linear) was off by 0.21. Refused where the product is not an
+    integer for every allowed dim (a symbolic dim by a non-integer scale too); integer
+    products and align_corners (lengths only) equal onnxruntime."""
+    _refused(_resize_model([1, 1, 1, 1.5], [1, 1, 2, 3], mode="linear"),
+             "Resize node 'up'", "axis 3: scale 1.5 of dim 3", "half_pixel")
+    _refused(_resize_model([1, 1, 0.5, 0.5], [1, 1, "h", "w"], mode="nearest"),
+             "axis 2: scale 0.5 of dim h", dims={"h": (2, 8), "w": (2, 8)})
+    _refused(_resize_model([1, 2, 1, 1], [1, 1, 2, 3]), "batch or channel axis")
+    rng = np.random.default_rng(0)
+    x = lambda *s: rng.standard_normal(s).astype(np.float32)  # noqa: E731
+    _equals_onnxruntime(_resize_model([1, 1, 0.5, 1.5], [1, 1, 4, 2], mode="linear"), tmp_path,
+                        {}, [{"x": x(1, 1, 4, 2)}] * 2)
+    _equals_onnxruntime(_resize_model([1, 1, 1, 1.5], [1, 1, 2, 3], mode="linear",
+                                      coordinate_transformation_mode="align_corners"),
+                        tmp_path, {}, [{"x": x(1, 1, 2, 3)}] * 2)
+    _equals_onnxruntime(_resize_model([1, 1, 3, 1], [1, 1, "h", 2], mode="nearest"), tmp_path,
+                        {"h": (1, 5)}, [{"x": x(1, 1, h, 2)} for h in (1, 3, 5, 1)])

@@ -311,8 +311,9 @@ class Slice(tvm_onnx.Slice):
     kept only where the declared ranges do not prove them, an empty range made ``begin ==
     end``. An axis with a negative step is flipped and sliced forwards (``x[s:e:-k]`` is
     ``flip(x)[L-1-s : L-1-e : k]``): TVM is given in-range bounds and positive steps only.
-    Other bounds go to TVM's converter; a shape (``Shape``'s output) is sliced by TVM as a
-    Python list.
+    Bounds computed at run time are normalized alike in tensors (``_run_time_bounds``)
+    before TVM's ``dynamic_strided_slice``; a shape (``Shape``'s output) is sliced by TVM as
+    a Python list.
     """
 
     @classmethod
@@ -323,6 +324,7 @@ class Slice(tvm_onnx.Slice):
             return super()._impl_v13(bb, inputs, attr, params)
         known = _known_slice(inputs, params)
         if known is None:
+            inputs = _run_time_bounds(bb, inputs, len(shape))
             return super()._impl_v13(bb, inputs, attr, params)
         axes, starts, ends, steps = known
         if 0 in steps:
@@ -340,6 +342,49 @@ class Slice(tvm_onnx.Slice):
                 data = bb.normalize(relax.op.flip(data, axis))
         return relax.op.strided_slice(data, axes, begins, finals, [abs(s) for s in steps],
                                       assume_inbound=True)
+
+
+def _run_time_bounds(bb, inputs, rank: int) -> list:
+    """Slice's inputs with the starts and ends, tensors computed at run time, made ONNX's
+    indices (as ``_forward_range``'s, unflipped) in the form ``dynamic_strided_slice`` reads.
+
+    TVM passes them as they are: its kernel counts ``ceil((end - begin) / step)`` elements
+    unclamped, so ``x[4:2]`` allocated a negative length (``std::bad_alloc``). Here, per
+    axis of length ``L``: bounds first clamped to ``[-L - 1, L]`` (no overflow after, and
+    ONNX's clamps give the same), negative ones counted from the end, then step > 0:
+    ``0 <= begin <= end <= L``; step < 0: ``-1 <= end <= begin <= L - 1``, an end of -1
+    written ``-L - 1`` (TVM reads -1 as the last element, and clamps ``-L - 1`` to before
+    the first).
+    """
+    data, starts, ends = inputs[:3]
+    starts, ends = (tvm_onnx._as_int64_tensor(bb, v) for v in (starts, ends))  # pylint: disable=protected-access
+    count = int(starts.ty.shape.values[0])
+    axes = inputs[3] if len(inputs) > 3 and inputs[3] is not None else \
+        relax.const(np.arange(count, dtype="int64"))
+    steps = inputs[4] if len(inputs) > 4 and inputs[4] is not None else \
+        relax.const(np.ones(count, "int64"))
+    axes, steps = (tvm_onnx._as_int64_tensor(bb, v) for v in (axes, steps))  # pylint: disable=protected-access
+    op, i64 = relax.op, lambda v: relax.const(v, "int64")  # noqa: E731
+    axes = bb.normalize(op.where(op.less(axes, i64(0)), op.add(axes, i64(rank)), axes))
+    extent = bb.normalize(op.take(op.shape_to_tensor(op.shape_of(data)), axes, axis=0))
+    last = bb.normalize(op.subtract(extent, i64(1)))
+
+    def index(bound):
+        bound = op.minimum(op.maximum(bound, op.subtract(i64(-1), extent)), extent)
+        bound = bb.normalize(bound)
+        return bb.normalize(op.where(op.less(bound, i64(0)), op.add(bound, extent), bound))
+
+    start, end = index(starts), index(ends)  # in [-1, L]
+    forward_begin = bb.normalize(op.maximum(start, i64(0)))
+    forward_end = op.maximum(op.maximum(end, i64(0)), forward_begin)
+    backward_begin = bb.normalize(op.maximum(op.minimum(start, last), i64(0)))
+    backward_end = bb.normalize(op.minimum(op.minimum(end, last), backward_begin))
+    backward_end = op.where(op.less(backward_end, i64(0)),
+                            op.subtract(backward_end, extent), backward_end)
+    forward = bb.normalize(op.greater(steps, i64(0)))
+    return [data, bb.normalize(op.where(forward, forward_begin, backward_begin)),
+            bb.normalize(op.where(forward, forward_end, backward_end)), axes, steps,
+            *inputs[5:]]
 
 
 def _known_slice(inputs, params) -> tuple[list, ...] | None:

@@ -163,6 +163,34 @@ def test_slice_by_a_shape_value_to_the_end(tmp_path):
                       "p": np.zeros((1, 2, s[1], 4), np.float32)})
 
 
+def make_run_time_slice_model(inputs: int) -> onnx.ModelProto:
+    """``Slice(x[n, 6], starts, ends[, axes, steps])`` with each of them a graph input."""
+    info = helper.make_tensor_value_info
+    names = ["st", "en", "ax", "sp"][:inputs]
+    node = helper.make_node("Slice", ["x", *names], ["y"])
+    return _model([node], [info("x", TensorProto.FLOAT, ["n", 6])] +
+                  [info(k, TensorProto.INT64, [1]) for k in names],
+                  [info("y", TensorProto.FLOAT, None)], [])
+
+
+def test_slice_by_run_time_bounds_empty_or_reversed(tmp_path):
+    """Starts and ends computed at run time: ``x[4:2]`` allocated a negative length
+    (``std::bad_alloc``: TVM's ``dynamic_strided_slice`` does not clamp it at 0); negative
+    steps and far bounds by ONNX's rules, on both axes, n in [0, 8]."""
+    rng = np.random.default_rng(0)
+    cases = [(4, 2), (2, 4), (0, _MAX), (-2, _MIN), (_MIN, -1), (6, 6), (-100, 100)]
+    _check(make_run_time_slice_model(2), tmp_path, {"n": (0, 8)},
+           [(n, b, e) for n in (6, 1, 0, 8) for b, e in cases],
+           lambda c: {"x": rng.standard_normal((c[0], 6)).astype(np.float32),
+                      "st": np.array([c[1]], np.int64), "en": np.array([c[2]], np.int64)})
+    steps = NEGATIVE_STEP_SLICES + POSITIVE_STEP_SLICES
+    _check(make_run_time_slice_model(4), tmp_path, {"n": (0, 8)},
+           [(n, axis, c) for n in (5, 1, 0, 8) for axis in (0, -1) for c in steps],
+           lambda c: {"x": rng.standard_normal((c[0], 6)).astype(np.float32),
+                      **{k: np.array([v], np.int64) for k, v in
+                         zip(("st", "en", "ax", "sp"), (c[2][0], c[2][1], c[1], c[2][2]))}})
+
+
 def test_slice_bound_of_unknown_sign_is_refused():
     """A shape-value bound whose sign the ranges leave open has no one index (negative
     counts from the end): refused, not taken as in bounds as TVM takes it. (The importer

@@ -14,7 +14,7 @@ from tvm import relax
 
 import grape_tvm
 from conftest import onnxruntime_outputs
-from grape_tvm.frontend import ImportError_, import_onnx
+from grape_tvm.frontend import import_onnx
 from grape_tvm.passes import BoundShapeRanges, NameDerivedDims, TolerantRule
 from tvm.s_tir.schedule.schedule import ScheduleError
 
@@ -628,6 +628,7 @@ def test_expand_keeps_broadcast_to_where_it_reads_right():
             (["n", 4], ("constant", [1, 1]), "gv: R.Tensor((n, 4), dtype=\"float32\") = x")]:
         script = import_onnx(make_expand_model(x_dims, shape), {"n": (1, 4), "m": (1, 4)}).script()
         assert kept in script and "call_tir" not in script and "assert" not in script, script
+
 
 def make_resize_model(scales, mode: str, dims) -> onnx.ModelProto:
     """``Resize(x, scales=scales)`` of an NCHW ``x`` of ``dims`` (names or sizes)."""

@@ -52,7 +52,10 @@ def _check_output(raw: str, option: str, *inputs: Path) -> Path:
         raise ValueError(f"{option} {raw} is a folder, expected a file name")
     if not path.parent.is_dir():
         raise ValueError(f"{option} {path}: folder {path.parent} does not exist")
-    if not os.access(path.parent, os.W_OK):
+    if path.exists() and not path.is_file():  # a device or a pipe: written to, not replaced
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{option} {path} is not writable")
+    elif not os.access(path.parent, os.W_OK):  # a file is written beside it, then renamed
         raise ValueError(f"{option} {path}: folder {path.parent} is not writable")
     for given in inputs:
         if path.exists() and given.exists() and path.samefile(given):
@@ -112,10 +115,10 @@ def _read_inputs(path: Path) -> dict[str, np.ndarray]:
 def _read_array(npz, name: str, path: Path) -> np.ndarray:
     try:
         array = npz[name]
-    except (ValueError, zipfile.BadZipFile) as err:  # object arrays need pickle: refused
-        raise ValueError(f"input {name!r} in {path} is not an array of numbers: {err}") from None
-    except (zlib.error, EOFError) as err:
+    except (zipfile.BadZipFile, zlib.error, EOFError) as err:  # a checksum, a truncation
         raise ValueError(f"input {name!r} in {path} is damaged: {err}") from None
+    except ValueError as err:  # object arrays need pickle: refused
+        raise ValueError(f"input {name!r} in {path} is not an array of numbers: {err}") from None
     except MemoryError:  # the size its header declares
         raise ValueError(f"input {name!r} in {path} is larger than this host's memory") from None
     if not isinstance(array, np.ndarray):  # a zip member that is no .npy
@@ -326,6 +329,7 @@ def _print_description(d: dict) -> None:
     elif loop:
         print(f"loop: state {loop['carried']}, stops on {loop['stop']!r} or after "
               f"{loop['max_steps']} steps")
+    if loop:
         print(f"  runs as {loop['runs_as']}")
 
 

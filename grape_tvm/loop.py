@@ -48,8 +48,7 @@ class GrapeLoop:
         return self.runner.run(state, max_steps)
 
     def close(self) -> None:
-        if isinstance(self.runner, DeviceLoop):
-            self.runner.close()
+        self.runner.close()
         self.executor.close()
 
     def __enter__(self) -> "GrapeLoop":
@@ -83,8 +82,8 @@ def step_has_branches(manifest: dict) -> bool:
 def loop_runner(executor, path: str | Path, mode: str = "auto") -> HostLoop | DeviceLoop:
     """The runner of the loop ``executor`` (loaded from ``path``) runs, by ``mode`` (see
     ``load_loop``): also what each rank of a tensor-parallel loop runs, around the executor
-    its worker loaded. The caller keeps owning ``executor``; a ``DeviceLoop`` is the
-    caller's to close."""
+    its worker loaded. The caller keeps owning ``executor``, and closes the runner (its
+    graphs, its state buffers)."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     spec_json = executor.manifest.get("loop")

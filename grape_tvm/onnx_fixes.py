@@ -22,8 +22,8 @@ from tvm.relax.frontend.onnx import onnx_frontend as tvm_onnx
 
 from grape_tvm.onnx_contrib import CONTRIB_CONVERTERS
 from grape_tvm.onnx_shape_tensors import (
-    REDUCE_OPS, SHAPE_TENSOR_CONVERTERS, KeepsRank, _int64_tensor, _shape_from, _vector_length,
-    as_int64)
+    REDUCE_OPS, SHAPE_TENSOR_CONVERTERS, KeepsRank, as_int64, int64_tensor, shape_from,
+    vector_length)
 
 
 class OnnxConversionError(RuntimeError):
@@ -356,14 +356,17 @@ def _run_time_bounds(bb, inputs, rank: int) -> list:
     written ``-L - 1`` (TVM reads -1 as the last element, and clamps ``-L - 1`` to before
     the first).
     """
-    data, starts, ends = inputs[:3]
-    starts, ends = (tvm_onnx._as_int64_tensor(bb, v) for v in (starts, ends))  # pylint: disable=protected-access
-    count = int(starts.ty.shape.values[0])
+    data = inputs[0]
+    as_int64_tensor = tvm_onnx._as_int64_tensor  # pylint: disable=protected-access
+    starts, ends = (as_int64_tensor(bb, v) for v in inputs[1:3])
+    count = vector_length(starts)
+    if count is None:
+        return inputs  # TVM's converter names it: it needs the starts' length
     axes = inputs[3] if len(inputs) > 3 and inputs[3] is not None else \
         relax.const(np.arange(count, dtype="int64"))
     steps = inputs[4] if len(inputs) > 4 and inputs[4] is not None else \
         relax.const(np.ones(count, "int64"))
-    axes, steps = (tvm_onnx._as_int64_tensor(bb, v) for v in (axes, steps))  # pylint: disable=protected-access
+    axes, steps = (as_int64_tensor(bb, v) for v in (axes, steps))
     op, i64 = relax.op, lambda v: relax.const(v, "int64")  # noqa: E731
     axes = bb.normalize(op.where(op.less(axes, i64(0)), op.add(axes, i64(rank)), axes))
     extent = bb.normalize(op.take(op.shape_to_tensor(op.shape_of(data)), axes, axis=0))
@@ -830,10 +833,10 @@ def _expand_target(bb, shape, params) -> tuple[list[tirx.PrimExpr], bool] | None
     values = _shape_values(bb, shape)
     if values is not None:
         return [as_int64(t) for t in values], False
-    length = _vector_length(shape)
+    length = vector_length(shape)
     if length is None:
         return None
-    return list(_shape_from(bb, _int64_tensor(bb, shape), length, "expand_dim").values), True
+    return list(shape_from(bb, int64_tensor(bb, shape), length, "expand_dim").values), True
 
 
 def _broadcast_pair(analyzer: Analyzer, d: tirx.PrimExpr, t: tirx.PrimExpr

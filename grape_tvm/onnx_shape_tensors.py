@@ -38,7 +38,7 @@ def _is_known(value, params) -> bool:
         isinstance(tvm_onnx.get_constant(value, params), tvm.ir.GenericConst)
 
 
-def _vector_length(value) -> int | None:
+def vector_length(value) -> int | None:
     """The static length of a 1-d tensor, else None."""
     ty = getattr(value, "ty", None)
     if not isinstance(ty, relax.TensorType) or ty.ndim != 1 or \
@@ -52,7 +52,7 @@ def _is_empty_shape(value, params) -> bool:
     """A shape known at import time to have no dims (a scalar's)."""
     if isinstance(value, relax.ShapeExpr):
         return len(value.values) == 0
-    if _vector_length(value) == 0:
+    if vector_length(value) == 0:
         return True
     const = tvm_onnx.get_constant(value, params)
     return isinstance(const, tvm.ir.GenericConst) and const.value.numpy().size == 0
@@ -63,7 +63,7 @@ def _static_rank(value) -> int | None:
     return ty.ndim if isinstance(ty, relax.TensorType) and ty.ndim >= 0 else None
 
 
-def _int64_tensor(bb, value) -> relax.Expr:
+def int64_tensor(bb, value) -> relax.Expr:
     if isinstance(value, relax.ShapeExpr):
         return bb.normalize(relax.op.shape_to_tensor(value))
     return value if value.ty.dtype == "int64" else bb.normalize(relax.op.astype(value, "int64"))
@@ -84,7 +84,7 @@ def _shape_tensor(bb, data) -> relax.Expr:
         [as_int64(d) for d in data.ty.shape.values])))
 
 
-def _shape_from(bb, values: relax.Expr, length: int, prefix: str) -> relax.ShapeExpr:
+def shape_from(bb, values: relax.Expr, length: int, prefix: str) -> relax.ShapeExpr:
     """A run-time int64 tensor of ``length`` elements as a shape of fresh dims."""
     return tvm_onnx._tensor_to_shape_expr(bb, values, length, prefix)  # pylint: disable=protected-access
 
@@ -104,12 +104,12 @@ class Reshape(tvm_onnx.Reshape):
         data, shape = inputs
         if _is_integer_dim(data):
             return _reshape_dim(bb, data, shape, attr, params)
-        length = _vector_length(shape)
+        length = vector_length(shape)
         if _is_known(shape, params) or isinstance(data, relax.ShapeExpr) or length is None or \
                 not isinstance(getattr(data, "ty", None), relax.TensorType) or \
                 not isinstance(data.ty.shape, relax.ShapeExpr):
             return super()._impl_v13(bb, inputs, attr, params)
-        target = _int64_tensor(bb, shape)
+        target = int64_tensor(bb, shape)
         in_shape = _shape_tensor(bb, data)
         rank = data.ty.ndim
         if not attr.get("allowzero", 0):
@@ -133,7 +133,7 @@ class Reshape(tvm_onnx.Reshape):
         bb.emit(relax.op.assert_op(fits, [], "Reshape: the shape given at run time must keep "
                                    "the element count, with at most one -1 and no other "
                                    "negative dim"))
-        return relax.op.reshape(data, _shape_from(bb, target, length, "reshape_dim"))
+        return relax.op.reshape(data, shape_from(bb, target, length, "reshape_dim"))
 
 
 class ConstantOfShape(tvm_onnx.ConstantOfShape):
@@ -148,7 +148,7 @@ class ConstantOfShape(tvm_onnx.ConstantOfShape):
     @classmethod
     def _impl_v9(cls, bb, inputs, attr, params):
         (shape,) = inputs
-        length = _vector_length(shape)
+        length = vector_length(shape)
         if _is_empty_shape(shape, params):
             value = attr.get("value")
             scalar = tvm_onnx.get_numpy(value).reshape(()) if value is not None else \
@@ -156,11 +156,11 @@ class ConstantOfShape(tvm_onnx.ConstantOfShape):
             return relax.const(scalar, str(scalar.dtype))
         if _is_known(shape, params) or length is None:
             return super()._impl_v9(bb, inputs, attr, params)
-        values = _int64_tensor(bb, shape)
+        values = int64_tensor(bb, shape)
         bb.emit(relax.op.assert_op(
             relax.op.greater_equal(relax.op.min(values), _i64(0)), [],
             "ConstantOfShape: the shape given at run time must have no negative dim"))
-        dims = _shape_from(bb, values, length, "constant_dim")
+        dims = shape_from(bb, values, length, "constant_dim")
         return super()._impl_v9(bb, [dims], attr, params)
 
 
@@ -193,7 +193,7 @@ class Concat(tvm_onnx.Concat):
         shapes = [isinstance(x, relax.ShapeExpr) for x in inputs]
         if not any(shapes) or all(shapes) or all(_is_known(x, params) for x in inputs):
             return super()._impl_v13(bb, inputs, attr, params)
-        return relax.op.concat([_int64_tensor(bb, x) for x in inputs], axis=attr.get("axis", 0))
+        return relax.op.concat([int64_tensor(bb, x) for x in inputs], axis=attr.get("axis", 0))
 
 
 class Gather(tvm_onnx.Gather):
@@ -421,8 +421,8 @@ def _kept_dims(reduced: te.Tensor, shape: te.Tensor, kept: int) -> te.Tensor:
 
 def _reduce_runtime_axes(bb, op: str, data, axes, keepdims: bool) -> relax.Expr:
     """``op`` over ``axes`` known only at run time (see the module's docstring)."""
-    rank, count_axes = data.ty.ndim, _vector_length(axes)
-    axes = _int64_tensor(bb, axes)
+    rank, count_axes = data.ty.ndim, vector_length(axes)
+    axes = int64_tensor(bb, axes)
     axes = bb.normalize(relax.op.where(relax.op.less(axes, _i64(0)),
                                        relax.op.add(axes, _i64(rank)), axes))
     hits = relax.op.equal(relax.op.expand_dims(axes, 1),
@@ -434,11 +434,11 @@ def _reduce_runtime_axes(bb, op: str, data, axes, keepdims: bool) -> relax.Expr:
         f"[-{rank}, {rank - 1}]"))
     in_shape = _shape_tensor(bb, data)
     one = _i64(1)
-    out_dims = _shape_from(bb, bb.normalize(relax.op.where(relax.op.equal(reduced, one), one,
+    out_dims = shape_from(bb, bb.normalize(relax.op.where(relax.op.equal(reduced, one), one,
                                                            in_shape)), rank, f"{op}_dim")
     count = bb.normalize(relax.op.reshape(relax.op.prod(
         relax.op.where(relax.op.equal(reduced, one), in_shape, one)), [1]))
-    (count,) = _shape_from(bb, count, 1, f"{op}_count").values
+    (count,) = shape_from(bb, count, 1, f"{op}_count").values
     # The dims go in as arguments: emit_te passes those the tensors' shapes do not bind.
     out = bb.emit_te(lambda x, r, dims, n: reduce_over_runtime_axes(op, x, r, dims, n[0]),
                      data, reduced, out_dims, relax.ShapeExpr([count]),
@@ -448,7 +448,7 @@ def _reduce_runtime_axes(bb, op: str, data, axes, keepdims: bool) -> relax.Expr:
     kept = rank - count_axes
     dims = bb.emit_te(lambda r, s: _kept_dims(r, s, kept), reduced, in_shape,
                       primfunc_name_hint="kept_dims")
-    return relax.op.reshape(out, _shape_from(bb, dims, kept, f"{op}_kept"))
+    return relax.op.reshape(out, shape_from(bb, dims, kept, f"{op}_kept"))
 
 
 def _constant_range(bb, value) -> relax.Expr | None:
@@ -476,7 +476,7 @@ def _reduce_converter(base: type[tvm_onnx.OnnxOpConverter], version: int):
         constant = _constant_range(bb, axes) if axes is not None else None
         if constant is not None:
             inputs, axes = [inputs[0], constant, *inputs[2:]], constant
-        if axes is None or _is_known(axes, params) or not _vector_length(axes) or \
+        if axes is None or _is_known(axes, params) or not vector_length(axes) or \
                 _static_rank(inputs[0]) is None:
             return getattr(super(converter, cls), name)(bb, inputs, attr, params)
         return _reduce_runtime_axes(bb, base.__name__, inputs[0], axes,

@@ -57,7 +57,7 @@ import tvm
 
 from grape_tvm.artifact import Artifact, ArtifactError, stored_weights
 from grape_tvm.runtime.cuda_driver import copy_part
-from grape_tvm.runtime.device_loop import DeviceLoop, LoopResult, LoopSpec
+from grape_tvm.runtime.device_loop import LoopResult, LoopSpec
 from grape_tvm.runtime.nccl import CollectiveFunction, CollectiveGroup, unique_id
 from grape_tvm.runtime.signature import BoundDims, InputError, Signature
 from grape_tvm.runtime.tensor_parallel import (OUTPUTS_KEY, PLAN_KEY, joined, placement_text,
@@ -202,10 +202,8 @@ class TensorParallelSession:
                 raise InputError(f"input(s) {kept} are kept on the ranks from the last call "
                                  "(feed_back): drop_kept() them before binding them")
             self._check_open()
-            parts = {name: self._part(name, np.asarray(value)) for name, value in inputs.items()}
-            bound_dims = self._bound_dims.binding(  # taken once every rank has bound
-                self.signature, {k: v.shape for k, v in parts.items()},
-                {k: str(v.dtype) for k, v in parts.items()})
+            shapes, dtypes = self._part_specs(inputs)
+            bound_dims = self._bound_dims.binding(self.signature, shapes, dtypes)  # kept below
             done = self._call("run", self._executor, "bind", *self._send(inputs))
             self._raise_failed(done)
             self._bound |= set(inputs)
@@ -275,7 +273,7 @@ class TensorParallelSession:
                 raise InputError(f"the loop state is {list(spec.carried)}, got {sorted(state)} "
                                  "(loop invariants are bound with bind_inputs)")
             limit = spec.limit(max_steps)
-            self._checked(state, partial=False)
+            self._checked(state)
             result = self._call("run_loop", self._loop, limit, *self._send(state))
             self._raise_failed(result)
             steps = self._steps_run(result)
@@ -289,7 +287,7 @@ class TensorParallelSession:
         self._check_open()
         self._check_feed_back(feed_back, gather)
         kept = {name: k for name, k in self._kept.items() if name not in inputs}
-        self._checked(inputs, partial=False, kept=kept)
+        self._checked(inputs, kept=kept)
         outputs = self._call("run", self._executor, "run", *self._send(inputs, kept))
         self._raise_failed(outputs)  # every rank: one that failed must not gather
         shapes = self._part_shapes(outputs)
@@ -381,20 +379,23 @@ class TensorParallelSession:
             return part_shape
         return (*part_shape[:axis], part_shape[axis] * self.world_size, *part_shape[axis + 1:])
 
-    def _checked(self, inputs: Mapping[str, Any], partial: bool,
+    def _checked(self, inputs: Mapping[str, Any],
                  kept: Mapping[str, KeptOutput] | None = None) -> dict[str, int]:
         """The dims the inputs set, their rank 0 parts checked as the rank's executor will
         check them (names, dtypes, shapes, dims), with the parts ``kept`` on the ranks as
         they are, before anything is sent: a worker's failure on bad input would leave the
         others waiting in a collective."""
         self._check_open()
-        parts = {name: self._part(name, np.asarray(value)) for name, value in inputs.items()}
-        shapes = {k: v.shape for k, v in parts.items()}
-        dtypes = {k: str(v.dtype) for k, v in parts.items()}
+        shapes, dtypes = self._part_specs(inputs)
         for name, k in (kept or {}).items():
             shapes[name], dtypes[name] = k.part_shape, k.dtype
-        return self.signature.bind(shapes, dtypes, bound=self._bound_dims.values, skip=self._bound,
-                                   partial=partial)
+        return self.signature.bind(shapes, dtypes, bound=self._bound_dims.values,
+                                   skip=self._bound)
+
+    def _part_specs(self, inputs: Mapping[str, Any]) -> tuple[dict, dict]:
+        """The shapes and dtypes of the inputs' rank 0 parts."""
+        parts = {name: self._part(name, np.asarray(value)) for name, value in inputs.items()}
+        return {k: v.shape for k, v in parts.items()}, {k: str(v.dtype) for k, v in parts.items()}
 
     def _part(self, name: str, value: np.ndarray) -> np.ndarray:
         """Rank 0's part of a whole input; ``InputError`` where the plan's split cannot be."""
@@ -775,7 +776,7 @@ def _close_loop(handle) -> str:
     """Free the loop runner of ``handle`` (a device loop's graphs); its executor stays."""
     with _LOCK:
         runner = _LOOPS.pop(handle, None)
-    if isinstance(runner, DeviceLoop):
+    if runner is not None:
         runner.close()
     return ""
 

@@ -109,8 +109,8 @@ class IfToSelect:
     functions, no packed calls, no allocation, no nested ``if``), at most ``max_ops``
     operators each, none that could trap when its branch is not taken (integer
     division or modulo) or read or write at indices from data (``take``, gathers,
-    scatters: the ``if`` may be what keeps them in bounds), and the result is one tensor of the same known shape and dtype
-    from either branch (``R.where`` broadcasts: (n, 8) against (1, 8) would give (n, 8)
+    scatters: the ``if`` may be what keeps them in bounds), and the result is one tensor
+    of the same known shape and dtype from either branch (``R.where`` broadcasts: (n, 8) against (1, 8) would give (n, 8)
     where the else branch returns (1, 8); and a shape it cannot compute leaves the select
     unlowered). An ``if`` cheap enough but refused for its shapes keeps its ``if``; why
     goes to the function's ``grape.if_notes`` attribute (``graph_plan``'s notes, shown by

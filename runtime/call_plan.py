@@ -34,6 +34,12 @@ class Address(int):
         return int(self)
 
 
+def scalar_tensor(value: bool | int | float, dtype: str, device) -> tvm.runtime.Tensor:
+    """A 0-d tensor of ``value``: an output the entry returns as a number (a value of the
+    dims, as ``Shape(x)[0]``) is a tensor, like every other output."""
+    return tvm.runtime.tensor(np.array(value, dtype=dtype), device)
+
+
 class BufferPool:
     """Executor-owned device buffers, one per program storage, grown to the largest size
     asked for.
@@ -379,8 +385,8 @@ class PlannedCall:
                                        caller, guards, tuple(layout.guard_inputs)))
         outputs = [None if a.kind == "input" else
                    tvm_ffi.Shape(a.value) if a.kind == "shape" else
-                   # a value of the dims (``Shape(x)[0]``): a 0-d tensor, as the VM path's
-                   tvm.runtime.tensor(np.array(a.value), pool.device) if a.kind == "value" else
+                   # a value of the dims, int64 as TVM's shape values; made once a placement
+                   scalar_tensor(a.value, "int64", pool.device) if a.kind == "value" else
                    self._output_view(a, pool, side) for a in self.at.outputs]
         described = {id(held): TensorFacts(held, view.shape, view.dtype,
                                            generation=pool.generation, where=side)

@@ -147,8 +147,11 @@ class HostLoop:
             for name, value in sources.items():
                 if value.data_ptr() != own[name].data_ptr():
                     own[name].copyfrom(value)
-                    self.executor.stats.add("d2d_bytes", nbytes(value))
         return dict(own)
+
+    def close(self) -> None:
+        """Give the state buffers up (the executor is its owner's to close)."""
+        self._states.clear()
 
 
 def _copy(tensor: tvm.runtime.Tensor) -> tvm.runtime.Tensor:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import itertools
 import math
@@ -19,7 +20,7 @@ import tvm_ffi
 from tvm.runtime.vm import VirtualMachine, VMInstrumentReturnKind
 
 from .backend import RegionBackend
-from .call_plan import BufferPool, Placement, PlannedCall, TensorFacts, free_side
+from .call_plan import BufferPool, Placement, PlannedCall, TensorFacts, free_side, scalar_tensor
 from .call_program import CONDITIONAL_PREFIX, REGION_PREFIX, CallProgram, Launch, guarded_calls
 from .progress import Progress
 from .signature import BoundDims, InputError, Signature, nbytes, nbytes_of
@@ -260,6 +261,7 @@ class GraphExecutor:
         self._pool = BufferPool(device)
         self._bound: dict[str, tvm.runtime.Tensor] = {}
         self._bound_dims = BoundDims()
+        self._bound_spans = _Spans(())  # their memory, for out= tensors overlapping them
         # 2-D inputs the entry takes transposed (the plan's ``transposed_inputs``): made so
         # once, by ``bind_inputs``; ``run`` refuses them.
         self.transposed_inputs = frozenset(transposed_inputs)
@@ -309,12 +311,14 @@ class GraphExecutor:
             given = {name: self._transposed_host(name, value)
                      if name in self.transposed_inputs else self._as_tensor(name, value)
                      for name, value in inputs.items()}
-            tensors = {k: self._as_tensor(k, np.ascontiguousarray(t.T))
-                       if k in self.transposed_inputs else t for k, t in given.items()}
-            self._bound_dims = self._bound_dims.binding(
+            bound_dims = self._bound_dims.binding(
                 self.signature, {k: tuple(t.shape) for k, t in given.items()},
                 {k: str(t.dtype) for k, t in given.items()})
+            tensors = {k: self._as_tensor(k, np.ascontiguousarray(t.T))
+                       if k in self.transposed_inputs else t for k, t in given.items()}
+            self._bound_dims = bound_dims
             self._bound.update(tensors)
+            self._bound_spans = _Spans(self._bound.values())
             self._template = [self._bound.get(t.name) for t in self.signature.inputs]
             self._plans.clear()
             self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
@@ -435,10 +439,23 @@ class GraphExecutor:
         input (a kernel would read what it writes, and a region recorded writing into an
         input would write there at every replay), or an output is no kernel's own (an
         input passed through, a buffer another output shares)."""
-        if _overlap(out.values(), prepared.args):
+        if any(self._overlaps_an_input(target, prepared) for target in out.values()):
             return True
         planned = self._planned(prepared.key, prepared.args)
         return planned is not None and any(planned.output_spec(i) is None for i in out)
+
+    def _overlaps_an_input(self, tensor: tvm.runtime.Tensor, prepared: _Prepared) -> bool:
+        """Whether ``tensor``'s memory overlaps one of the call's inputs, passed or bound
+        (the bound ones' spans kept since they were bound: a model's weights are many)."""
+        start = tensor.data_ptr()
+        end = start + nbytes(tensor)
+        if start == end:
+            return False
+        for facts in prepared.passed:
+            other = facts.tensor.data_ptr()
+            if start < other + nbytes_of(facts.shape, facts.dtype) and other < end:
+                return True
+        return self._bound_spans.overlaps(start, end)
 
     def _planned(self, key: tuple | None, args: list) -> PlannedCall | None:
         """The planned call at ``key``'s dims, made from the program the first time."""
@@ -670,20 +687,25 @@ class GraphExecutor:
         ``Shape(x)[0]``) as 0-d tensors of their declared dtype, like every other output."""
         for index, value in enumerate(values):
             if isinstance(value, (bool, int, float)):
-                dtype = self.signature.outputs[index].dtype if self.signature else None
-                host = np.array(value, dtype=dtype)
-                values[index] = tvm.runtime.tensor(host, self.device)
-                self.stats.add("h2d_bytes", host.nbytes)
+                dtype = self.signature.outputs[index].dtype if self.signature else \
+                    np.asarray(value).dtype.name
+                values[index] = scalar_tensor(value, dtype, self.device)
+                self.stats.add("h2d_bytes", nbytes(values[index]))
 
     def _copy_out(self, values: list, out: dict[int, Any]) -> None:
         """Copy outputs ``values`` into the caller's ``out`` tensors, which take their
-        places in ``values``; counted in ``stats.d2d_bytes``."""
+        places in ``values``; counted in ``stats.d2d_bytes``. Every target is checked
+        before any is written."""
+        values_of = {index: _as_copyable(values[index]) for index in out}
         for index, target in out.items():
-            _check_like(target, values[index], self.signature.outputs[index].name)
-            with self.backend.stream_context():
-                target.copyfrom(values[index])
-            self.stats.add("d2d_bytes", nbytes(values[index]))
-            values[index] = target
+            _check_like(target, values_of[index], self.signature.outputs[index].name)
+        with self.backend.stream_context():
+            for index, target in out.items():
+                target.copyfrom(values_of[index])
+                copied = values_of[index]
+                self.stats.add("d2d_bytes" if isinstance(copied, tvm.runtime.Tensor) else
+                               "h2d_bytes", nbytes(copied))
+                values[index] = target
 
     def _record_branches_not_taken(self) -> None:
         """Record, without running them, the regions of conditional regions the VM ran
@@ -1000,7 +1022,9 @@ class GraphExecutor:
 
         Runs the model once per combination of dim values (``dims`` narrows them) on zero
         inputs (bound inputs, see ``bind_inputs``, as they are); returns the seconds it took.
-        Shapes already recorded are replayed, not recorded again.
+        Shapes already recorded are replayed, not recorded again. Refused (``InputError``)
+        for more combinations than the executor keeps (``max_shapes``), and before the
+        weights the build reads transposed are bound.
         """
         if self.signature is None:
             raise ValueError("record_all needs the model's signature (load it from an artifact)")
@@ -1046,7 +1070,7 @@ class GraphExecutor:
             self._plans.clear()
             self._pool.close()
             self._bound.clear()
-            self._bound_dims = BoundDims()
+            self._bound_dims, self._bound_spans = BoundDims(), _Spans(())
             self._template = [None] * len(self._template)
             self._returned, self._checked, self._recent, self._dims_of = {}, {}, {}, {}
             self._prepared = {}
@@ -1154,17 +1178,26 @@ def _share_memory(tensors: Sequence[Any]) -> bool:
     return any(start < end for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
-def _overlap(tensors: Iterable[Any], others: Sequence[Any]) -> bool:
-    """Whether a tensor of ``tensors`` overlaps in memory one of ``others`` (tensors
-    and other values)."""
-    spans = [(t.data_ptr(), t.data_ptr() + nbytes(t))
-             for t in others if isinstance(t, tvm.runtime.Tensor) and nbytes(t)]
-    for tensor in tensors:
-        start, end = tensor.data_ptr(), tensor.data_ptr() + nbytes(tensor)
-        if start < end and any(start < other_end and other_start < end
-                               for other_start, other_end in spans):
-            return True
-    return False
+class _Spans:
+    """The memory of some tensors, sorted, to ask whether a span overlaps any (by bisection:
+    ``ends`` holds the largest end of the spans up to each)."""
+
+    def __init__(self, tensors: Iterable[Any]):
+        spans = sorted((t.data_ptr(), t.data_ptr() + nbytes(t))
+                       for t in tensors if isinstance(t, tvm.runtime.Tensor) and nbytes(t))
+        self.starts = [start for start, _ in spans]
+        self.ends = list(itertools.accumulate((end for _, end in spans), max))
+
+    def overlaps(self, start: int, end: int) -> bool:
+        below = bisect.bisect_left(self.starts, end)  # the spans that start before ``end``
+        return below > 0 and self.ends[below - 1] > start
+
+
+def _as_copyable(value):
+    """An output as ``copyfrom`` takes it: a shape (ONNX's ``Shape``) as int64 numbers."""
+    if isinstance(value, tvm_ffi.Shape):
+        return np.array(list(value), dtype=np.int64)
+    return value
 
 
 def _clear_vm_memory_pools(trim_host: bool) -> None:

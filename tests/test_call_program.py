@@ -19,7 +19,7 @@ from grape_tvm.passes.call_program import describe_call_program
 from grape_tvm.pipeline import grape_pipeline
 from grape_tvm.runtime.call_program import (FORMAT_VERSION, PROGRAM_ATTR, CallProgram,
                                             ProgramError, evaluate)
-from grape_tvm.runtime.signature import ShapeRange
+from grape_tvm.runtime.signature import InputError, ShapeRange
 
 
 @I.ir_module
@@ -459,8 +459,6 @@ def test_out_tensors_overlapping_an_input_are_written_by_a_copy(tmp_path):
     by a copy: written directly, the kernels read what they write, and a region recorded
     writing into an input wrote into that argument at every later call. Two outputs given
     one tensor are refused. Every output equals numpy's; the callers' other tensors stay."""
-    from grape_tvm.runtime import InputError  # pylint: disable=import-outside-toplevel
-
     executor = grape_tvm.load(grape_tvm.build(TwoLayers, {"n": (1, 32)}, "llvm",
                                               output_names=["y"]).export(tmp_path / "m.grape"))
     rng = np.random.default_rng(9)
@@ -491,6 +489,12 @@ def test_out_tensors_overlapping_an_input_are_written_by_a_copy(tmp_path):
     np.testing.assert_allclose(again.numpy(), want, rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(xt.numpy(), mine)
     assert again.data_ptr() != xt.data_ptr()
+
+    executor.bind_inputs({"w": wt})  # a bound input as the out= tensor: copied too
+    x = rng.standard_normal((16, 16)).astype(np.float32)
+    w = wt.numpy()
+    executor.run({"x": x}, return_numpy=False, out={"y": wt})
+    np.testing.assert_allclose(wt.numpy(), _two_layers(x, w), rtol=1e-5, atol=1e-5)
 
     grown = grape_tvm.load(grape_tvm.build(Concat, {"past": (1, 16)}, "llvm",
                                            output_names=["grown", "y"])
@@ -526,7 +530,8 @@ class PassedThrough:  # the input returned as it is, beside a result
 
 def test_out_for_an_output_no_kernel_writes_is_a_copy(tmp_path):
     """An input passed through as an output, given an ``out=`` tensor: written after the
-    call by a copy (it was refused: no kernel of its own writes it)."""
+    call by a copy (it was refused: no kernel of its own writes it). A target of the wrong
+    shape among them is refused before any target is written."""
     executor = grape_tvm.load(grape_tvm.build(PassedThrough, {"n": (1, 16)}, "llvm",
                                               output_names=["y", "same"])
                               .export(tmp_path / "p.grape"))
@@ -538,6 +543,34 @@ def test_out_for_an_output_no_kernel_writes_is_a_copy(tmp_path):
         assert got["y"] is y and got["same"] is same
         np.testing.assert_array_equal(y.numpy(), np.maximum(x, 0))
         np.testing.assert_array_equal(same.numpy(), x)
+    y, wrong = tvm.runtime.tensor(np.zeros((9, 8), np.float32)), \
+        tvm.runtime.tensor(np.zeros((8, 8), np.float32))
+    with pytest.raises(InputError, match=r"out\['same'\] is float32\(8, 8\)"):
+        executor.run({"x": x}, out={"y": y, "same": wrong})
+    assert not y.numpy().any() and not wrong.numpy().any()
+
+
+def test_out_for_a_shape_output_is_its_numbers(tmp_path):
+    """``Shape(x)`` as an output, given an ``out=`` int64 tensor: its numbers copied in (a
+    shape value has no tensor's shape or dtype: the copy failed after the call)."""
+    from onnx import TensorProto, helper  # pylint: disable=import-outside-toplevel
+
+    info = helper.make_tensor_value_info
+    graph = helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"]), helper.make_node("Shape", ["x"], ["s"])], "g",
+        [info("x", TensorProto.FLOAT, ["n", 8])],
+        [info("y", TensorProto.FLOAT, ["n", 8]), info("s", TensorProto.INT64, [2])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    executor = grape_tvm.load(grape_tvm.compile_onnx(model, {"n": (1, 16)})
+                              .export(tmp_path / "s.grape"))
+    for n in (3, 3, 7):
+        x = np.ones((n, 8), np.float32)
+        y = tvm.runtime.tensor(np.zeros((n, 8), np.float32))
+        shape = tvm.runtime.tensor(np.zeros(2, np.int64))
+        executor.run({"x": x}, out={"y": y, "s": shape})
+        np.testing.assert_array_equal(shape.numpy(), [n, 8])
+        np.testing.assert_array_equal(y.numpy(), x)
 
 
 @I.ir_module

@@ -4,6 +4,7 @@ what was expected; no traceback, nothing written, nothing left behind."""
 from __future__ import annotations
 
 import ctypes
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -334,7 +335,7 @@ def test_run_inputs_damaged_or_on_a_device_not_known(artifact, tmp_path, capsys)
     (tmp_path / "in.npz").write_bytes(bytes(damaged))
     line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
                    "--outputs", tmp_path / "out.npz")
-    assert f"input 'x' in {tmp_path / 'in.npz'}" in line
+    assert f"input 'x' in {tmp_path / 'in.npz'} is damaged" in line
     np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
     line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
                    "--outputs", tmp_path / "out.npz", "--device", "cuda:x")
@@ -383,3 +384,34 @@ def test_a_folder_given_as_the_model(tmp_path, capsys, command, message):
             "inspect": []}[command]
     line = refused(capsys, tmp_path, command, tmp_path / "model", *args)
     assert message.format(path=tmp_path / "model") in line
+
+
+def test_an_output_folder_or_device_not_writable(artifact, tmp_path, capsys, monkeypatch):
+    """Checked before any work, as the system answers for the user running it (os.access;
+    denied here to a user who is not root): the folder a file is written in (then renamed),
+    or the device or pipe itself (written to: /dev/null needs no writable /dev)."""
+    import os  # pylint: disable=import-outside-toplevel
+
+    from grape_tvm import cli  # pylint: disable=import-outside-toplevel
+
+    np.savez(tmp_path / "in.npz", x=np.ones((2, 8), np.float32))
+    (tmp_path / "locked").mkdir()
+    fifo = tmp_path / "out.fifo"
+    os.mkfifo(fifo)
+    denied = {tmp_path / "locked", fifo}
+    real_access = os.access
+    monkeypatch.setattr(cli.os, "access", lambda path, mode: Path(path) not in denied
+                        and real_access(path, mode))
+    reader = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # a write to the pipe never blocks
+    try:
+        line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
+                       "--outputs", tmp_path / "locked" / "out.npz")
+        assert f"folder {tmp_path / 'locked'} is not writable" in line
+        line = refused(capsys, tmp_path, "run", artifact, "--inputs", tmp_path / "in.npz",
+                       "--outputs", fifo)
+        assert f"--outputs {fifo} is not writable" in line
+        denied = {tmp_path}  # the pipe's folder only: the pipe is written
+        assert main(["run", str(artifact), "--inputs", str(tmp_path / "in.npz"),
+                     "--outputs", str(fifo)]) == 0, capsys.readouterr().err
+    finally:
+        os.close(reader)

@@ -177,8 +177,9 @@ def test_device_loop_loads_an_initial_state_once():
     np.testing.assert_array_equal(own.numpy(), np.full(4, 7))
     assert fill_state(state, {"a": own, "step": step}) == (0, 0)
 
+
 @I.ir_module
-class _Halving:  # x <- 0.5 x + 1 and y <- x, swapped each step; stops when k reaches stop_at
+class _Halving:  # x <- 0.5 y + 1 and y <- x each step; stops when k reaches stop_at
     @R.function
     def main(x: R.Tensor(("n", 8), "float32"), y: R.Tensor(("n", 8), "float32"),
              k: R.Tensor((1,), "int32"), stop_at: R.Tensor((1,), "int32")):

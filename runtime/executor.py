@@ -298,7 +298,10 @@ class GraphExecutor:
     # -- calls ---------------------------------------------------------------------------
     def bind_inputs(self, inputs: Mapping[str, Any]) -> None:
         """Fix inputs that do not change from call to call (weights): checked and moved to
-        the device once, then left out of ``run``'s inputs."""
+        the device once, then left out of ``run``'s inputs. A host array is copied (changing
+        it later changes nothing); a device or DLPack tensor (a torch tensor) is read where
+        it is, so that changing it in place changes the calls after (unless misaligned, or a
+        weight this build reads transposed: then copied too)."""
         if self.signature is None:
             raise ValueError("bind_inputs needs the model's signature (load it from an artifact)")
         with self._lock:

@@ -6,6 +6,8 @@ import numpy as np
 import pytest
 import tvm
 from tvm.runtime.vm import VirtualMachine
+from tvm.script import ir as I
+from tvm.script import relax as R
 
 import grape_tvm
 from grape_tvm.loader import load, load_library
@@ -317,9 +319,6 @@ def test_inputs_bound_one_at_a_time_must_agree_on_their_dims(tmp_path):
     """x (n, 8) and m (n, 4) bound, then x alone again at another n: refused, naming the
     dim (it was taken, and the call after read 7 rows of a 5-row m, or failed in TVM).
     Binding both again, at any n in range, is a new binding; every call equals numpy."""
-    from tvm.script import ir as I  # pylint: disable=import-outside-toplevel
-    from tvm.script import relax as R  # pylint: disable=import-outside-toplevel
-
     @I.ir_module
     class Affine:
         @R.function
@@ -344,3 +343,34 @@ def test_inputs_bound_one_at_a_time_must_agree_on_their_dims(tmp_path):
     np.testing.assert_allclose(executor.run({"w": w})["y"], xs[5] @ w + ms[5], rtol=1e-5, atol=1e-5)
     executor.bind_inputs({"m": ms[5] + 1})  # the same n: taken
     np.testing.assert_allclose(executor.run({"w": w})["y"], xs[5] @ w + ms[5] + 1, rtol=1e-5, atol=1e-5)
+
+
+
+def test_a_bound_device_tensor_is_read_where_it_is_and_a_host_array_copied(tmp_path):
+    """As bind_inputs says: a host array is copied once (changing it later changes
+    nothing); a device tensor is read in place (changing it changes the next call)."""
+    executor = load(grape_tvm.build(_Product, {"n": (1, 8)}, "llvm", output_names=["y"])
+                    .export(tmp_path / "w.grape"))
+    rng = np.random.default_rng(8)
+    x, w = (rng.standard_normal((3, 4)).astype(np.float32),
+            rng.standard_normal((4, 4)).astype(np.float32))
+    host = w.copy()
+    executor.bind_inputs({"w": host})
+    host *= 2  # the executor's copy stays
+    np.testing.assert_allclose(executor.run({"x": x})["y"], x @ w, rtol=1e-5, atol=1e-5)
+    device = tvm.runtime.tensor(w)
+    executor.bind_inputs({"w": device})
+    np.testing.assert_allclose(executor.run({"x": x})["y"], x @ w, rtol=1e-5, atol=1e-5)
+    device.copyfrom(2 * w)
+    np.testing.assert_allclose(executor.run({"x": x})["y"], x @ (2 * w), rtol=1e-5, atol=1e-5)
+    executor.close()
+
+
+@I.ir_module
+class _Product:
+    @R.function
+    def main(x: R.Tensor(("n", 4), "float32"), w: R.Tensor((4, 4), "float32")):
+        with R.dataflow():
+            y = R.matmul(x, w)
+            R.output(y)
+        return y

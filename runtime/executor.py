@@ -413,17 +413,22 @@ class GraphExecutor:
 
     def _call(self, prepared: _Prepared, out: dict[int, Any], phases: dict[str, int],
               start: int):
-        if out and self._written_after(prepared, out):
-            values = self._call(prepared, _NO_TARGETS, phases, start)
-            values = list(values.values()) if isinstance(values, dict) else list(values)
+        planned = self._planned(prepared.key, prepared.args)
+        if out and self._written_after(prepared, planned, out):
+            # A copy of the list: a planned call's may be kept by its ready call.
+            values = list(self._call_values(prepared, planned, _NO_TARGETS, phases, start))
             self._copy_out(values, out)
-            return self._name_outputs(values)
+        else:
+            values = self._call_values(prepared, planned, out, phases, start)
+        return self._name_outputs(values)
+
+    def _call_values(self, prepared: _Prepared, planned: PlannedCall | None,
+                     out: dict[int, Any], phases: dict[str, int], start: int) -> list:
+        """The call's output values, by its plan, or by TVM's VM where it has none."""
         if not out and self.keep_ready_calls:
             # Outdated, or the calls made again were off: made anew below if this call keeps
             # one. (An out= call leaves it: it stays valid, the lists it used are filled again.)
             prepared.ready = None
-        args, key = prepared.args, prepared.key
-        planned = self._planned(key, args)
         if planned is not None:
             side = self._output_side(prepared.passed, out)
             if side is not None:
@@ -431,20 +436,20 @@ class GraphExecutor:
                     self._check_out(out, planned)
                 outputs = self._run_planned(planned, prepared, side, out, phases, start)
                 if outputs is not None:
-                    return self._planned_outputs(outputs)
+                    return self._planned_values(outputs)
         self._returned = {}
-        values = self._call_vm(args, key, out)
+        values = self._call_vm(prepared.args, prepared.key, out)
         phases["vm"] = time.perf_counter_ns() - start
-        return self._name_outputs(values)
+        return values
 
-    def _written_after(self, prepared: _Prepared, out: dict[int, Any]) -> bool:
+    def _written_after(self, prepared: _Prepared, planned: PlannedCall | None,
+                       out: dict[int, Any]) -> bool:
         """Whether ``out``'s tensors are written after the call, by a copy: one overlaps an
         input (a kernel would read what it writes, and a region recorded writing into an
         input would write there at every replay), or an output is no kernel's own (an
         input passed through, a buffer another output shares)."""
         if any(self._overlaps_an_input(target, prepared) for target in out.values()):
             return True
-        planned = self._planned(prepared.key, prepared.args)
         return planned is not None and any(planned.output_spec(i) is None for i in out)
 
     def _overlaps_an_input(self, tensor: tvm.runtime.Tensor, prepared: _Prepared) -> bool:
@@ -504,8 +509,9 @@ class GraphExecutor:
             taken = (taken or set()) | {pool.where(tensor) for tensor in out.values()}
         return 0 if taken is None else free_side(taken)
 
-    def _planned_outputs(self, outputs: list) -> dict[str, tvm.runtime.Tensor] | list:
-        return self._name_outputs([list(outputs)] if self._one_sequence else outputs)
+    def _planned_values(self, outputs: list) -> list:
+        """A planned call's outputs as the entry's values: one sequence is one value."""
+        return [list(outputs)] if self._one_sequence else outputs
 
     def _run_planned(self, planned: PlannedCall, prepared: _Prepared, side: int,
                      out: dict[int, Any], phases: dict[str, int], start: int) -> list | None:
@@ -583,7 +589,7 @@ class GraphExecutor:
         self._planned_call_done(placement, phases, start, launched, end,
                                 backend.driver_ns - driver, len(ready.launches), None)
         self.stats.ready_calls += 1
-        return self._planned_outputs(ready.outputs)
+        return self._name_outputs(self._planned_values(ready.outputs))
 
     def _fill_ready(self, prepared: _Prepared, ready: _ReadyCall) -> None:
         """Put ``prepared``'s inputs into the argument lists of ``ready``'s placement,
@@ -1174,10 +1180,15 @@ def _weakly_bound(method):
     return call
 
 
+def _spans(tensors: Iterable[Any]) -> list[tuple[int, int]]:
+    """The memory (start, end) of the non-empty tensors among ``tensors``, sorted."""
+    return sorted((t.data_ptr(), t.data_ptr() + nbytes(t))
+                  for t in tensors if isinstance(t, tvm.runtime.Tensor) and nbytes(t))
+
+
 def _share_memory(tensors: Sequence[Any]) -> bool:
     """Whether two of ``tensors`` (tensors and other values) overlap in memory."""
-    spans = sorted((t.data_ptr(), t.data_ptr() + nbytes(t))
-                   for t in tensors if isinstance(t, tvm.runtime.Tensor) and nbytes(t))
+    spans = _spans(tensors)
     return any(start < end for (_, end), (start, _) in zip(spans, spans[1:]))
 
 
@@ -1186,8 +1197,7 @@ class _Spans:
     ``ends`` holds the largest end of the spans up to each)."""
 
     def __init__(self, tensors: Iterable[Any]):
-        spans = sorted((t.data_ptr(), t.data_ptr() + nbytes(t))
-                       for t in tensors if isinstance(t, tvm.runtime.Tensor) and nbytes(t))
+        spans = _spans(tensors)
         self.starts = [start for start, _ in spans]
         self.ends = list(itertools.accumulate((end for _, end in spans), max))
 
@@ -1197,10 +1207,8 @@ class _Spans:
 
 
 def _as_copyable(value):
-    """An output as ``copyfrom`` takes it: a shape (ONNX's ``Shape``) as int64 numbers."""
-    if isinstance(value, tvm_ffi.Shape):
-        return np.array(list(value), dtype=np.int64)
-    return value
+    """An output as ``copyfrom`` takes it: a shape (ONNX's ``Shape``) as its numbers."""
+    return _numpy(value) if isinstance(value, tvm_ffi.Shape) else value
 
 
 def _clear_vm_memory_pools(trim_host: bool) -> None:
